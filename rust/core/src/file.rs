@@ -1,0 +1,353 @@
+//! Files as the engine opens them: O_DIRECT where the file system allows it,
+//! buffered otherwise, and the atomic-replace protocol for writes.
+//!
+//! A save writes `.<name>.tierstore-tmp.<pid>.<n>` in the target directory,
+//! fsyncs it, renames it over `<name>`, and fsyncs the directory. A crash at
+//! any moment leaves either the old file or the new one; a temporary file left
+//! by a killed process is removed by the next successful save to that name.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::{AsRawFd, FromRawFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::{Error, Result};
+use crate::probe::{dio_align_of, DioAlign};
+
+const TMP_MARK: &str = ".tierstore-tmp.";
+
+fn cpath(p: &Path) -> Result<CString> {
+    CString::new(p.as_os_str().as_bytes())
+        .map_err(|_| Error::Invalid(format!("path contains a NUL byte: {}", p.display())))
+}
+
+fn open_raw(path: &Path, flags: i32, mode: libc::mode_t) -> io::Result<File> {
+    let c = CString::new(path.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: NUL-terminated path, plain flags.
+    let fd = unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC, libc::c_uint::from(mode)) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor we own.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// A file opened for engine I/O.
+pub struct EngineFile {
+    pub file: File,
+    pub path: PathBuf,
+    /// True when opened with O_DIRECT.
+    pub direct: bool,
+    /// Why O_DIRECT is off, when it is.
+    pub buffered_reason: Option<String>,
+    /// Alignment every transfer on this file uses (1 when buffered).
+    pub align: u64,
+    pub dio: DioAlign,
+    pub len: u64,
+    pub dev: u64,
+}
+
+impl EngineFile {
+    pub fn fd(&self) -> RawFd {
+        self.file.as_raw_fd()
+    }
+
+    /// Opens `path` for reading, with O_DIRECT when `want_direct` and the
+    /// file system allows it.
+    pub fn open_read(path: &Path, want_direct: bool) -> Result<Self> {
+        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, "open", e))?;
+        if meta.is_dir() {
+            return Err(Error::io(
+                path,
+                "open",
+                io::Error::from_raw_os_error(libc::EISDIR),
+            ));
+        }
+        let mut reason = None;
+        let mut file = None;
+        if want_direct {
+            match open_raw(path, libc::O_RDONLY | libc::O_DIRECT, 0) {
+                Ok(f) => file = Some(f),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    reason = Some("the file system refuses O_DIRECT".to_owned());
+                }
+                Err(e) => return Err(Error::io(path, "open", e)),
+            }
+        } else {
+            reason = Some("buffered I/O requested".to_owned());
+        }
+        let direct = file.is_some();
+        let file = match file {
+            Some(f) => f,
+            None => open_raw(path, libc::O_RDONLY, 0).map_err(|e| Error::io(path, "open", e))?,
+        };
+        let dio = dio_align_of(&file);
+        let align = if direct { dio.io_align() } else { 1 };
+        use std::os::unix::fs::MetadataExt;
+        Ok(EngineFile {
+            file,
+            path: path.to_path_buf(),
+            direct,
+            buffered_reason: reason,
+            align,
+            dio,
+            len: meta.len(),
+            dev: meta.dev(),
+        })
+    }
+
+    /// Plain positioned read of a small range through a buffered descriptor.
+    pub fn read_small(&self, offset: u64, len: u64, what: &str) -> Result<Vec<u8>> {
+        if offset.checked_add(len).is_none_or(|e| e > self.len) {
+            return Err(Error::truncated(
+                &self.path,
+                format!("{what} [{offset}, +{len}) lies beyond the end of the file ({} bytes)", self.len),
+            ));
+        }
+        let f = if self.direct {
+            File::open(&self.path).map_err(|e| Error::io(&self.path, "open", e))?
+        } else {
+            self.file.try_clone().map_err(|e| Error::io(&self.path, "open", e))?
+        };
+        let mut v = vec![0u8; len as usize];
+        f.read_exact_at(&mut v, offset).map_err(|e| {
+            if e.kind() == io::ErrorKind::UnexpectedEof {
+                Error::truncated(&self.path, format!("{what} is cut short"))
+            } else {
+                Error::io(&self.path, "read", e)
+            }
+        })?;
+        Ok(v)
+    }
+}
+
+static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A file being written under a temporary name, renamed into place on commit
+/// and removed if dropped before.
+pub struct AtomicFile {
+    pub inner: EngineFile,
+    final_path: PathBuf,
+    dir: PathBuf,
+    committed: bool,
+}
+
+impl AtomicFile {
+    /// Creates the temporary file next to `final_path`.
+    pub fn create(final_path: &Path, want_direct: bool) -> Result<Self> {
+        let name = final_path
+            .file_name()
+            .ok_or_else(|| Error::Invalid(format!("not a file path: {}", final_path.display())))?;
+        let dir = match final_path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        match std::fs::metadata(&dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Err(Error::io(&dir, "open directory", io::Error::from_raw_os_error(libc::ENOTDIR)));
+            }
+            Err(e) => return Err(Error::io(&dir, "open directory", e)),
+        }
+        if let Ok(m) = std::fs::metadata(final_path) {
+            if m.is_dir() {
+                return Err(Error::io(final_path, "create", io::Error::from_raw_os_error(libc::EISDIR)));
+            }
+        }
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let tmp_name = format!(
+            ".{}{TMP_MARK}{}.{n}",
+            name.to_string_lossy(),
+            std::process::id()
+        );
+        let tmp = dir.join(tmp_name);
+        let base = libc::O_CREAT | libc::O_EXCL | libc::O_RDWR;
+        let mut reason = None;
+        let mut file = None;
+        if want_direct {
+            match open_raw(&tmp, base | libc::O_DIRECT, 0o644) {
+                Ok(f) => file = Some(f),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    reason = Some("the file system refuses O_DIRECT".to_owned());
+                }
+                Err(e) => return Err(Error::io(final_path, "create temporary file", e)),
+            }
+        } else {
+            reason = Some("buffered I/O requested".to_owned());
+        }
+        let direct = file.is_some();
+        let file = match file {
+            Some(f) => f,
+            None => open_raw(&tmp, base, 0o644).map_err(|e| Error::io(final_path, "create temporary file", e))?,
+        };
+        let dio = dio_align_of(&file);
+        let align = if direct { dio.io_align() } else { 1 };
+        use std::os::unix::fs::MetadataExt;
+        let dev = file.metadata().map(|m| m.dev()).unwrap_or(0);
+        Ok(AtomicFile {
+            inner: EngineFile {
+                file,
+                path: tmp,
+                direct,
+                buffered_reason: reason,
+                align,
+                dio,
+                len: 0,
+                dev,
+            },
+            final_path: final_path.to_path_buf(),
+            dir,
+            committed: false,
+        })
+    }
+
+    pub fn final_path(&self) -> &Path {
+        &self.final_path
+    }
+
+    /// Reserves `len` bytes so that a full disk fails before any data is written.
+    pub fn reserve(&self, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: valid fd; fallocate has no memory arguments.
+        let rc = unsafe { libc::fallocate(self.inner.fd(), 0, 0, len as libc::off_t) };
+        if rc != 0 {
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EOPNOTSUPP | libc::ENOSYS) => {}
+                _ => return Err(Error::io(&self.final_path, "reserve space", e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets the final length (after aligned writes that ran past it).
+    pub fn set_len(&self, len: u64) -> Result<()> {
+        self.inner
+            .file
+            .set_len(len)
+            .map_err(|e| Error::io(&self.final_path, "truncate", e))
+    }
+
+    /// fsync, rename over the final name, fsync the directory.
+    pub fn commit(mut self, durable: bool) -> Result<()> {
+        if durable {
+            self.inner
+                .file
+                .sync_all()
+                .map_err(|e| Error::io(&self.final_path, "fsync", e))?;
+        }
+        let from = cpath(&self.inner.path)?;
+        let to = cpath(&self.final_path)?;
+        // SAFETY: two NUL-terminated paths.
+        if unsafe { libc::rename(from.as_ptr(), to.as_ptr()) } != 0 {
+            return Err(Error::io(&self.final_path, "rename", io::Error::last_os_error()));
+        }
+        self.committed = true;
+        if durable {
+            sync_dir(&self.dir)?;
+        }
+        remove_stale_temps(&self.final_path);
+        Ok(())
+    }
+}
+
+impl Drop for AtomicFile {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_file(&self.inner.path);
+        }
+    }
+}
+
+/// fsyncs a directory so that a rename in it is durable.
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    let d = open_raw(dir, libc::O_RDONLY | libc::O_DIRECTORY, 0).map_err(|e| Error::io(dir, "open directory", e))?;
+    d.sync_all().map_err(|e| Error::io(dir, "fsync directory", e))
+}
+
+fn pid_alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks for existence.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// Removes temporary files of earlier saves to `final_path` whose writer
+/// process no longer exists.
+pub fn remove_stale_temps(final_path: &Path) {
+    let (Some(dir), Some(name)) = (final_path.parent(), final_path.file_name()) else {
+        return;
+    };
+    let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+    let prefix = format!(".{}{TMP_MARK}", name.to_string_lossy());
+    let Ok(rd) = std::fs::read_dir(dir) else { return };
+    for ent in rd.flatten() {
+        let fname = ent.file_name();
+        let fname = fname.to_string_lossy();
+        let Some(rest) = fname.strip_prefix(&prefix) else { continue };
+        let Some(pid) = rest.split('.').next().and_then(|p| p.parse::<i32>().ok()) else {
+            continue;
+        };
+        if pid == std::process::id() as i32 || !pid_alive(pid) {
+            // Our own pid: any temp of ours with this prefix belongs to a save
+            // that has already finished or been abandoned by this process.
+            if pid == std::process::id() as i32 {
+                continue;
+            }
+            let _ = std::fs::remove_file(ent.path());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn atomic_file_commit_and_abort() {
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("x.pt");
+        std::fs::write(&target, b"old").unwrap();
+        {
+            let f = AtomicFile::create(&target, false).unwrap();
+            f.inner.file.write_all_at(b"new!", 0).unwrap();
+            // dropped without commit
+        }
+        assert_eq!(std::fs::read(&target).unwrap(), b"old");
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1, "temporary removed");
+        let f = AtomicFile::create(&target, false).unwrap();
+        f.inner.file.write_all_at(b"new!", 0).unwrap();
+        f.commit(true).unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), b"new!");
+    }
+
+    #[test]
+    fn stale_temp_of_dead_process_is_removed() {
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("x.pt");
+        // pid 2^22+1 is above the default pid_max and never alive.
+        let stale = d.path().join(format!(".x.pt{TMP_MARK}4194305.0"));
+        std::fs::write(&stale, b"junk").unwrap();
+        let other = d.path().join(format!(".y.pt{TMP_MARK}4194305.0"));
+        std::fs::write(&other, b"junk").unwrap();
+        let f = AtomicFile::create(&target, false).unwrap();
+        f.commit(false).unwrap();
+        assert!(!stale.exists());
+        assert!(other.exists(), "temps of other names are left alone");
+    }
+
+    #[test]
+    fn errors_name_the_path() {
+        let d = tempfile::tempdir().unwrap();
+        let missing = d.path().join("nope/x.pt");
+        let e = AtomicFile::create(&missing, true).err().unwrap();
+        assert!(e.to_string().contains("nope"), "{e}");
+        let e = AtomicFile::create(d.path(), true).err().unwrap();
+        assert!(matches!(e, Error::Io { .. } | Error::Invalid(_)), "{e}");
+    }
+}

@@ -1,0 +1,27 @@
+//! tierstore-core: the I/O engine and container format of tierstore.
+//!
+//! This crate knows nothing of Python or tensors. It moves bytes between
+//! memory and files at the disk's speed (io_uring with O_DIRECT, a thread-pool
+//! fallback, buffered I/O where O_DIRECT is refused), and it reads and writes
+//! the zip container that both tierstore and `torch.load` understand.
+//!
+//! - [`engine`]: configuration, backend choice, workers, buffer pool, paths.
+//! - [`io`]: requests, priority classes, per-path limits, the backends.
+//! - [`writer`] / [`reader`]: container writes and record reads.
+//! - [`zip`] / [`plan`]: the on-disk structures and the byte plan of a write.
+//! - [`file`]: O_DIRECT opening and the atomic-replace protocol.
+
+pub mod buf;
+pub mod engine;
+pub mod error;
+pub mod file;
+pub mod io;
+pub mod plan;
+pub mod probe;
+pub mod reader;
+pub mod task;
+pub mod writer;
+pub mod zip;
+
+pub use engine::{Config, Engine, Mode};
+pub use error::{Error, Result};

@@ -1,0 +1,420 @@
+//! The byte plan of a container being written: which record covers which file
+//! range, where each record's bytes come from, and how to gather any range of
+//! the file into a buffer while computing CRC-32s on the way.
+//!
+//! Local headers hold the CRC of the data that follows them. When a chunk is
+//! gathered before the CRC of a record is known (its data continues in a later
+//! chunk), the blocks that hold its header are left out of that chunk's writes
+//! ("deferred") and written once every CRC is known.
+
+use std::sync::Arc;
+
+use crc32fast::Hasher;
+
+use crate::buf::align_down;
+use crate::error::{Error, Result};
+use crate::zip::{self, Entry, LayoutBuilder};
+
+/// Where a record's bytes come from.
+#[derive(Clone)]
+pub enum Source {
+    /// Bytes owned by the plan (metadata records).
+    Bytes(Arc<[u8]>),
+    /// Caller memory (tensor storages), borrowed for the duration of the write.
+    Mem { ptr: *const u8, len: usize },
+}
+
+// SAFETY: `Mem` is only created through `Source::mem`, whose contract makes the
+// caller keep the memory alive and unchanged while any plan refers to it; the
+// plan only reads it.
+unsafe impl Send for Source {}
+// SAFETY: see `Send`; shared access is read-only.
+unsafe impl Sync for Source {}
+
+impl Source {
+    /// # Safety
+    ///
+    /// `ptr` must be valid for reads of `len` bytes, and the memory must stay
+    /// alive and unmodified until every plan, writer and task holding this
+    /// source has been dropped.
+    pub unsafe fn mem(ptr: *const u8, len: usize) -> Self {
+        Source::Mem { ptr, len }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Source::Bytes(b) => b.len(),
+            Source::Mem { len, .. } => *len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn slice(&self) -> &[u8] {
+        match self {
+            Source::Bytes(b) => b,
+            Source::Mem { ptr, len } => {
+                if *len == 0 {
+                    return &[];
+                }
+                // SAFETY: guaranteed by the contract of `Source::mem`.
+                unsafe { std::slice::from_raw_parts(*ptr, *len) }
+            }
+        }
+    }
+}
+
+/// CRC of `len` bytes of record `record` starting at `offset` in the record.
+pub struct CrcPiece {
+    pub record: usize,
+    pub offset: u64,
+    pub len: u64,
+    pub hasher: Hasher,
+}
+
+/// What gathering one range produced.
+#[derive(Default)]
+pub struct Gathered {
+    pub pieces: Vec<CrcPiece>,
+    /// File ranges inside the gathered range that must not be written yet.
+    pub deferred: Vec<(u64, u64)>,
+}
+
+pub struct Plan {
+    layout: LayoutBuilder,
+    sources: Vec<Source>,
+    crcs: Vec<Option<u32>>,
+    /// Bytes placed right after the last record (the central directory).
+    tail: Option<Vec<u8>>,
+}
+
+impl Plan {
+    pub fn new(align: u64) -> Result<Self> {
+        Ok(Plan {
+            layout: LayoutBuilder::new(align)?,
+            sources: Vec::new(),
+            crcs: Vec::new(),
+            tail: None,
+        })
+    }
+
+    pub fn align(&self) -> u64 {
+        self.layout.align()
+    }
+
+    /// Appends a record; returns its index.
+    pub fn add(&mut self, name: &str, source: Source) -> Result<usize> {
+        if self.tail.is_some() {
+            return Err(Error::Invalid("records cannot be added after the directory".into()));
+        }
+        self.layout.push(name, source.len() as u64)?;
+        // The CRC-32 of no bytes is 0.
+        self.crcs.push(if source.is_empty() { Some(0) } else { None });
+        self.sources.push(source);
+        Ok(self.sources.len() - 1)
+    }
+
+    pub fn entries(&self) -> &[Entry] {
+        self.layout.entries()
+    }
+
+    pub fn len(&self) -> usize {
+        self.sources.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sources.is_empty()
+    }
+
+    /// End of the record area.
+    pub fn records_end(&self) -> u64 {
+        self.layout.end()
+    }
+
+    /// End of the file (records and, once finalized, the directory).
+    pub fn file_end(&self) -> u64 {
+        self.layout.end() + self.tail.as_ref().map_or(0, |t| t.len() as u64)
+    }
+
+    pub fn crc(&self, record: usize) -> Option<u32> {
+        self.crcs[record]
+    }
+
+    /// Combines CRC pieces (from any number of gathers) into record CRCs.
+    /// A record's CRC is set only when the pieces cover it entirely.
+    pub fn absorb(&mut self, mut pieces: Vec<CrcPiece>) {
+        pieces.sort_by_key(|p| (p.record, p.offset));
+        let mut i = 0;
+        while i < pieces.len() {
+            let rec = pieces[i].record;
+            let mut h = Hasher::new();
+            let mut covered = 0u64;
+            let mut contiguous = true;
+            while i < pieces.len() && pieces[i].record == rec {
+                let p = &pieces[i];
+                if p.offset != covered {
+                    contiguous = false;
+                }
+                covered = p.offset + p.len;
+                h.combine(&p.hasher);
+                i += 1;
+            }
+            if contiguous && covered == self.sources[rec].len() as u64 && self.crcs[rec].is_none() {
+                self.crcs[rec] = Some(h.finalize());
+            }
+        }
+    }
+
+    /// Computes the CRC of every record that has none yet, on `threads` threads.
+    pub fn compute_missing_crcs(&mut self, threads: usize) {
+        let todo: Vec<usize> = (0..self.sources.len()).filter(|&i| self.crcs[i].is_none()).collect();
+        if todo.is_empty() {
+            return;
+        }
+        // Split large records into pieces so that threads share the work.
+        const PIECE: usize = 4 << 20;
+        let mut work: Vec<(usize, usize, usize)> = Vec::new();
+        for &r in &todo {
+            let len = self.sources[r].len();
+            let mut o = 0;
+            while o < len {
+                let n = PIECE.min(len - o);
+                work.push((r, o, n));
+                o += n;
+            }
+        }
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let sources = &self.sources;
+        let pieces: Vec<CrcPiece> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads.clamp(1, work.len()))
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut out = Vec::new();
+                        loop {
+                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let Some(&(r, o, n)) = work.get(i) else { break };
+                            let mut h = Hasher::new();
+                            h.update(&sources[r].slice()[o..o + n]);
+                            out.push(CrcPiece {
+                                record: r,
+                                offset: o as u64,
+                                len: n as u64,
+                                hasher: h,
+                            });
+                        }
+                        out
+                    })
+                })
+                .collect();
+            handles.into_iter().flat_map(|h| h.join().expect("crc thread")).collect()
+        });
+        self.absorb(pieces);
+    }
+
+    /// Writes the central directory after the records. Every CRC must be known.
+    pub fn finalize(&mut self) -> Result<()> {
+        for (i, c) in self.crcs.iter().enumerate() {
+            let Some(c) = c else {
+                return Err(Error::Invalid(format!(
+                    "record '{}' has no checksum yet",
+                    self.layout.entries()[i].name
+                )));
+            };
+            self.layout.entries_mut()[i].crc = *c;
+        }
+        let cd = zip::central_directory(self.layout.entries(), self.layout.end());
+        self.tail = Some(cd);
+        Ok(())
+    }
+
+    /// Gathers the file bytes of `[start, start + buf.len())` into `buf`.
+    ///
+    /// Data of records whose CRC is unknown yields CRC pieces. A local header
+    /// whose CRC is unknown and cannot be learnt from this range (its data runs
+    /// past it) is not written: its blocks (of `granule` bytes) within the range
+    /// are returned as deferred, or, when `allow_defer` is false, an error.
+    pub fn gather(&self, start: u64, buf: &mut [u8], granule: u64, allow_defer: bool) -> Result<Gathered> {
+        let end = start + buf.len() as u64;
+        let entries = self.layout.entries();
+        let mut out = Gathered::default();
+        let mut filled_to = start;
+        let first = entries.partition_point(|e| e.data_end() <= start);
+        for (idx, e) in entries.iter().enumerate().skip(first) {
+            if e.header_offset >= end {
+                break;
+            }
+            let src = &self.sources[idx];
+            // Data part.
+            let (ds, de) = (e.data_offset.max(start), e.data_end().min(end));
+            let mut whole_record_hasher = None;
+            if ds < de {
+                let from = &src.slice()[(ds - e.data_offset) as usize..(de - e.data_offset) as usize];
+                buf[(ds - start) as usize..(de - start) as usize].copy_from_slice(from);
+                if self.crcs[idx].is_none() {
+                    let mut h = Hasher::new();
+                    h.update(from);
+                    if ds == e.data_offset && de == e.data_end() {
+                        whole_record_hasher = Some(h.clone());
+                    }
+                    out.pieces.push(CrcPiece {
+                        record: idx,
+                        offset: ds - e.data_offset,
+                        len: de - ds,
+                        hasher: h,
+                    });
+                }
+            }
+            // Header part.
+            let (hs, he) = (e.header_offset.max(start), e.data_offset.min(end));
+            if hs < he {
+                let crc = self.crcs[idx].or_else(|| whole_record_hasher.map(Hasher::finalize));
+                match crc {
+                    Some(crc) => {
+                        let mut e2 = e.clone();
+                        e2.crc = crc;
+                        let h = zip::local_header(&e2);
+                        buf[(hs - start) as usize..(he - start) as usize]
+                            .copy_from_slice(&h[(hs - e.header_offset) as usize..(he - e.header_offset) as usize]);
+                    }
+                    None if allow_defer => {
+                        let ds = align_down(e.header_offset, granule).max(start);
+                        out.deferred.push((ds, he));
+                    }
+                    None => {
+                        return Err(Error::Invalid(format!(
+                            "record '{}': checksum unknown when its header is written",
+                            e.name
+                        )));
+                    }
+                }
+            }
+            filled_to = filled_to.max(e.data_end().min(end));
+        }
+        // After the records: the directory, then zeros.
+        if filled_to < end {
+            let rec_end = self.layout.end();
+            let mut pos = filled_to;
+            if let Some(tail) = &self.tail {
+                let (ts, te) = (rec_end.max(pos), (rec_end + tail.len() as u64).min(end));
+                if ts < te {
+                    buf[(pos - start) as usize..(ts - start) as usize].fill(0);
+                    buf[(ts - start) as usize..(te - start) as usize]
+                        .copy_from_slice(&tail[(ts - rec_end) as usize..(te - rec_end) as usize]);
+                    pos = te;
+                }
+            }
+            buf[(pos - start) as usize..].fill(0);
+        }
+        // Merge overlapping deferred ranges (a small record can put two
+        // headers into one block).
+        out.deferred.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(out.deferred.len());
+        for (s, e) in out.deferred.drain(..) {
+            match merged.last_mut() {
+                Some(last) if s <= last.1 => last.1 = last.1.max(e),
+                _ => merged.push((s, e)),
+            }
+        }
+        out.deferred = merged;
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::zip::{read_directory, ReadAt};
+
+    fn records() -> Vec<(String, Vec<u8>)> {
+        let mut v = vec![("a/data.pkl".to_string(), b"pickle".to_vec())];
+        for (i, n) in [0usize, 1, 5000, 70_000, 3, 200_000].iter().enumerate() {
+            v.push((format!("a/data/{i}"), (0..*n).map(|x| (x * 7 + i) as u8).collect()));
+        }
+        v
+    }
+
+    /// Gathers the whole file in chunks of `chunk`, deferring headers, then
+    /// rewrites the deferred ranges; the result must be a valid archive.
+    fn build(chunk: usize) -> Vec<u8> {
+        let recs = records();
+        let mut plan = Plan::new(4096).unwrap();
+        for (n, d) in &recs {
+            plan.add(n, Source::Bytes(d.clone().into())).unwrap();
+        }
+        let data_end = plan.records_end();
+        let mut file = vec![0xAAu8; data_end as usize];
+        let mut deferred = Vec::new();
+        let mut pieces = Vec::new();
+        let mut s = 0u64;
+        while s < data_end {
+            let e = (s + chunk as u64).min(data_end);
+            let mut buf = vec![0u8; (e - s) as usize];
+            let g = plan.gather(s, &mut buf, 512, true).unwrap();
+            // Only the non-deferred bytes reach the "file".
+            let mut pos = s;
+            for &(ds, de) in &g.deferred {
+                file[pos as usize..ds as usize].copy_from_slice(&buf[(pos - s) as usize..(ds - s) as usize]);
+                pos = de;
+            }
+            file[pos as usize..e as usize].copy_from_slice(&buf[(pos - s) as usize..]);
+            deferred.extend(g.deferred);
+            pieces.extend(g.pieces);
+            s = e;
+        }
+        plan.absorb(pieces);
+        plan.finalize().unwrap();
+        for (ds, de) in deferred {
+            let mut buf = vec![0u8; (de - ds) as usize];
+            let g = plan.gather(ds, &mut buf, 512, false).unwrap();
+            assert!(g.deferred.is_empty());
+            file[ds as usize..de as usize].copy_from_slice(&buf);
+        }
+        let end = plan.file_end();
+        let mut buf = vec![0u8; (end - data_end) as usize];
+        plan.gather(data_end, &mut buf, 512, false).unwrap();
+        file.extend_from_slice(&buf);
+        file
+    }
+
+    #[test]
+    fn chunked_gather_with_deferred_headers_builds_valid_zip() {
+        for chunk in [4096usize, 8192, 65536, 1 << 20] {
+            let file = build(chunk);
+            // The same archive produced in one pass with every CRC known first.
+            let mut reference = Plan::new(4096).unwrap();
+            for (n, d) in records() {
+                reference.add(&n, Source::Bytes(d.into())).unwrap();
+            }
+            reference.compute_missing_crcs(2);
+            reference.finalize().unwrap();
+            let mut whole = vec![0u8; reference.file_end() as usize];
+            reference.gather(0, &mut whole, 1, false).unwrap();
+            assert!(whole == file, "chunked build with chunk {chunk} differs from the one-pass build");
+            let dir = read_directory(file.as_slice(), std::path::Path::new("mem")).unwrap();
+            let recs = records();
+            assert_eq!(dir.entries.len(), recs.len());
+            for (e, (n, d)) in dir.entries.iter().zip(&recs) {
+                assert_eq!(&e.name, n);
+                assert_eq!(e.crc, crc32fast::hash(d), "chunk {chunk} record {n}");
+                let mut h = vec![0u8; 600];
+                let l = (file.len() as u64 - e.header_offset).min(600) as usize;
+                file.as_slice().read_exact_at(&mut h[..l], e.header_offset).unwrap();
+                let off = zip::data_offset_from_local(&h, e, &dir, std::path::Path::new("mem")).unwrap();
+                assert_eq!(&file[off as usize..off as usize + d.len()], &d[..]);
+            }
+        }
+    }
+
+    #[test]
+    fn crc_pass_matches() {
+        let mut plan = Plan::new(4096).unwrap();
+        let big: Vec<u8> = (0..10_000_000u32).map(|x| x as u8).collect();
+        plan.add("a/big", Source::Bytes(big.clone().into())).unwrap();
+        plan.add("a/empty", Source::Bytes(Vec::new().into())).unwrap();
+        plan.compute_missing_crcs(3);
+        assert_eq!(plan.crc(0), Some(crc32fast::hash(&big)));
+        assert_eq!(plan.crc(1), Some(0));
+    }
+}

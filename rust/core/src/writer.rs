@@ -1,0 +1,325 @@
+//! Writing a container file through the engine.
+//!
+//! ```text
+//! create ─► add records ─► write_data (bulk, in chunks, CRCs on the way)
+//!        ─► add trailing records (data.pkl, manifest) ─► commit
+//!             (deferred header blocks, trailing records, central directory,
+//!              truncate, fsync, rename, fsync directory)
+//! ```
+//!
+//! Staging buffers come from the engine's bounded pool, so memory stays flat
+//! whatever the size of the save. Filling a buffer (memcpy + CRC) runs on
+//! `cpu_threads` threads while earlier buffers are in flight.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::buf::{align_down, align_up};
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::file::AtomicFile;
+use crate::io::{Class, Op, PathSlot, Request};
+use crate::plan::{CrcPiece, Plan, Source};
+use crate::task::{Task, TaskState};
+
+/// How a container is written.
+#[derive(Clone, Debug)]
+pub struct WriteOptions {
+    /// Alignment of every record's data in the file.
+    pub align: u64,
+    /// fsync the file and its directory before returning.
+    pub durable: bool,
+    pub class: Class,
+}
+
+impl Default for WriteOptions {
+    fn default() -> Self {
+        WriteOptions {
+            align: crate::buf::DEFAULT_ALIGN as u64,
+            durable: true,
+            class: Class::Foreground,
+        }
+    }
+}
+
+pub struct ContainerWriter {
+    engine: Arc<Engine>,
+    file: AtomicFile,
+    opts: WriteOptions,
+    plan: Plan,
+    slot: Arc<PathSlot>,
+    /// `[0, written_to)` is on disk, except the deferred ranges.
+    written_to: u64,
+    deferred: Vec<(u64, u64)>,
+}
+
+impl ContainerWriter {
+    pub fn create(engine: &Arc<Engine>, path: &Path, opts: WriteOptions) -> Result<Self> {
+        let plan = Plan::new(opts.align)?;
+        let mut file = AtomicFile::create(path, engine.mode().direct())?;
+        // O_DIRECT only when our record alignment and staging buffers satisfy
+        // the file system's requirements; otherwise write through the cache.
+        if file.inner.direct
+            && (file.inner.align > opts.align || file.inner.dio.mem > crate::buf::DEFAULT_ALIGN as u64)
+        {
+            drop(file);
+            file = AtomicFile::create(path, false)?;
+            file.inner.buffered_reason = Some("the file system's O_DIRECT alignment exceeds the record alignment".into());
+        }
+        let slot = engine.path_slot(file.inner.dev);
+        Ok(ContainerWriter {
+            engine: Arc::clone(engine),
+            file,
+            opts,
+            plan,
+            slot,
+            written_to: 0,
+            deferred: Vec::new(),
+        })
+    }
+
+    /// Whether the file is written with O_DIRECT, and if not, why.
+    pub fn direct(&self) -> (bool, Option<String>) {
+        (self.file.inner.direct, self.file.inner.buffered_reason.clone())
+    }
+
+    pub fn final_path(&self) -> &Path {
+        self.file.final_path()
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Appends a record; returns its index.
+    pub fn add(&mut self, name: &str, source: Source) -> Result<usize> {
+        self.plan.add(name, source)
+    }
+
+    /// Writes every record added so far, in the background. The task returns
+    /// the writer, with the CRC of every written record known.
+    pub fn write_data(self, state: Arc<TaskState>) -> Result<Task<ContainerWriter>> {
+        Task::spawn("tierstore-save", state, move |st| {
+            let mut w = self;
+            let granule = w.file.inner.align.max(1);
+            let end = align_down(w.plan.records_end(), granule);
+            w.file.reserve(w.plan.records_end())?;
+            st.bytes_total.fetch_add(end - w.written_to, Ordering::Relaxed);
+            let (pieces, deferred) = w.write_range(&st, w.written_to, end, &[], true)?;
+            w.plan.absorb(pieces);
+            w.deferred.extend(deferred);
+            w.written_to = end;
+            Ok(w)
+        })
+    }
+
+    /// Writes what remains (deferred header blocks, records added since
+    /// `write_data`, the central directory), then makes the file durable and
+    /// renames it into place.
+    pub fn commit(self, state: Arc<TaskState>) -> Result<Task<PathBuf>> {
+        Task::spawn("tierstore-commit", state, move |st| {
+            let mut w = self;
+            w.plan.compute_missing_crcs(w.engine.config().cpu_threads);
+            w.plan.finalize()?;
+            let granule = w.file.inner.align.max(1);
+            let file_end = w.plan.file_end();
+            let end = align_up(file_end, granule);
+            let deferred = std::mem::take(&mut w.deferred);
+            st.bytes_total
+                .fetch_add(end - w.written_to + deferred.iter().map(|(s, e)| e - s).sum::<u64>(), Ordering::Relaxed);
+            w.file.reserve(file_end)?;
+            let start = w.written_to;
+            w.write_range(&st, start, end, &deferred, false)?;
+            if end != file_end || w.file.inner.direct {
+                w.file.set_len(file_end)?;
+            }
+            let path = w.file.final_path().to_path_buf();
+            let durable = w.opts.durable;
+            w.file.commit(durable)?;
+            Ok(path)
+        })
+    }
+
+    /// Gathers and writes `[start, end)` plus the `extra` ranges, in chunks.
+    fn write_range(
+        &self,
+        st: &Arc<TaskState>,
+        start: u64,
+        end: u64,
+        extra: &[(u64, u64)],
+        allow_defer: bool,
+    ) -> Result<(Vec<CrcPiece>, Vec<(u64, u64)>)> {
+        let chunk = self.engine.pool().buf_size() as u64;
+        let mut jobs: Vec<(u64, u64)> = Vec::new();
+        let mut s = start;
+        while s < end {
+            // Chunk boundaries fall on multiples of the chunk size so that a
+            // range written in two passes still meets aligned boundaries.
+            let e = (align_down(s, chunk) + chunk).min(end);
+            jobs.push((s, e));
+            s = e;
+        }
+        for &(s, e) in extra {
+            let mut p = s;
+            while p < e {
+                let q = (p + chunk).min(e);
+                jobs.push((p, q));
+                p = q;
+            }
+        }
+        let next = AtomicUsize::new(0);
+        let pieces = Mutex::new(Vec::new());
+        let deferred = Mutex::new(Vec::new());
+        let nthreads = self.engine.config().cpu_threads.clamp(1, jobs.len().max(1));
+        std::thread::scope(|sc| {
+            for _ in 0..nthreads {
+                sc.spawn(|| {
+                    while !st.should_stop() {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&(s, e)) = jobs.get(i) else { break };
+                        if let Err(err) = self.write_chunk(st, s, e, allow_defer, &pieces, &deferred) {
+                            st.fail(err);
+                        }
+                    }
+                });
+            }
+        });
+        st.wait_idle();
+        st.outcome()?;
+        let mut d = deferred.into_inner().expect("lock");
+        d.sort_unstable();
+        Ok((pieces.into_inner().expect("lock"), d))
+    }
+
+    fn write_chunk(
+        &self,
+        st: &Arc<TaskState>,
+        s: u64,
+        e: u64,
+        allow_defer: bool,
+        pieces: &Mutex<Vec<CrcPiece>>,
+        deferred_out: &Mutex<Vec<(u64, u64)>>,
+    ) -> Result<()> {
+        let pool = self.engine.pool();
+        let mut buf = loop {
+            if let Some(b) = pool.acquire(Duration::from_millis(50)) {
+                break b;
+            }
+            if st.should_stop() {
+                return Ok(());
+            }
+        };
+        let len = (e - s) as usize;
+        let granule = self.file.inner.align.max(1);
+        let g = self.plan.gather(s, &mut buf.as_mut_slice()[..len], granule, allow_defer)?;
+        pieces.lock().expect("lock").extend(g.pieces);
+        // The pieces of this chunk to write now: all but the deferred ranges.
+        let mut writes = Vec::new();
+        let mut pos = s;
+        for &(ds, de) in &g.deferred {
+            if ds > pos {
+                writes.push((pos, ds));
+            }
+            pos = pos.max(de);
+        }
+        if pos < e {
+            writes.push((pos, e));
+        }
+        deferred_out.lock().expect("lock").extend(g.deferred);
+        let base = buf.as_mut_ptr();
+        let buf = Arc::new(buf);
+        for (ws, we) in writes {
+            let keep = Arc::clone(&buf);
+            let path = self.file.inner.path.clone();
+            let expect = (we - ws) as usize;
+            st.start_one();
+            let st = Arc::clone(st);
+            let done = Box::new(move |r: std::io::Result<usize>| {
+                match r {
+                    Ok(n) if n == expect => {
+                        st.bytes_done.fetch_add(n as u64, Ordering::Relaxed);
+                    }
+                    Ok(n) => st.fail(Error::io(
+                        &path,
+                        "write",
+                        std::io::Error::new(std::io::ErrorKind::WriteZero, format!("short write: {n} of {expect} bytes")),
+                    )),
+                    Err(err) => st.fail(Error::io(&path, "write", err)),
+                }
+                drop(keep);
+                st.finish_one();
+            });
+            // SAFETY: the buffer is kept alive by `keep` until the callback
+            // runs, nothing writes it meanwhile, and the file stays open until
+            // `write_range` has waited for every request.
+            let req = unsafe {
+                Request::new(
+                    Op::Write,
+                    self.file.inner.fd(),
+                    base.add((ws - s) as usize),
+                    expect,
+                    ws,
+                    self.opts.class,
+                    Arc::clone(&self.slot),
+                    done,
+                )
+            };
+            self.engine.submit(req);
+        }
+        Ok(())
+    }
+}
+
+/// Builds a container in memory-sized pieces for a file object: every CRC is
+/// computed first, then the file is produced front to back.
+pub struct ContainerStream {
+    plan: Plan,
+    pos: u64,
+    chunk: usize,
+    threads: usize,
+}
+
+impl ContainerStream {
+    pub fn new(align: u64, chunk: usize, threads: usize) -> Result<Self> {
+        Ok(ContainerStream {
+            plan: Plan::new(align)?,
+            pos: 0,
+            chunk,
+            threads,
+        })
+    }
+
+    pub fn add(&mut self, name: &str, source: Source) -> Result<usize> {
+        self.plan.add(name, source)
+    }
+
+    /// CRCs of all records added so far.
+    pub fn checksums(&mut self) -> Vec<u32> {
+        self.plan.compute_missing_crcs(self.threads);
+        (0..self.plan.len()).map(|i| self.plan.crc(i).unwrap_or(0)).collect()
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// The next piece of the file, or `None` at the end. The first call
+    /// seals the archive (no more records).
+    pub fn next_chunk(&mut self) -> Result<Option<Vec<u8>>> {
+        if self.pos == 0 {
+            self.plan.compute_missing_crcs(self.threads);
+            self.plan.finalize()?;
+        }
+        let end = self.plan.file_end();
+        if self.pos >= end {
+            return Ok(None);
+        }
+        let n = (self.chunk as u64).min(end - self.pos);
+        let mut v = vec![0u8; n as usize];
+        self.plan.gather(self.pos, &mut v, 1, false)?;
+        self.pos += n;
+        Ok(Some(v))
+    }
+}

@@ -1,0 +1,673 @@
+//! The container's zip structures: layout, encoding and validated parsing.
+//!
+//! A tierstore data file is an uncompressed ("stored") zip archive, the same
+//! kind `torch.save` writes, so that `torch.load`, Python's `zipfile` and
+//! `unzip` all open it. What is ours is where the bytes go: every record's data
+//! starts on an `align` boundary (4096 by default), which makes O_DIRECT and
+//! `mmap` work on any record without copying. See docs/FORMAT.md for the map.
+//!
+//! Local file header (30 bytes, then name, then extra):
+//!
+//! ```text
+//!  0  u32  signature 0x04034b50 ("PK\x03\x04")
+//!  4  u16  version needed (20, or 45 with zip64)
+//!  6  u16  flags (0)
+//!  8  u16  method (0 = stored)
+//! 10  u16  time (0), 12 u16 date (0x21 = 1980-01-01)
+//! 14  u32  crc-32 of the data
+//! 18  u32  compressed size   (0xffffffff when in the zip64 extra)
+//! 22  u32  uncompressed size (0xffffffff when in the zip64 extra)
+//! 26  u16  name length, 28 u16 extra length
+//! 30  name, then extra fields:
+//!       [0x0001 zip64: u64 uncompressed size, u64 compressed size]  only if needed
+//!       0x4246 ("FB") padding: zero bytes so that the data starts aligned
+//! ```
+//!
+//! All integers are little-endian.
+
+use std::io;
+use std::path::Path;
+
+use crate::error::{Error, Result};
+
+pub const LOCAL_SIG: u32 = 0x0403_4b50;
+pub const CENTRAL_SIG: u32 = 0x0201_4b50;
+pub const EOCD_SIG: u32 = 0x0605_4b50;
+pub const ZIP64_EOCD_SIG: u32 = 0x0606_4b50;
+pub const ZIP64_LOCATOR_SIG: u32 = 0x0706_4b50;
+
+pub const LOCAL_HEADER_LEN: u64 = 30;
+pub const CENTRAL_HEADER_LEN: u64 = 46;
+pub const EOCD_LEN: u64 = 22;
+pub const ZIP64_EOCD_LEN: u64 = 56;
+pub const ZIP64_LOCATOR_LEN: u64 = 20;
+
+/// Extra-field id of the zip64 extended information field.
+pub const ZIP64_EXTRA_ID: u16 = 0x0001;
+/// Extra-field id of the alignment padding (the id torch uses, "FB").
+pub const PADDING_EXTRA_ID: u16 = 0x4246;
+
+const U32_MAX: u64 = 0xffff_ffff;
+const U16_MAX: u64 = 0xffff;
+/// Largest EOCD comment, and so the furthest the EOCD can sit from the end.
+const MAX_COMMENT: u64 = 0xffff;
+/// Date field for 1980-01-01, the zip epoch (time fields are zero).
+const DOS_DATE: u16 = 0x21;
+
+/// Largest record alignment we write (the padding length must fit a u16).
+pub const MAX_ALIGN: u64 = 32768;
+
+/// A record placed in the file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    /// Full name inside the archive, including the archive-name prefix.
+    pub name: String,
+    pub size: u64,
+    pub crc: u32,
+    /// Offset of the local file header.
+    pub header_offset: u64,
+    /// Offset of the first data byte.
+    pub data_offset: u64,
+}
+
+impl Entry {
+    fn local_zip64(&self) -> bool {
+        self.size >= U32_MAX
+    }
+
+    /// End of the data (exclusive).
+    pub fn data_end(&self) -> u64 {
+        self.data_offset + self.size
+    }
+}
+
+/// Places records one after another so that each record's data is aligned.
+#[derive(Debug)]
+pub struct LayoutBuilder {
+    align: u64,
+    cursor: u64,
+    entries: Vec<Entry>,
+}
+
+impl LayoutBuilder {
+    /// `align` must be a power of two no larger than [`MAX_ALIGN`].
+    pub fn new(align: u64) -> Result<Self> {
+        if !align.is_power_of_two() || align > MAX_ALIGN {
+            return Err(Error::Invalid(format!(
+                "record alignment {align} is not a power of two <= {MAX_ALIGN}"
+            )));
+        }
+        Ok(LayoutBuilder {
+            align,
+            cursor: 0,
+            entries: Vec::new(),
+        })
+    }
+
+    pub fn align(&self) -> u64 {
+        self.align
+    }
+
+    /// Appends a record of `size` bytes and returns its placement.
+    pub fn push(&mut self, name: &str, size: u64) -> Result<&Entry> {
+        if name.is_empty() || name.len() as u64 > U16_MAX {
+            return Err(Error::Invalid(format!(
+                "record name must have 1..=65535 bytes, got {}",
+                name.len()
+            )));
+        }
+        let zip64_len = if size >= U32_MAX { 4 + 16 } else { 0 };
+        let header_offset = self.cursor;
+        let base = header_offset + LOCAL_HEADER_LEN + name.len() as u64 + zip64_len + 4;
+        let data_offset = base.div_ceil(self.align) * self.align;
+        self.entries.push(Entry {
+            name: name.to_owned(),
+            size,
+            crc: 0,
+            header_offset,
+            data_offset,
+        });
+        self.cursor = data_offset + size;
+        Ok(self.entries.last().expect("just pushed"))
+    }
+
+    /// Where the next local header (or the central directory) would start.
+    pub fn end(&self) -> u64 {
+        self.cursor
+    }
+
+    pub fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    pub fn entries_mut(&mut self) -> &mut [Entry] {
+        &mut self.entries
+    }
+}
+
+fn put_u16(v: &mut Vec<u8>, x: u16) {
+    v.extend_from_slice(&x.to_le_bytes());
+}
+fn put_u32(v: &mut Vec<u8>, x: u32) {
+    v.extend_from_slice(&x.to_le_bytes());
+}
+fn put_u64(v: &mut Vec<u8>, x: u64) {
+    v.extend_from_slice(&x.to_le_bytes());
+}
+
+/// Encodes the local header of `e`, padded so that it ends at `e.data_offset`.
+pub fn local_header(e: &Entry) -> Vec<u8> {
+    let total = (e.data_offset - e.header_offset) as usize;
+    let name = e.name.as_bytes();
+    let zip64 = e.local_zip64();
+    let mut v = Vec::with_capacity(total);
+    put_u32(&mut v, LOCAL_SIG);
+    put_u16(&mut v, if zip64 { 45 } else { 20 });
+    put_u16(&mut v, 0);
+    put_u16(&mut v, 0);
+    put_u16(&mut v, 0);
+    put_u16(&mut v, DOS_DATE);
+    put_u32(&mut v, e.crc);
+    let small = if zip64 { U32_MAX as u32 } else { e.size as u32 };
+    put_u32(&mut v, small);
+    put_u32(&mut v, small);
+    put_u16(&mut v, name.len() as u16);
+    let extra_len = total - LOCAL_HEADER_LEN as usize - name.len();
+    put_u16(&mut v, extra_len as u16);
+    v.extend_from_slice(name);
+    if zip64 {
+        put_u16(&mut v, ZIP64_EXTRA_ID);
+        put_u16(&mut v, 16);
+        put_u64(&mut v, e.size);
+        put_u64(&mut v, e.size);
+    }
+    let pad = total - v.len() - 4;
+    put_u16(&mut v, PADDING_EXTRA_ID);
+    put_u16(&mut v, pad as u16);
+    v.resize(total, 0);
+    v
+}
+
+/// Encodes the central directory of `entries`, placed at `cd_offset`, with the
+/// zip64 end records when they are needed and the end-of-central-directory.
+pub fn central_directory(entries: &[Entry], cd_offset: u64) -> Vec<u8> {
+    let mut v = Vec::with_capacity(entries.len() * 80 + 128);
+    for e in entries {
+        let big_size = e.size >= U32_MAX;
+        let big_off = e.header_offset >= U32_MAX;
+        let mut extra = Vec::new();
+        if big_size || big_off {
+            let mut body = Vec::new();
+            if big_size {
+                put_u64(&mut body, e.size);
+                put_u64(&mut body, e.size);
+            }
+            if big_off {
+                put_u64(&mut body, e.header_offset);
+            }
+            put_u16(&mut extra, ZIP64_EXTRA_ID);
+            put_u16(&mut extra, body.len() as u16);
+            extra.extend_from_slice(&body);
+        }
+        let zip64 = !extra.is_empty();
+        put_u32(&mut v, CENTRAL_SIG);
+        put_u16(&mut v, 0x0300 | if zip64 { 45 } else { 20 }); // made by: unix
+        put_u16(&mut v, if zip64 { 45 } else { 20 });
+        put_u16(&mut v, 0);
+        put_u16(&mut v, 0);
+        put_u16(&mut v, 0);
+        put_u16(&mut v, DOS_DATE);
+        put_u32(&mut v, e.crc);
+        let small = if big_size { U32_MAX as u32 } else { e.size as u32 };
+        put_u32(&mut v, small);
+        put_u32(&mut v, small);
+        put_u16(&mut v, e.name.len() as u16);
+        put_u16(&mut v, extra.len() as u16);
+        put_u16(&mut v, 0); // comment
+        put_u16(&mut v, 0); // disk
+        put_u16(&mut v, 0); // internal attributes
+        put_u32(&mut v, 0o100_644 << 16); // external attributes: regular file, rw-r--r--
+        put_u32(
+            &mut v,
+            if big_off {
+                U32_MAX as u32
+            } else {
+                e.header_offset as u32
+            },
+        );
+        v.extend_from_slice(e.name.as_bytes());
+        v.extend_from_slice(&extra);
+    }
+    let cd_size = v.len() as u64;
+    let n = entries.len() as u64;
+    let need64 = n >= U16_MAX || cd_offset >= U32_MAX || cd_size >= U32_MAX;
+    if need64 {
+        let z64_offset = cd_offset + cd_size;
+        put_u32(&mut v, ZIP64_EOCD_SIG);
+        put_u64(&mut v, ZIP64_EOCD_LEN - 12);
+        put_u16(&mut v, 0x0300 | 45);
+        put_u16(&mut v, 45);
+        put_u32(&mut v, 0);
+        put_u32(&mut v, 0);
+        put_u64(&mut v, n);
+        put_u64(&mut v, n);
+        put_u64(&mut v, cd_size);
+        put_u64(&mut v, cd_offset);
+        put_u32(&mut v, ZIP64_LOCATOR_SIG);
+        put_u32(&mut v, 0);
+        put_u64(&mut v, z64_offset);
+        put_u32(&mut v, 1);
+    }
+    put_u32(&mut v, EOCD_SIG);
+    put_u16(&mut v, 0);
+    put_u16(&mut v, 0);
+    let n16 = if need64 { U16_MAX as u16 } else { n as u16 };
+    put_u16(&mut v, n16);
+    put_u16(&mut v, n16);
+    put_u32(&mut v, if need64 { U32_MAX as u32 } else { cd_size as u32 });
+    put_u32(&mut v, if need64 { U32_MAX as u32 } else { cd_offset as u32 });
+    put_u16(&mut v, 0);
+    v
+}
+
+/// Random-access byte source the parser reads from (a file or memory).
+pub trait ReadAt {
+    fn len(&self) -> u64;
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+}
+
+impl ReadAt for [u8] {
+    fn len(&self) -> u64 {
+        <[u8]>::len(self) as u64
+    }
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let start = usize::try_from(offset).map_err(|_| io::ErrorKind::UnexpectedEof)?;
+        let end = start
+            .checked_add(buf.len())
+            .filter(|&e| e <= <[u8]>::len(self))
+            .ok_or(io::ErrorKind::UnexpectedEof)?;
+        buf.copy_from_slice(&self[start..end]);
+        Ok(())
+    }
+}
+
+/// A record as the central directory describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CdEntry {
+    pub name: String,
+    pub crc: u32,
+    pub size: u64,
+    pub compressed_size: u64,
+    pub method: u16,
+    pub header_offset: u64,
+}
+
+/// The parsed central directory of an archive.
+#[derive(Clone, Debug)]
+pub struct Directory {
+    pub entries: Vec<CdEntry>,
+    /// Offset of the central directory (the end of the record area).
+    pub cd_offset: u64,
+    pub file_len: u64,
+}
+
+fn u16_at(b: &[u8], i: usize) -> u16 {
+    u16::from_le_bytes([b[i], b[i + 1]])
+}
+fn u32_at(b: &[u8], i: usize) -> u32 {
+    u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"))
+}
+fn u64_at(b: &[u8], i: usize) -> u64 {
+    u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"))
+}
+
+fn read_at(src: &(impl ReadAt + ?Sized), path: &Path, off: u64, len: u64, what: &str) -> Result<Vec<u8>> {
+    let end = off.checked_add(len).filter(|&e| e <= src.len()).ok_or_else(|| {
+        Error::truncated(
+            path,
+            format!(
+                "{what} at offset {off} (+{len} bytes) lies beyond the end of the file ({} bytes)",
+                src.len()
+            ),
+        )
+    })?;
+    let _ = end;
+    let mut buf = vec![0u8; len as usize];
+    src.read_exact_at(&mut buf, off)
+        .map_err(|e| Error::io(path, "read", e))?;
+    Ok(buf)
+}
+
+/// Reads and validates the central directory. Every size and offset is checked
+/// against the file length before anything is allocated from it.
+pub fn read_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<Directory> {
+    let file_len = src.len();
+    if file_len < EOCD_LEN {
+        let head = read_at(src, path, 0, file_len.min(4), "file start")?;
+        if head.starts_with(b"PK") {
+            return Err(Error::truncated(path, format!("only {file_len} bytes")));
+        }
+        return Err(Error::NotAContainer {
+            path: path.to_path_buf(),
+            detail: format!("file is {file_len} bytes long, too short for a zip archive"),
+        });
+    }
+    let tail_len = file_len.min(EOCD_LEN + MAX_COMMENT);
+    let tail_start = file_len - tail_len;
+    let tail = read_at(src, path, tail_start, tail_len, "end of file")?;
+    let mut eocd_rel = None;
+    let mut i = tail.len() - EOCD_LEN as usize;
+    loop {
+        if u32_at(&tail, i) == EOCD_SIG {
+            let comment = u64::from(u16_at(&tail, i + 20));
+            if i as u64 + EOCD_LEN + comment == tail_len {
+                eocd_rel = Some(i);
+                break;
+            }
+        }
+        if i == 0 {
+            break;
+        }
+        i -= 1;
+    }
+    let Some(eocd_rel) = eocd_rel else {
+        let head = read_at(src, path, 0, 4, "file start")?;
+        if u32_at(&head, 0) == LOCAL_SIG {
+            return Err(Error::truncated(
+                path,
+                "the file starts as a zip archive but has no end-of-central-directory record \
+                 (it was cut short, e.g. by a crash or a full disk)",
+            ));
+        }
+        return Err(Error::NotAContainer {
+            path: path.to_path_buf(),
+            detail: "no zip end-of-central-directory record".into(),
+        });
+    };
+    let eocd_off = tail_start + eocd_rel as u64;
+    let e = &tail[eocd_rel..];
+    let mut n_entries = u64::from(u16_at(e, 10));
+    let mut cd_size = u64::from(u32_at(e, 12));
+    let mut cd_offset = u64::from(u32_at(e, 16));
+    let mut cd_end_limit = eocd_off;
+    if n_entries == U16_MAX || cd_size == U32_MAX || cd_offset == U32_MAX {
+        if eocd_off < ZIP64_LOCATOR_LEN {
+            return Err(Error::corrupt(path, None, "zip64 locator missing"));
+        }
+        let loc = read_at(src, path, eocd_off - ZIP64_LOCATOR_LEN, ZIP64_LOCATOR_LEN, "zip64 locator")?;
+        if u32_at(&loc, 0) != ZIP64_LOCATOR_SIG {
+            return Err(Error::corrupt(path, None, "zip64 locator missing or damaged"));
+        }
+        let z64_off = u64_at(&loc, 8);
+        if z64_off
+            .checked_add(ZIP64_EOCD_LEN)
+            .is_none_or(|end| end > eocd_off - ZIP64_LOCATOR_LEN)
+        {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!("zip64 end record offset {z64_off} is outside the file"),
+            ));
+        }
+        let z = read_at(src, path, z64_off, ZIP64_EOCD_LEN, "zip64 end record")?;
+        if u32_at(&z, 0) != ZIP64_EOCD_SIG {
+            return Err(Error::corrupt(path, None, "zip64 end record damaged"));
+        }
+        n_entries = u64_at(&z, 32);
+        cd_size = u64_at(&z, 40);
+        cd_offset = u64_at(&z, 48);
+        cd_end_limit = z64_off;
+    }
+    let cd_end = cd_offset.checked_add(cd_size).ok_or_else(|| {
+        Error::corrupt(path, None, "central directory offset and size overflow")
+    })?;
+    if cd_end > cd_end_limit {
+        if cd_end > file_len {
+            return Err(Error::truncated(
+                path,
+                format!("central directory ends at {cd_end}, past the end of the file ({file_len} bytes)"),
+            ));
+        }
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!("central directory [{cd_offset}, {cd_end}) overlaps its end record at {cd_end_limit}"),
+        ));
+    }
+    if n_entries > cd_size / CENTRAL_HEADER_LEN {
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!("central directory claims {n_entries} records in {cd_size} bytes"),
+        ));
+    }
+    let cd = read_at(src, path, cd_offset, cd_size, "central directory")?;
+    let mut entries = Vec::with_capacity(n_entries as usize);
+    let mut p = 0usize;
+    for idx in 0..n_entries {
+        if p + CENTRAL_HEADER_LEN as usize > cd.len() || u32_at(&cd, p) != CENTRAL_SIG {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!("central directory entry {idx} at offset {} is damaged", cd_offset + p as u64),
+            ));
+        }
+        let method = u16_at(&cd, p + 10);
+        let crc = u32_at(&cd, p + 16);
+        let mut compressed_size = u64::from(u32_at(&cd, p + 20));
+        let mut size = u64::from(u32_at(&cd, p + 24));
+        let name_len = usize::from(u16_at(&cd, p + 28));
+        let extra_len = usize::from(u16_at(&cd, p + 30));
+        let comment_len = usize::from(u16_at(&cd, p + 32));
+        let mut header_offset = u64::from(u32_at(&cd, p + 42));
+        let var_start = p + CENTRAL_HEADER_LEN as usize;
+        let next = var_start + name_len + extra_len + comment_len;
+        if next > cd.len() {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!("central directory entry {idx} runs past the directory"),
+            ));
+        }
+        let name = String::from_utf8_lossy(&cd[var_start..var_start + name_len]).into_owned();
+        // zip64 extended information: only the fields that are 0xffffffff, in order.
+        let mut x = var_start + name_len;
+        let xend = x + extra_len;
+        while x + 4 <= xend {
+            let id = u16_at(&cd, x);
+            let len = usize::from(u16_at(&cd, x + 2));
+            let body = x + 4;
+            if body + len > xend {
+                break;
+            }
+            if id == ZIP64_EXTRA_ID {
+                let mut q = body;
+                let mut take = |field: &mut u64| {
+                    if *field == U32_MAX && q + 8 <= body + len {
+                        *field = u64_at(&cd, q);
+                        q += 8;
+                    }
+                };
+                take(&mut size);
+                take(&mut compressed_size);
+                take(&mut header_offset);
+            }
+            x = body + len;
+        }
+        if header_offset
+            .checked_add(LOCAL_HEADER_LEN + name_len as u64)
+            .is_none_or(|end| end > cd_offset)
+        {
+            return Err(Error::corrupt(
+                path,
+                Some(&name),
+                format!("local header offset {header_offset} lies outside the record area (which ends at {cd_offset})"),
+            ));
+        }
+        if compressed_size > cd_offset {
+            return Err(Error::corrupt(
+                path,
+                Some(&name),
+                format!("size {compressed_size} is larger than the record area ({cd_offset} bytes)"),
+            ));
+        }
+        entries.push(CdEntry {
+            name,
+            crc,
+            size,
+            compressed_size,
+            method,
+            header_offset,
+        });
+        p = next;
+    }
+    Ok(Directory {
+        entries,
+        cd_offset,
+        file_len,
+    })
+}
+
+/// Bytes to read at a local header to learn its data offset in one go
+/// (30 bytes, the name, and a generous allowance for the extra field).
+pub fn local_header_probe_len(name_len: usize) -> u64 {
+    LOCAL_HEADER_LEN + name_len as u64 + 512
+}
+
+/// Parses the local header of `e` from `buf` (read at `e.header_offset`) and
+/// returns the data offset. Errors if the bytes do not form its header or if
+/// the data would run past the record area.
+pub fn data_offset_from_local(buf: &[u8], e: &CdEntry, dir: &Directory, path: &Path) -> Result<u64> {
+    if buf.len() < LOCAL_HEADER_LEN as usize || u32_at(buf, 0) != LOCAL_SIG {
+        return Err(Error::corrupt(
+            path,
+            Some(&e.name),
+            format!("no local file header at offset {}", e.header_offset),
+        ));
+    }
+    let name_len = u64::from(u16_at(buf, 26));
+    let extra_len = u64::from(u16_at(buf, 28));
+    let data_offset = e.header_offset + LOCAL_HEADER_LEN + name_len + extra_len;
+    check_data_range(e, data_offset, dir, path)?;
+    Ok(data_offset)
+}
+
+/// Checks that `[data_offset, data_offset + compressed_size)` lies inside the
+/// record area, after the entry's local header.
+pub fn check_data_range(e: &CdEntry, data_offset: u64, dir: &Directory, path: &Path) -> Result<()> {
+    let min = e.header_offset + LOCAL_HEADER_LEN + e.name.len() as u64;
+    let end = data_offset.checked_add(e.compressed_size);
+    if data_offset < min || end.is_none_or(|end| end > dir.cd_offset) {
+        return Err(Error::corrupt(
+            path,
+            Some(&e.name),
+            format!(
+                "data [{data_offset}, +{}) does not fit between its header at {} and the directory at {}",
+                e.compressed_size, e.header_offset, dir.cd_offset
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn build(records: &[(&str, &[u8])], align: u64) -> Vec<u8> {
+        let mut lb = LayoutBuilder::new(align).unwrap();
+        for (n, d) in records {
+            lb.push(n, d.len() as u64).unwrap();
+        }
+        let end = lb.end();
+        let mut file = vec![0u8; end as usize];
+        for (e, (_, d)) in lb.entries_mut().iter_mut().zip(records) {
+            e.crc = crc32fast::hash(d);
+            let h = local_header(e);
+            file[e.header_offset as usize..e.data_offset as usize].copy_from_slice(&h);
+            file[e.data_offset as usize..e.data_end() as usize].copy_from_slice(d);
+        }
+        file.extend(central_directory(lb.entries(), end));
+        file
+    }
+
+    #[test]
+    fn layout_aligns_every_record() {
+        let mut lb = LayoutBuilder::new(4096).unwrap();
+        for (i, size) in [0u64, 1, 4095, 4096, 10_000].iter().enumerate() {
+            let e = lb.push(&format!("archive/data/{i}"), *size).unwrap().clone();
+            assert_eq!(e.data_offset % 4096, 0);
+            assert!(e.data_offset >= e.header_offset + 30 + e.name.len() as u64 + 4);
+            assert!(e.data_offset - e.header_offset < 4096 + 30 + e.name.len() as u64 + 4);
+            assert_eq!(local_header(&e).len() as u64, e.data_offset - e.header_offset);
+        }
+    }
+
+    #[test]
+    fn roundtrip_directory() {
+        let file = build(&[("a/data.pkl", b"hello"), ("a/data/0", &[7u8; 5000]), ("a/x", b"")], 4096);
+        let dir = read_directory(file.as_slice(), Path::new("mem")).unwrap();
+        assert_eq!(dir.entries.len(), 3);
+        assert_eq!(dir.entries[1].name, "a/data/0");
+        assert_eq!(dir.entries[1].size, 5000);
+        assert_eq!(dir.entries[1].crc, crc32fast::hash(&[7u8; 5000]));
+        let e = &dir.entries[1];
+        let probe = &file[e.header_offset as usize..];
+        let off = data_offset_from_local(probe, e, &dir, Path::new("mem")).unwrap();
+        assert_eq!(off % 4096, 0);
+        assert_eq!(&file[off as usize..off as usize + 5000], &[7u8; 5000][..]);
+    }
+
+    #[test]
+    fn zip64_fields_roundtrip_in_directory() {
+        // A 5 GiB record placed beyond 4 GiB: only the directory is encoded.
+        let e = Entry {
+            name: "a/data/0".into(),
+            size: 5 << 30,
+            crc: 0x1234_5678,
+            header_offset: 6 << 30,
+            data_offset: (6 << 30) + 4096,
+        };
+        let cd_off = e.data_end();
+        let cd = central_directory(std::slice::from_ref(&e), cd_off);
+        // Simulate a file whose record area is sparse: a reader over a
+        // virtual source that only serves the directory bytes.
+        struct Sparse {
+            cd_off: u64,
+            cd: Vec<u8>,
+        }
+        impl ReadAt for Sparse {
+            fn len(&self) -> u64 {
+                self.cd_off + self.cd.len() as u64
+            }
+            fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+                for (i, b) in buf.iter_mut().enumerate() {
+                    let o = offset + i as u64;
+                    *b = if o >= self.cd_off { self.cd[(o - self.cd_off) as usize] } else { 0 };
+                }
+                Ok(())
+            }
+        }
+        let src = Sparse { cd_off, cd };
+        let dir = read_directory(&src, Path::new("virtual")).unwrap();
+        assert_eq!(dir.entries[0].size, 5 << 30);
+        assert_eq!(dir.entries[0].header_offset, 6 << 30);
+        assert_eq!(dir.cd_offset, cd_off);
+        let h = local_header(&e);
+        assert_eq!(u32::from_le_bytes(h[18..22].try_into().unwrap()), 0xffff_ffff);
+    }
+
+    #[test]
+    fn rejects_garbage_and_truncation() {
+        let p = Path::new("f");
+        assert!(matches!(read_directory(&b"hello world, not a zip at all"[..], p), Err(Error::NotAContainer { .. })));
+        let file = build(&[("a/data.pkl", b"hello"), ("a/data/0", &[1u8; 9000])], 4096);
+        let cut = &file[..file.len() - 10];
+        assert!(matches!(read_directory(cut, p), Err(Error::Truncated { .. })));
+        // Absurd directory size: no huge allocation, a clear error.
+        let mut bad = file.clone();
+        let n = bad.len();
+        bad[n - 10..n - 6].copy_from_slice(&0xfff0_0000u32.to_le_bytes());
+        assert!(read_directory(bad.as_slice(), p).is_err());
+    }
+}

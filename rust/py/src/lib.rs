@@ -1,0 +1,1 @@
+// binding: filled in below
