@@ -351,3 +351,29 @@ mod tests {
         assert!(matches!(e, Error::Io { .. } | Error::Invalid(_)), "{e}");
     }
 }
+
+/// A file as a [`crate::zip::ReadAt`] source (buffered positioned reads).
+pub struct FileSource {
+    file: File,
+    len: u64,
+}
+
+impl FileSource {
+    pub fn open(path: &Path) -> Result<Self> {
+        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, "open", e))?;
+        if meta.is_dir() {
+            return Err(Error::io(path, "open", io::Error::from_raw_os_error(libc::EISDIR)));
+        }
+        let file = File::open(path).map_err(|e| Error::io(path, "open", e))?;
+        Ok(FileSource { file, len: meta.len() })
+    }
+}
+
+impl crate::zip::ReadAt for FileSource {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.file.read_exact_at(buf, offset)
+    }
+}

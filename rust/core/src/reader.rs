@@ -6,7 +6,7 @@
 //! chunks, many in flight; CRCs are checked as chunks arrive, on `cpu_threads`
 //! threads, so verification overlaps the I/O.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,10 +15,11 @@ use crc32fast::Hasher;
 use crate::buf::{align_down, align_up, AlignedBuf};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::file::EngineFile;
+use crate::file::{EngineFile, FileSource};
 use crate::io::{Class, Op, Request};
 use crate::plan::CrcPiece;
 use crate::task::{Task, TaskState};
+use crate::zip::{self, Directory, ReadAt};
 
 /// Memory alignment of record buffers (a page: good for O_DIRECT and SIMD).
 const BUF_ALIGN: usize = 4096;
@@ -243,6 +244,43 @@ fn run(
         check_crcs(file, specs, pieces)?;
     }
     Ok(bufs)
+}
+
+/// Finds the data offset of every entry by reading its local header (for
+/// archives written by others; ours record offsets in the manifest). The reads
+/// are spread over `threads` threads so that a cold file with thousands of
+/// records does not pay one seek at a time.
+pub fn resolve_data_offsets(file: &EngineFile, dir: &Directory, threads: usize) -> Result<Vec<u64>> {
+    let src = FileSource::open(&file.path)?;
+    let n = dir.entries.len();
+    let next = AtomicUsize::new(0);
+    let out: Vec<AtomicU64> = (0..n).map(|_| AtomicU64::new(0)).collect();
+    let first_err: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
+    std::thread::scope(|sc| {
+        for _ in 0..threads.clamp(1, n.max(1)) {
+            sc.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(e) = dir.entries.get(i) else { break };
+                let len = zip::local_header_probe_len(e.name.len()).min(dir.cd_offset - e.header_offset);
+                let mut buf = vec![0u8; len as usize];
+                let r = src
+                    .read_exact_at(&mut buf, e.header_offset)
+                    .map_err(|err| Error::io(&file.path, "read", err))
+                    .and_then(|()| zip::data_offset_from_local(&buf, e, dir, &file.path));
+                match r {
+                    Ok(off) => out[i].store(off, Ordering::Relaxed),
+                    Err(err) => {
+                        first_err.lock().expect("lock").get_or_insert(err);
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    if let Some(e) = first_err.into_inner().expect("lock") {
+        return Err(e);
+    }
+    Ok(out.into_iter().map(AtomicU64::into_inner).collect())
 }
 
 fn check_crcs(file: &EngineFile, specs: &[ReadSpec], mut pieces: Vec<CrcPiece>) -> Result<()> {

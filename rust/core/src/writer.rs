@@ -107,7 +107,14 @@ impl ContainerWriter {
             let end = align_down(w.plan.records_end(), granule);
             w.file.reserve(w.plan.records_end())?;
             st.bytes_total.fetch_add(end - w.written_to, Ordering::Relaxed);
-            let (pieces, deferred) = w.write_range(&st, w.written_to, end, &[], true)?;
+            let (mut pieces, deferred) = w.write_range(&st, w.written_to, end, &[], true)?;
+            // The last partial block is written by `commit`; checksum its bytes
+            // now so that every record's CRC is known when this returns.
+            let tail_len = (w.plan.records_end() - end) as usize;
+            if tail_len > 0 {
+                let mut scratch = vec![0u8; tail_len];
+                pieces.extend(w.plan.gather(end, &mut scratch, granule, true)?.pieces);
+            }
             w.plan.absorb(pieces);
             w.deferred.extend(deferred);
             w.written_to = end;

@@ -1,1 +1,25 @@
-// binding: filled in below
+//! `tierstore._core`: the thin PyO3 binding of `tierstore-core`.
+//!
+//! Each module registers its own classes and functions. Every long call runs
+//! on engine threads while this thread waits with the GIL released, looking
+//! for Ctrl-C between short waits (see `wait`); errors are mapped once, in
+//! `errors`, onto the `tierstore.errors` hierarchy.
+
+use pyo3::prelude::*;
+
+mod buffer;
+mod engine;
+mod errors;
+mod reader;
+mod wait;
+mod writer;
+
+#[pymodule(gil_used = false)]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    buffer::register(m)?;
+    engine::register(m)?;
+    reader::register(m)?;
+    writer::register(m)?;
+    Ok(())
+}

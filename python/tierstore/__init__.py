@@ -1,0 +1,54 @@
+"""tierstore: a storage engine for AI training state.
+
+``tierstore.save`` and ``tierstore.load`` are drop-in replacements for
+``torch.save`` and ``torch.load`` that write and read at the disk's speed
+through a Rust engine (io_uring, O_DIRECT, many requests in flight), make
+every save atomic and durable, and verify a CRC-32 of every record on load.
+Files are ordinary torch zip archives: ``torch.load`` opens them, and
+``tierstore.load`` opens files written by ``torch.save``.
+"""
+
+from __future__ import annotations
+
+from tierstore._core import __version__
+from tierstore._engine import configure, get_engine, info
+from tierstore.api import load, save
+from tierstore.errors import (
+    ChecksumError,
+    CorruptFileError,
+    DirectoryError,
+    FormatError,
+    ManifestError,
+    MissingRecordError,
+    NoSpaceError,
+    NotAContainerError,
+    NotFoundError,
+    PermissionDeniedError,
+    StorageIOError,
+    TierstoreError,
+    TruncatedFileError,
+    UnsafeObjectError,
+)
+
+__all__ = [
+    "ChecksumError",
+    "CorruptFileError",
+    "DirectoryError",
+    "FormatError",
+    "ManifestError",
+    "MissingRecordError",
+    "NoSpaceError",
+    "NotAContainerError",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "StorageIOError",
+    "TierstoreError",
+    "TruncatedFileError",
+    "UnsafeObjectError",
+    "__version__",
+    "configure",
+    "get_engine",
+    "info",
+    "load",
+    "save",
+]

@@ -1,0 +1,115 @@
+"""The process-wide I/O engine and its configuration.
+
+One engine serves every save and load in a process: its I/O threads and its
+staging buffers are created once and reused. It is configured by
+:func:`configure` or, before first use, by environment variables:
+
+``TIERSTORE_BACKEND``
+    ``io_uring``, ``threads`` or ``buffered`` (default: io_uring when the
+    kernel allows it, else threads; buffered per file where O_DIRECT is refused).
+``TIERSTORE_QUEUE_DEPTH``, ``TIERSTORE_CHUNK_MIB``, ``TIERSTORE_POOL_MIB``,
+``TIERSTORE_CPU_THREADS``
+    Requests in flight, transfer size, staging memory bound, copy/checksum threads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from tierstore import _core
+
+__all__ = ["configure", "get_engine", "info"]
+
+_lock = threading.Lock()
+_engine: _core.Engine | None = None
+# Engines abandoned in a forked child: their threads do not exist there, so
+# they must never be dropped (dropping joins the threads).
+_orphans: list[_core.Engine] = []
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    if v is None or v.strip() == "":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def _from_env() -> _core.Engine:
+    backend = os.environ.get("TIERSTORE_BACKEND") or None
+    if backend is not None and backend.strip().lower() == "auto":
+        backend = None
+    chunk = _env_int("TIERSTORE_CHUNK_MIB")
+    pool = _env_int("TIERSTORE_POOL_MIB")
+    return _core.Engine(
+        backend,
+        queue_depth=_env_int("TIERSTORE_QUEUE_DEPTH"),
+        chunk_bytes=chunk << 20 if chunk else None,
+        pool_bytes=pool << 20 if pool else None,
+        cpu_threads=_env_int("TIERSTORE_CPU_THREADS"),
+        forced_by="TIERSTORE_BACKEND" if backend else None,
+    )
+
+
+def get_engine() -> _core.Engine:
+    """The process's engine, started on first use."""
+    global _engine
+    e = _engine
+    if e is not None:
+        return e
+    with _lock:
+        if _engine is None:
+            _engine = _from_env()
+        return _engine
+
+
+def configure(
+    backend: str | None = None,
+    *,
+    queue_depth: int | None = None,
+    chunk_mib: int | None = None,
+    pool_mib: int | None = None,
+    cpu_threads: int | None = None,
+) -> _core.Engine:
+    """Replaces the process's engine with one built from these settings.
+
+    ``backend`` is ``"io_uring"``, ``"threads"``, ``"buffered"`` or ``None``
+    (automatic). Returns the new engine; operations in flight on the old one
+    finish first.
+    """
+    global _engine
+    e = _core.Engine(
+        backend,
+        queue_depth=queue_depth,
+        chunk_bytes=chunk_mib << 20 if chunk_mib else None,
+        pool_bytes=pool_mib << 20 if pool_mib else None,
+        cpu_threads=cpu_threads,
+        forced_by="tierstore.configure()" if backend else None,
+    )
+    with _lock:
+        _engine = e
+    return e
+
+
+def _after_fork_in_child() -> None:
+    global _engine
+    if _engine is not None:
+        _orphans.append(_engine)
+    _engine = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def info(path: str | os.PathLike[str] = ".") -> dict[str, Any]:
+    """What the engine chose and why, and what the file system at ``path`` allows."""
+    from tierstore import __version__
+
+    d: dict[str, Any] = {"version": __version__}
+    d.update(get_engine().info())
+    d["path"] = _core.probe_path(os.fspath(path))
+    return d

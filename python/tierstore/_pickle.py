@@ -1,0 +1,187 @@
+"""Pickling and unpickling exactly as ``torch.save`` / ``torch.load`` do.
+
+``data.pkl`` is the object graph pickled with protocol 2, where every storage
+is replaced by the persistent id ``("storage", storage_type, key, location,
+numel)`` and its bytes go to the record ``data/<key>``. Tensors reduce to
+``torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)``, so
+views of one storage share it again after loading.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+DEFAULT_PROTOCOL = 2
+
+
+@dataclass
+class SavedStorage:
+    """A storage met while pickling."""
+
+    key: str
+    storage: torch.UntypedStorage
+    dtype: torch.dtype
+    location: str
+    numel: int
+
+
+class StorageCollector:
+    """``persistent_id`` of ``torch.save``: one record per distinct storage."""
+
+    def __init__(self) -> None:
+        self.storages: dict[str, SavedStorage] = {}
+        self._keys: dict[int, str] = {}
+        self._dtypes: dict[int, torch.dtype] = {}
+
+    def key_of(self, storage: torch.UntypedStorage) -> str | None:
+        return self._keys.get(storage._cdata)
+
+    def persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
+        if isinstance(obj, torch.storage.TypedStorage):
+            storage = obj._untyped_storage
+            dtype = obj.dtype
+            storage_type = getattr(torch, obj._pickle_storage_type())
+            numel = obj._size()
+        elif torch.is_storage(obj):
+            storage = obj
+            dtype = torch.uint8
+            storage_type = torch.serialization.normalize_storage_type(type(obj))
+            numel = storage.nbytes()
+        else:
+            return None
+        if str(storage.device) != "meta" and storage.data_ptr() != 0:
+            seen = self._dtypes.setdefault(storage.data_ptr(), dtype)
+            if seen != dtype:
+                raise RuntimeError(
+                    "Cannot save multiple tensors or storages that view the same data as different types"
+                )
+        key = self._keys.get(storage._cdata)
+        if key is None:
+            key = str(len(self._keys))
+            self._keys[storage._cdata] = key
+        fake = getattr(obj, "_fake_device", None)
+        location = str(fake) if fake is not None else torch.serialization.location_tag(storage)
+        if key not in self.storages:
+            self.storages[key] = SavedStorage(key, storage, dtype, location, numel)
+        return ("storage", storage_type, key, location, numel)
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, protocol: int, collector: StorageCollector) -> None:
+        super().__init__(file, protocol=protocol)
+        self._collector = collector
+
+    def persistent_id(self, obj: Any) -> Any:
+        return self._collector.persistent_id(obj)
+
+
+def dumps(obj: Any, pickle_module: ModuleType | None, protocol: int) -> tuple[bytes, StorageCollector]:
+    """Pickles ``obj``; returns ``data.pkl`` and the storages it refers to."""
+    buf = io.BytesIO()
+    collector = StorageCollector()
+    if pickle_module is None or pickle_module is pickle:
+        _Pickler(buf, protocol, collector).dump(obj)
+    else:
+        base: Any = pickle_module.Pickler
+
+        class _Custom(base):  # type: ignore[misc, valid-type]
+            def persistent_id(self, o: Any) -> Any:
+                return collector.persistent_id(o)
+
+        _Custom(buf, protocol=protocol).dump(obj)
+    return buf.getvalue(), collector
+
+
+_MODULE_RENAMES = {"torch.tensor": "torch._tensor"}
+
+
+class _FullUnpickler(pickle.Unpickler):
+    """The unrestricted unpickler (``weights_only=False``), as torch's."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if type(name) is str and "Storage" in name:
+            try:
+                return torch.serialization.StorageType(name)
+            except KeyError:
+                pass
+        return super().find_class(_MODULE_RENAMES.get(module, module), name)
+
+
+def unpickler(
+    data: bytes, *, weights_only: bool, pickle_module: ModuleType | None, encoding: str, **kwargs: Any
+) -> Any:
+    """An unpickler for ``data.pkl``; the caller sets ``persistent_load``."""
+    f = io.BytesIO(data)
+    if weights_only:
+        from torch import _weights_only_unpickler
+
+        return _weights_only_unpickler.Unpickler(f, encoding=encoding)
+    if pickle_module is None or pickle_module is pickle:
+        return _FullUnpickler(f, encoding=encoding, **kwargs)
+    base: Any = pickle_module.Unpickler
+
+    class _Custom(base):  # type: ignore[misc, valid-type]
+        def find_class(self, module: str, name: str) -> Any:
+            if type(name) is str and "Storage" in name:
+                try:
+                    return torch.serialization.StorageType(name)
+                except KeyError:
+                    pass
+            return super().find_class(_MODULE_RENAMES.get(module, module), name)
+
+    return _Custom(f, encoding=encoding, **kwargs)
+
+
+def restore_location_fn(map_location: Any) -> Any:
+    """``map_location`` (None, str, device, dict or callable) as a function
+    ``(storage, location) -> storage``, with torch's semantics."""
+    restore = torch.serialization.default_restore_location
+    if map_location is None:
+        return restore
+    if isinstance(map_location, dict):
+        return lambda s, loc: restore(s, map_location.get(loc, loc))
+    if isinstance(map_location, (str, bytes)):
+        target = map_location.decode() if isinstance(map_location, bytes) else map_location
+        return lambda s, loc: restore(s, target)
+    if isinstance(map_location, torch.device):
+        target = str(map_location)
+        return lambda s, loc: restore(s, target)
+    if callable(map_location):
+
+        def call(s: Any, loc: str) -> Any:
+            r = map_location(s, loc)
+            return restore(s, loc) if r is None else r
+
+        return call
+    raise TypeError(f"map_location must be None, a str, a torch.device, a dict or a callable, not {map_location!r}")
+
+
+def tensor_paths(obj: Any, limit: int = 1_000_000) -> list[tuple[list[str | int], torch.Tensor]]:
+    """Where each tensor sits in nested dicts, lists and tuples (for the manifest)."""
+    out: list[tuple[list[str | int], torch.Tensor]] = []
+    stack: list[tuple[list[str | int], Any]] = [([], obj)]
+    seen: set[int] = set()
+    while stack and len(out) < limit:
+        path, o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            out.append((path, o))
+            continue
+        if id(o) in seen:
+            continue
+        if isinstance(o, dict):
+            seen.add(id(o))
+            items = [(k if isinstance(k, (str, int)) else repr(k), v) for k, v in o.items()]
+        elif isinstance(o, (list, tuple)):
+            seen.add(id(o))
+            items = list(enumerate(o))
+        else:
+            continue
+        for k, v in reversed(items):
+            stack.append(([*path, k], v))
+    return out

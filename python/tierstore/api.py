@@ -1,0 +1,612 @@
+"""``tierstore.save`` and ``tierstore.load``: drop-in ``torch.save`` / ``torch.load``.
+
+The file is the zip archive ``torch.save`` writes (``data.pkl`` plus one record
+per storage), with each record's data aligned to 4096 bytes, correct CRC-32s,
+and a manifest record that ``torch.load`` ignores. Writes go through the Rust
+engine (io_uring, O_DIRECT, many requests in flight, fsync, atomic rename);
+reads land directly in the memory that becomes each tensor's storage.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import struct
+import sys
+import warnings
+import zlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import IO, Any
+
+import torch
+
+from tierstore import _core, _pickle, _progress, manifest
+from tierstore._engine import get_engine
+from tierstore.errors import (
+    ChecksumError,
+    CorruptFileError,
+    FormatError,
+    ManifestError,
+    MissingRecordError,
+    NotAContainerError,
+    TierstoreError,
+    UnsafeObjectError,
+)
+
+__all__ = ["load", "save"]
+
+FileLike = str | os.PathLike[str] | IO[bytes]
+MapLocation = None | str | torch.device | dict[str, str] | Callable[[Any, str], Any]
+
+DEFAULT_ALIGN = 4096
+_STREAM_CHUNK = 8 << 20
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_LOCAL_SIG = 0x04034B50
+
+
+def _is_path(f: Any) -> bool:
+    return isinstance(f, (str, os.PathLike))
+
+
+def _archive_name(f: Any) -> str:
+    """The prefix of every record name, as torch derives it from the file name."""
+    if not _is_path(f):
+        return "archive"
+    stem = os.path.splitext(os.path.basename(os.fspath(f)))[0]
+    clean = "".join(c if (c.isascii() and (c.isalnum() or c in "._-")) else "_" for c in stem)
+    return clean or "archive"
+
+
+def _small_records(byteorder: bool, align: int) -> list[tuple[str, bytes]]:
+    recs = [
+        (".format_version", b"1"),
+        (".storage_alignment", str(align).encode()),
+    ]
+    if byteorder:
+        recs.append(("byteorder", sys.byteorder.encode()))
+    recs.append(("version", b"3\n"))
+    serial = "".join(str(random.randrange(10)) for _ in range(40))
+    recs.append((".data/serialization_id", serial.encode()))
+    return recs
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensor_entries(obj: Any, collector: _pickle.StorageCollector) -> list[dict[str, Any]]:
+    out = []
+    for path, t in _pickle.tensor_paths(obj):
+        if t.layout != torch.strided or t.is_quantized or t.is_nested:
+            continue
+        try:
+            key = collector.key_of(t.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            continue
+        if key is None:
+            continue
+        out.append(
+            {
+                "path": path,
+                "record": f"data/{key}",
+                "dtype": _dtype_name(t.dtype),
+                "shape": list(t.shape),
+                "stride": list(t.stride()),
+                "storage_offset": t.storage_offset(),
+                "layout": None,
+            }
+        )
+    return out
+
+
+def _host_storages(collector: _pickle.StorageCollector) -> list[tuple[str, torch.UntypedStorage]]:
+    """Each storage on the host (device storages are copied; meta ones refused)."""
+    out = []
+    for key, s in collector.storages.items():
+        st = s.storage
+        if st.device.type == "meta":
+            raise TierstoreError(f"cannot save the data of meta storage data/{key}: it has none")
+        if st.device.type != "cpu":
+            st = st.cpu()
+        out.append((key, st))
+    return out
+
+
+def save(
+    obj: Any,
+    f: FileLike,
+    pickle_module: ModuleType | None = None,
+    pickle_protocol: int = _pickle.DEFAULT_PROTOCOL,
+    _use_new_zipfile_serialization: bool = True,
+    _disable_byteorder_record: bool = False,
+    *,
+    durable: bool = True,
+    progress: bool | None = False,
+    align: int = DEFAULT_ALIGN,
+) -> None:
+    """Saves ``obj`` to ``f`` like ``torch.save``, at the disk's speed.
+
+    ``f`` is a path or a writable binary file object (written front to back,
+    a slower path). A path is replaced atomically: the data goes to a
+    temporary file in the same directory, which is fsynced and renamed over
+    ``f`` (and the directory fsynced) only when complete, so a crash leaves
+    either the old file or the new one. ``durable=False`` skips the fsyncs.
+    ``progress`` shows a progress bar (``None``: when stderr is a terminal).
+    """
+    if not _use_new_zipfile_serialization:
+        # The legacy pre-1.6 format is torch's alone.
+        torch.save(obj, f, pickle_module or pickle, pickle_protocol, _use_new_zipfile_serialization=False)
+        return
+    if align & (align - 1) or not 64 <= align <= 32768:
+        raise ValueError(f"align must be a power of two between 64 and 32768, got {align}")
+    data_pkl, collector = _pickle.dumps(obj, pickle_module, pickle_protocol)
+    storages = _host_storages(collector)
+    tensors = _tensor_entries(obj, collector)
+    prefix = _archive_name(f)
+    small = _small_records(not _disable_byteorder_record, align)
+    if _is_path(f):
+        _save_path(os.fspath(f), prefix, data_pkl, storages, small, tensors, collector, durable, progress, align)
+    elif hasattr(f, "write"):
+        _save_stream(f, prefix, data_pkl, storages, small, tensors, collector, align)  # type: ignore[arg-type]
+    else:
+        raise TypeError(f"f must be a path or a writable binary file object, not {type(f).__name__}")
+
+
+def _manifest_bytes(
+    prefix: str,
+    entries: list[tuple[str, int, int, int, int | None]],
+    crcs: dict[str, int],
+    collector: _pickle.StorageCollector,
+    tensors: list[dict[str, Any]],
+    align: int,
+) -> bytes:
+    from tierstore import __version__
+
+    records = []
+    cut = len(prefix) + 1
+    for name, _hdr, data_off, size, _crc in entries:
+        rel = name[cut:]
+        rec: dict[str, Any] = {"name": rel, "offset": data_off, "size": size, "crc32": crcs[name]}
+        if rel.startswith("data/"):
+            s = collector.storages[rel[5:]]
+            rec.update(
+                kind="storage", dtype=_dtype_name(s.dtype), numel=s.numel, location=s.location, codec="raw",
+                delta_base=None,
+            )
+        else:
+            rec["kind"] = "pickle" if rel == "data.pkl" else "meta"
+        records.append(rec)
+    return manifest.build(
+        archive=prefix,
+        alignment=align,
+        records=records,
+        tensors=tensors,
+        writer=f"tierstore {__version__}",
+        torch_version=torch.__version__,
+    )
+
+
+def _save_path(
+    path: str,
+    prefix: str,
+    data_pkl: bytes,
+    storages: list[tuple[str, torch.UntypedStorage]],
+    small: list[tuple[str, bytes]],
+    tensors: list[dict[str, Any]],
+    collector: _pickle.StorageCollector,
+    durable: bool,
+    progress: bool | None,
+    align: int,
+) -> None:
+    engine = get_engine()
+    w = _core.create_writer(engine, path, align=align, durable=durable)
+    try:
+        for key, st in storages:
+            name = f"{prefix}/data/{key}"
+            n = st.nbytes()
+            if n == 0:
+                w.add_bytes(name, b"")
+            else:
+                w.add_memory(name, st.data_ptr(), n, st)
+        total = sum(st.nbytes() for _, st in storages)
+        with _progress.bar(_progress.wanted(progress) and total > 0, f"saving {path}") as cb:
+            w.write_data(cb)
+        crcs = {e[0]: e[4] for e in w.entries() if e[4] is not None}
+        for name, data in [("data.pkl", data_pkl), *small]:
+            full = f"{prefix}/{name}"
+            w.add_bytes(full, data)
+            crcs[full] = zlib.crc32(data)
+        m = _manifest_bytes(prefix, w.entries(), crcs, collector, tensors, align)
+        w.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", m)
+        w.commit()
+    except BaseException:
+        w.abort()
+        raise
+
+
+def _save_stream(
+    f: IO[bytes],
+    prefix: str,
+    data_pkl: bytes,
+    storages: list[tuple[str, torch.UntypedStorage]],
+    small: list[tuple[str, bytes]],
+    tensors: list[dict[str, Any]],
+    collector: _pickle.StorageCollector,
+    align: int,
+) -> None:
+    s = _core.Stream(align=align, chunk_bytes=_STREAM_CHUNK, threads=get_engine().info()["cpu_threads"])
+    for key, st in storages:
+        name = f"{prefix}/data/{key}"
+        n = st.nbytes()
+        if n == 0:
+            s.add_bytes(name, b"")
+        else:
+            s.add_memory(name, st.data_ptr(), n, st)
+    for name, data in [("data.pkl", data_pkl), *small]:
+        s.add_bytes(f"{prefix}/{name}", data)
+    crcs = dict(zip((e[0] for e in s.entries()), s.checksums(), strict=True))
+    m = _manifest_bytes(prefix, s.entries(), crcs, collector, tensors, align)
+    s.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", m)
+    while (chunk := s.next_chunk()) is not None:
+        f.write(chunk)
+    flush = getattr(f, "flush", None)
+    if flush is not None:
+        flush()
+
+
+# ----------------------------------------------------------------------------
+# Loading
+
+
+class _Archive:
+    """The directory of an archive: record name (without prefix) -> entry."""
+
+    def __init__(self, path: str, entries: list[tuple[str, int, int, int, int, int]], cd_offset: int, file_len: int):
+        self.path = path
+        self.cd_offset = cd_offset
+        self.file_len = file_len
+        if not entries:
+            raise MissingRecordError(f"{path}: missing record 'data.pkl' (the archive is empty)", path=path)
+        first = entries[0][0]
+        self.prefix = first.split("/", 1)[0] if "/" in first else ""
+        cut = len(self.prefix) + 1 if self.prefix else 0
+        self.records: dict[str, tuple[int, int, int, int, int]] = {}
+        for name, crc, size, csize, method, hdr in entries:
+            if cut and not name.startswith(self.prefix + "/"):
+                raise CorruptFileError(
+                    f"{path}: record '{name}' is outside the archive folder '{self.prefix}/'", path=path, record=name
+                )
+            self.records[name[cut:]] = (crc, size, csize, method, hdr)
+
+    def full(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}" if self.prefix else rel
+
+
+def _load_small(path: str, offset: int, size: int, what: str) -> bytes:
+    data: bytes = _core.read_small(path, offset, size, what)
+    return data
+
+
+def _check_crc(path: str, record: str, data: Any, expected: int) -> None:
+    actual = zlib.crc32(data)
+    if actual != expected:
+        raise ChecksumError(
+            f"{path}: record '{record}': checksum mismatch (stored crc32 {expected:08x}, computed {actual:08x}); "
+            "the record is damaged",
+            path=path,
+            record=record,
+        )
+
+
+def _local_data_offset(path: str, arch: _Archive, rel: str, header: bytes) -> int:
+    crc, size, csize, method, hdr = arch.records[rel]
+    if len(header) < 30:
+        raise TruncatedFileErrorAt(path, rel)
+    sig, _v, _fl, _m, _t, _d, _c, _cs, _us, nlen, xlen = _LOCAL_HEADER.unpack_from(header)
+    if sig != _LOCAL_SIG:
+        raise CorruptFileError(f"{path}: record '{arch.full(rel)}': no local file header at offset {hdr}",
+                               path=path, record=arch.full(rel))
+    return int(hdr + 30 + nlen + xlen)
+
+
+def TruncatedFileErrorAt(path: str, rel: str) -> FormatError:  # noqa: N802
+    from tierstore.errors import TruncatedFileError
+
+    return TruncatedFileError(f"{path}: truncated file: record '{rel}' is cut short", path=path, record=rel)
+
+
+def _read_manifest(path: str, arch: _Archive) -> dict[str, Any] | None:
+    rel = manifest.MANIFEST_NAME
+    if rel not in arch.records:
+        return None
+    crc, size, _csize, _method, hdr = arch.records[rel]
+    if size > manifest.MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{path}: record '{arch.full(rel)}': absurd size {size}", path=path, record=rel)
+    probe = min(30 + len(arch.full(rel)) + 512, arch.cd_offset - hdr)
+    off = _local_data_offset(path, arch, rel, _load_small(path, hdr, probe, "manifest header"))
+    if off + size > arch.cd_offset:
+        raise ManifestError(f"{path}: record '{arch.full(rel)}' runs past the record area", path=path, record=rel)
+    data = _load_small(path, off, size, "manifest")
+    _check_crc(path, arch.full(rel), data, crc)
+    m = manifest.parse(data, path, arch.file_len)
+    return m
+
+
+def _record_offsets(path: str, arch: _Archive, m: dict[str, Any] | None) -> dict[str, int]:
+    """Data offset of every record: from the manifest (checked against the
+    directory) or from the local headers."""
+    if m is None:
+        offs = _core.data_offsets(path)
+        return {rel: off for rel, off in zip(arch.records, offs, strict=True)}
+    out: dict[str, int] = {}
+    for r in m["records"]:
+        rel = r["name"]
+        ent = arch.records.get(rel)
+        if ent is None:
+            raise ManifestError(
+                f"{path}: record '{manifest.MANIFEST_NAME}': lists record '{rel}', which the archive lacks",
+                path=path, record=manifest.MANIFEST_NAME,
+            )
+        crc, size, _cs, _m, _hdr = ent
+        if r["size"] != size or r["crc32"] != crc:
+            raise ManifestError(
+                f"{path}: record '{manifest.MANIFEST_NAME}': entry for '{rel}' (size {r['size']}, crc32 "
+                f"{r['crc32']:08x}) disagrees with the zip directory (size {size}, crc32 {crc:08x})",
+                path=path, record=manifest.MANIFEST_NAME,
+            )
+        out[rel] = r["offset"]
+    _core.check_offsets(path, [(arch.full(rel), off) for rel, off in out.items()])
+    missing = [rel for rel in arch.records if rel not in out and rel != manifest.MANIFEST_NAME]
+    if missing:
+        offs = _core.data_offsets(path)
+        all_off = dict(zip(arch.records, offs, strict=True))
+        for rel in missing:
+            out[rel] = all_off[rel]
+    return out
+
+
+def _is_legacy_torch(head: bytes) -> bool:
+    # Pre-1.6 torch files are a sequence of pickles (protocol 2 starts with
+    # 0x80 0x02), or a tar archive from even older versions.
+    return head[:1] == b"\x80" or head[257:262] == b"ustar"
+
+
+def _resolve_weights_only(weights_only: bool | None, pickle_module: ModuleType | None) -> bool:
+    if weights_only is None:
+        true_values = ("1", "y", "yes", "true")
+        if os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in true_values:
+            return False
+        weights_only = pickle_module is None
+    if os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true"):
+        weights_only = True
+    if weights_only and pickle_module is not None:
+        raise RuntimeError("Can not safely load weights when explicit pickle_module is specified")
+    return bool(weights_only)
+
+
+def load(
+    f: FileLike,
+    map_location: MapLocation = None,
+    pickle_module: ModuleType | None = None,
+    *,
+    weights_only: bool | None = None,
+    mmap: bool | None = None,
+    verify: bool = True,
+    progress: bool | None = False,
+    **pickle_load_args: Any,
+) -> Any:
+    """Loads an object saved by ``tierstore.save`` or ``torch.save``, like ``torch.load``.
+
+    ``map_location`` (a string, ``torch.device``, dict or callable),
+    ``weights_only`` (default True: only tensors, primitive types and the
+    globals allowed by ``torch.serialization.add_safe_globals``) and ``mmap``
+    behave as in ``torch.load``. Every record's CRC-32 is checked unless
+    ``verify=False``; a damaged record raises ``ChecksumError`` naming it.
+    Files in torch's legacy pre-1.6 format are handed to ``torch.load``.
+    """
+    weights_only = _resolve_weights_only(weights_only, pickle_module)
+    if pickle_load_args and weights_only:
+        warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
+    encoding = pickle_load_args.pop("encoding", "utf-8")
+    opts = dict(map_location=map_location, pickle_module=pickle_module, weights_only=weights_only,
+                encoding=encoding, pickle_load_args=pickle_load_args)
+    if _is_path(f):
+        return _load_path(os.fspath(f), bool(mmap), verify, progress, opts)
+    if mmap:
+        raise ValueError("f must be a file path in order to use the mmap argument")
+    if not hasattr(f, "read"):
+        raise TypeError(f"f must be a path or a readable binary file object, not {type(f).__name__}")
+    return _load_stream(f, verify, opts)  # type: ignore[arg-type]
+
+
+def _hand_to_torch(src: Any, opts: dict[str, Any], mmap: bool) -> Any:
+    kwargs = dict(opts["pickle_load_args"])
+    kwargs["encoding"] = opts["encoding"]
+    if opts["pickle_module"] is not None:
+        kwargs["pickle_module"] = opts["pickle_module"]
+    return torch.load(src, map_location=opts["map_location"], weights_only=opts["weights_only"],
+                      mmap=mmap or None, **kwargs)
+
+
+def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts: dict[str, Any]) -> Any:
+    try:
+        entries, cd_offset, file_len = _core.read_directory(path)
+    except NotAContainerError:
+        with open(path, "rb") as fh:
+            head = fh.read(512)
+        if _is_legacy_torch(head):
+            return _hand_to_torch(path, opts, mmap)
+        raise
+    arch = _Archive(path, entries, cd_offset, file_len)
+    if "data.pkl" not in arch.records:
+        if "constants.pkl" in arch.records:  # TorchScript: torch.load dispatches it
+            return _hand_to_torch(path, opts, mmap)
+        raise MissingRecordError(f"{path}: missing record '{arch.full('data.pkl')}'", path=path,
+                                 record=arch.full("data.pkl"))
+    for rel, (_crc, size, csize, method, _h) in arch.records.items():
+        if method != 0 or csize != size:
+            raise CorruptFileError(
+                f"{path}: record '{arch.full(rel)}' is compressed (method {method}); torch and tierstore "
+                "archives store records uncompressed", path=path, record=arch.full(rel))
+    m = _read_manifest(path, arch)
+    offsets = _record_offsets(path, arch, m)
+    crc, size, *_ = arch.records["data.pkl"]
+    data_pkl = _load_small(path, offsets["data.pkl"], size, "data.pkl")
+    if verify:
+        _check_crc(path, arch.full("data.pkl"), data_pkl, crc)
+    byteorder = _byteorder(arch, offsets, lambda off, n: _load_small(path, off, n, "byteorder"))
+    keys = [rel[5:] for rel in arch.records if rel.startswith("data/")]
+    storages: dict[str, torch.UntypedStorage] = {}
+    if mmap:
+        overall = torch.UntypedStorage.from_file(path, False, file_len)
+        for k in keys:
+            off = offsets[f"data/{k}"]
+            storages[k] = overall[off : off + arch.records[f"data/{k}"][1]]
+        if verify:
+            regions = [(storages[k].data_ptr(), storages[k].nbytes()) for k in keys]
+            got = _core.crc32_regions(regions, get_engine().info()["cpu_threads"])
+            for k, c in zip(keys, got, strict=True):
+                exp = arch.records[f"data/{k}"][0]
+                if c != exp:
+                    raise ChecksumError(
+                        f"{path}: record '{arch.full('data/' + k)}': checksum mismatch (stored crc32 {exp:08x}, "
+                        f"computed {c:08x}); the record is damaged", path=path, record=arch.full("data/" + k))
+    else:
+        specs = [
+            (arch.full(f"data/{k}"), offsets[f"data/{k}"], arch.records[f"data/{k}"][1],
+             arch.records[f"data/{k}"][0] if verify else None)
+            for k in keys
+        ]
+        total = sum(s[2] for s in specs)
+        with _progress.bar(_progress.wanted(progress) and total > 0, f"loading {path}") as cb:
+            bufs = _core.read_records(get_engine(), path, specs, verify=verify, progress=cb)
+        for k, b in zip(keys, bufs, strict=True):
+            storages[k] = (
+                torch.frombuffer(b, dtype=torch.uint8).untyped_storage() if len(b) else torch.UntypedStorage(0)
+            )
+    return _unpickle(path, data_pkl, storages, byteorder, opts)
+
+
+def _byteorder(arch: _Archive, offsets: dict[str, int], read: Callable[[int, int], bytes]) -> str:
+    if "byteorder" not in arch.records:
+        return "little"
+    size = arch.records["byteorder"][1]
+    if size > 16:
+        raise CorruptFileError(f"{arch.path}: record 'byteorder' is {size} bytes long", path=arch.path,
+                               record="byteorder")
+    v = read(offsets["byteorder"], size)
+    if v not in (b"little", b"big"):
+        raise CorruptFileError(f"{arch.path}: record 'byteorder' holds {v!r}, expected 'little' or 'big'",
+                               path=arch.path, record="byteorder")
+    return v.decode()
+
+
+def _load_stream(f: IO[bytes], verify: bool, opts: dict[str, Any]) -> Any:
+    name = str(getattr(f, "name", "<stream>"))
+    buf = bytearray(f.read())
+    try:
+        entries, cd_offset, file_len = _core.read_directory_bytes(buf, name)
+    except NotAContainerError:
+        if _is_legacy_torch(bytes(buf[:512])):
+            import io
+
+            return _hand_to_torch(io.BytesIO(buf), opts, False)
+        raise
+    arch = _Archive(name, entries, cd_offset, file_len)
+    if "data.pkl" not in arch.records:
+        raise MissingRecordError(f"{name}: missing record '{arch.full('data.pkl')}'", path=name,
+                                 record=arch.full("data.pkl"))
+    offs = _core.data_offsets_bytes(buf, name)
+    offsets = dict(zip(arch.records, offs, strict=True))
+    view = memoryview(buf)
+
+    def rec(rel: str) -> memoryview:
+        off = offsets[rel]
+        return view[off : off + arch.records[rel][1]]
+
+    if verify:
+        for rel, (crc, *_rest) in arch.records.items():
+            _check_crc(name, arch.full(rel), rec(rel), crc)
+    data_pkl = bytes(rec("data.pkl"))
+    byteorder = _byteorder(arch, offsets, lambda off, n: bytes(view[off : off + n]))
+    storages: dict[str, torch.UntypedStorage] = {}
+    for rel in arch.records:
+        if rel.startswith("data/"):
+            n = arch.records[rel][1]
+            storages[rel[5:]] = (
+                torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offsets[rel]).untyped_storage()
+                if n else torch.UntypedStorage(0)
+            )
+    return _unpickle(name, data_pkl, storages, byteorder, opts)
+
+
+def _unpickle(
+    path: str, data_pkl: bytes, storages: dict[str, torch.UntypedStorage], byteorder: str, opts: dict[str, Any]
+) -> Any:
+    restore = _pickle.restore_location_fn(opts["map_location"])
+    loaded: dict[str, torch.storage.TypedStorage] = {}
+
+    def persistent_load(saved_id: Any) -> Any:
+        if not isinstance(saved_id, tuple) or len(saved_id) != 5:
+            raise CorruptFileError(f"{path}: record 'data.pkl': bad persistent id {saved_id!r:.100}",
+                                   path=path, record="data.pkl")
+        typename, storage_type, key, location, numel = saved_id
+        if isinstance(typename, bytes):
+            typename = typename.decode("ascii")
+        if typename != "storage":
+            raise CorruptFileError(f"{path}: record 'data.pkl': unknown persistent id type {typename!r}",
+                                   path=path, record="data.pkl")
+        if isinstance(location, bytes):
+            location = location.decode("ascii")
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        nbytes = numel * dtype.itemsize
+        typed = loaded.get(key)
+        if typed is not None and typed.dtype == dtype:
+            return typed
+        raw = storages.get(key)
+        if raw is None:
+            raise MissingRecordError(f"{path}: missing record 'data/{key}' (referenced by data.pkl)",
+                                     path=path, record=f"data/{key}")
+        if raw.nbytes() < nbytes:
+            raise CorruptFileError(
+                f"{path}: record 'data/{key}' holds {raw.nbytes()} bytes but data.pkl expects {nbytes}",
+                path=path, record=f"data/{key}")
+        if raw.nbytes() > nbytes:
+            raw = raw[:nbytes]
+        if byteorder != sys.byteorder:
+            raw.byteswap(dtype)
+        typed = torch.storage.TypedStorage(wrap_storage=restore(raw, location), dtype=dtype, _internal=True)
+        if key not in loaded:
+            loaded[key] = typed
+        return typed
+
+    up = _pickle.unpickler(data_pkl, weights_only=opts["weights_only"], pickle_module=opts["pickle_module"],
+                           encoding=opts["encoding"], **opts["pickle_load_args"])
+    up.persistent_load = persistent_load
+    tls = getattr(torch.serialization, "_serialization_tls", None)
+    if tls is not None:
+        tls.map_location = opts["map_location"]
+    try:
+        result = up.load()
+    except pickle.UnpicklingError as e:
+        if opts["weights_only"]:
+            raise UnsafeObjectError(
+                f"{path}: weights_only=True refused to load this file: {e}\n"
+                "If you trust the file, allow the global(s) named above with "
+                "torch.serialization.add_safe_globals([...]) or the torch.serialization.safe_globals([...]) "
+                "context manager, or load with weights_only=False (which can run arbitrary code).",
+                path=path,
+            ) from None
+        raise
+    finally:
+        if tls is not None:
+            tls.map_location = None
+    validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
+    if validate is not None:
+        try:
+            validate(weights_only=opts["weights_only"])
+        except TypeError:
+            validate()
+    return result

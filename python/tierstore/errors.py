@@ -1,0 +1,181 @@
+"""Errors raised by tierstore.
+
+Every error is a :class:`TierstoreError` and also the builtin exception that
+fits, so existing ``except FileNotFoundError`` or ``except ValueError`` code keeps
+working. Each carries ``path`` (the file) and ``record`` (the record inside it,
+when one is concerned), and its message names both::
+
+    TierstoreError
+    ├── NotFoundError            (FileNotFoundError)  missing file or directory
+    ├── DirectoryError           (IsADirectoryError)  a directory where a file is expected
+    ├── PermissionDeniedError    (PermissionError)    read-only directory, no access
+    ├── NoSpaceError             (OSError)            disk full during a save
+    ├── StorageIOError           (OSError)            any other I/O failure
+    ├── FormatError              (ValueError)         the file's contents are wrong
+    │   ├── NotAContainerError                        not a zip archive at all
+    │   ├── TruncatedFileError                        cut short
+    │   ├── CorruptFileError                          inconsistent structure
+    │   │   └── ManifestError                         a bad tierstore manifest
+    │   ├── MissingRecordError                        a record the file needs is absent
+    │   └── ChecksumError                             bytes differ from their checksum
+    └── UnsafeObjectError        (pickle.UnpicklingError)  refused by weights_only=True
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import pickle
+from typing import Any
+
+__all__ = [
+    "ChecksumError",
+    "CorruptFileError",
+    "DirectoryError",
+    "FormatError",
+    "ManifestError",
+    "MissingRecordError",
+    "NoSpaceError",
+    "NotAContainerError",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "StorageIOError",
+    "TierstoreError",
+    "TruncatedFileError",
+    "UnsafeObjectError",
+]
+
+
+class TierstoreError(Exception):
+    """Base class of every tierstore error."""
+
+    path: str | None = None
+    record: str | None = None
+
+    def _locate(self, path: str | None, record: str | None) -> None:
+        self.path = path
+        self.record = record
+
+
+class _OSErrorMixin(TierstoreError, OSError):
+    def __init__(
+        self, message: str, *, path: str | None = None, record: str | None = None, errno: int | None = None
+    ) -> None:
+        if errno is not None:
+            OSError.__init__(self, errno, message)
+        else:
+            OSError.__init__(self, message)
+        self._locate(path, record)
+        # OSError.filename feeds the standard "[Errno N] msg: 'file'" form;
+        # our message already names the file, so leave it unset.
+
+    def __str__(self) -> str:
+        return str(self.strerror if self.strerror is not None else self.args[0])
+
+
+class NotFoundError(_OSErrorMixin, FileNotFoundError):
+    """A file or directory does not exist."""
+
+
+class DirectoryError(_OSErrorMixin, IsADirectoryError):
+    """A directory was given where a file is expected."""
+
+
+class PermissionDeniedError(_OSErrorMixin, PermissionError):
+    """The file or directory cannot be written or read (e.g. read-only)."""
+
+
+class NoSpaceError(_OSErrorMixin):
+    """The disk filled up during a save; the previous file is untouched."""
+
+
+class StorageIOError(_OSErrorMixin):
+    """Any other operating-system I/O failure."""
+
+
+class _ValueErrorMixin(TierstoreError, ValueError):
+    def __init__(self, message: str, *, path: str | None = None, record: str | None = None) -> None:
+        ValueError.__init__(self, message)
+        self._locate(path, record)
+
+
+class FormatError(_ValueErrorMixin):
+    """The file's contents are not what a tierstore or torch file holds."""
+
+
+class NotAContainerError(FormatError):
+    """The file is not a zip archive (nor a legacy torch file)."""
+
+
+class TruncatedFileError(FormatError):
+    """The file ends before the data its directory describes."""
+
+
+class CorruptFileError(FormatError):
+    """A structure inside the file is inconsistent."""
+
+
+class ManifestError(CorruptFileError):
+    """The tierstore manifest is malformed or disagrees with the archive."""
+
+
+class MissingRecordError(FormatError):
+    """A record the file needs is absent."""
+
+
+class ChecksumError(FormatError):
+    """A record's bytes do not match its stored checksum."""
+
+
+class UnsafeObjectError(TierstoreError, pickle.UnpicklingError):
+    """``weights_only=True`` refused an object outside the allow-list."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        pickle.UnpicklingError.__init__(self, message)
+        self._locate(path, None)
+
+
+_OS_ERRORS: dict[int, type[_OSErrorMixin]] = {
+    _errno.ENOENT: NotFoundError,
+    _errno.ENOTDIR: NotFoundError,
+    _errno.EISDIR: DirectoryError,
+    _errno.EACCES: PermissionDeniedError,
+    _errno.EPERM: PermissionDeniedError,
+    _errno.EROFS: PermissionDeniedError,
+    _errno.ENOSPC: NoSpaceError,
+    _errno.EDQUOT: NoSpaceError,
+}
+
+_FORMAT_ERRORS: dict[str, type[FormatError]] = {
+    "not_a_container": NotAContainerError,
+    "truncated": TruncatedFileError,
+    "corrupt": CorruptFileError,
+    "checksum": ChecksumError,
+    "missing_record": MissingRecordError,
+}
+
+
+def _from_engine(
+    kind: str, message: str, path: str | None, record: str | None, errno: int | None
+) -> BaseException:
+    """Builds the exception for an engine error (called by ``tierstore._core``)."""
+    if kind == "io":
+        cls = _OS_ERRORS.get(errno or 0, StorageIOError)
+        return cls(message, path=path, record=record, errno=errno)
+    if kind == "cancelled":
+        return KeyboardInterrupt(message)
+    fcls = _FORMAT_ERRORS.get(kind)
+    if fcls is not None:
+        return fcls(message, path=path, record=record)
+    err = TierstoreError(message)
+    err._locate(path, record)
+    return err
+
+
+def os_error(exc: OSError, path: str, action: str) -> TierstoreError:
+    """Wraps an ``OSError`` raised by Python code into the hierarchy."""
+    cls = _OS_ERRORS.get(exc.errno or 0, StorageIOError)
+    return cls(f"{path}: {action}: {exc.strerror or exc}", path=path, errno=exc.errno)
+
+
+def _describe(obj: Any) -> str:
+    return type(obj).__module__ + "." + type(obj).__qualname__

@@ -1,0 +1,182 @@
+//! Reading containers: the zip directory, small records, and record data
+//! straight into aligned buffers.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use tierstore_core::file::{EngineFile, FileSource};
+use tierstore_core::io::Class;
+use tierstore_core::reader::{self, ReadSpec};
+use tierstore_core::task::TaskState;
+use tierstore_core::zip::{self, Directory};
+
+use crate::buffer::Buffer;
+use crate::engine::PyEngine;
+use crate::errors::IntoPy;
+use crate::wait::wait_task;
+
+/// One central-directory entry: (name, crc32, size, compressed_size, method, header_offset).
+type EntryTuple = (String, u32, u64, u64, u16, u64);
+
+fn entries(dir: &Directory) -> Vec<EntryTuple> {
+    dir.entries
+        .iter()
+        .map(|e| (e.name.clone(), e.crc, e.size, e.compressed_size, e.method, e.header_offset))
+        .collect()
+}
+
+/// Reads and validates the zip directory of `path`.
+/// Returns (entries, central_directory_offset, file_length).
+#[pyfunction]
+fn read_directory(py: Python<'_>, path: PathBuf) -> PyResult<(Vec<EntryTuple>, u64, u64)> {
+    let dir = py
+        .detach(|| FileSource::open(&path).and_then(|src| zip::read_directory(&src, &path)))
+        .py_err(py)?;
+    Ok((entries(&dir), dir.cd_offset, dir.file_len))
+}
+
+/// Views any object with the buffer protocol (bytes, bytearray, memoryview) as bytes.
+fn with_bytes<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(&[u8]) -> R) -> PyResult<R> {
+    let pb = PyBuffer::<u8>::get(obj)?;
+    if !pb.is_c_contiguous() {
+        return Err(pyo3::exceptions::PyValueError::new_err("expected a contiguous buffer"));
+    }
+    let len = pb.len_bytes();
+    let data: &[u8] = if len == 0 {
+        &[]
+    } else {
+        // SAFETY: the buffer is contiguous, `len` bytes long, and `pb` keeps
+        // the exporter alive (and its memory pinned) until it is dropped after `f`.
+        unsafe { std::slice::from_raw_parts(pb.buf_ptr().cast::<u8>(), len) }
+    };
+    Ok(f(data))
+}
+
+/// Same as `read_directory`, for an archive held in memory (`name` is used in messages).
+#[pyfunction]
+fn read_directory_bytes(py: Python<'_>, data: &Bound<'_, PyAny>, name: PathBuf) -> PyResult<(Vec<EntryTuple>, u64, u64)> {
+    let dir = with_bytes(data, |d| zip::read_directory(d, &name))?.py_err(py)?;
+    Ok((entries(&dir), dir.cd_offset, dir.file_len))
+}
+
+/// Data offsets of the given entries of an in-memory archive, from their local headers.
+#[pyfunction]
+fn data_offsets_bytes(py: Python<'_>, data: &Bound<'_, PyAny>, name: PathBuf) -> PyResult<Vec<u64>> {
+    with_bytes(data, |data| {
+        let dir = zip::read_directory(data, &name)?;
+        dir.entries
+            .iter()
+            .map(|e| {
+                let start = e.header_offset as usize;
+                let end = (e.header_offset + zip::local_header_probe_len(e.name.len())).min(dir.cd_offset) as usize;
+                zip::data_offset_from_local(&data[start..end], e, &dir, &name)
+            })
+            .collect::<Result<Vec<_>, _>>()
+    })?
+    .py_err(py)
+}
+
+/// Checks that `[data_offset, +size)` of the named entry fits in the archive
+/// (used to validate offsets that a manifest states).
+#[pyfunction]
+fn check_offsets(py: Python<'_>, path: PathBuf, offsets: Vec<(String, u64)>) -> PyResult<()> {
+    let dir = py
+        .detach(|| FileSource::open(&path).and_then(|src| zip::read_directory(&src, &path)))
+        .py_err(py)?;
+    let by_name: std::collections::HashMap<&str, &zip::CdEntry> =
+        dir.entries.iter().map(|e| (e.name.as_str(), e)).collect();
+    for (name, off) in offsets {
+        let Some(e) = by_name.get(name.as_str()) else {
+            return Err(crate::errors::to_pyerr(
+                py,
+                tierstore_core::Error::MissingRecord { path: path.clone(), record: name },
+            ));
+        };
+        zip::check_data_range(e, off, &dir, &path).py_err(py)?;
+    }
+    Ok(())
+}
+
+/// `len` bytes at `offset` of `path`, read through the page cache.
+#[pyfunction]
+fn read_small<'py>(py: Python<'py>, path: PathBuf, offset: u64, len: u64, what: &str) -> PyResult<Bound<'py, PyBytes>> {
+        let v = py
+            .detach(|| EngineFile::open_read(&path, false).and_then(|f| f.read_small(offset, len, what)))
+            .py_err(py)?;
+        Ok(PyBytes::new(py, &v))
+    }
+
+/// Data offsets of every entry of `path`, from the local headers.
+#[pyfunction]
+fn data_offsets(py: Python<'_>, path: PathBuf) -> PyResult<Vec<u64>> {
+        let threads = 16;
+        py.detach(|| {
+            let f = EngineFile::open_read(&path, false)?;
+            let src = FileSource::open(&path)?;
+            let dir = zip::read_directory(&src, &path)?;
+            reader::resolve_data_offsets(&f, &dir, threads)
+        })
+        .py_err(py)
+    }
+
+    /// Reads records of `path` into new aligned buffers, one per spec
+    /// `(name, data_offset, size, crc32 or None)`, verifying CRCs if asked.
+    /// `progress(done, total)` is called from this thread while it waits.
+#[pyfunction]
+    #[pyo3(signature = (engine, path, specs, *, verify=true, background=false, progress=None))]
+    fn read_records(
+        py: Python<'_>,
+        engine: &PyEngine,
+        path: PathBuf,
+        specs: Vec<(String, u64, u64, Option<u32>)>,
+        verify: bool,
+        background: bool,
+        progress: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<Buffer>> {
+        let want_direct = engine.inner.mode().direct();
+        let file = py.detach(|| EngineFile::open_read(&path, want_direct)).py_err(py)?;
+        let specs = specs
+            .into_iter()
+            .map(|(name, offset, size, crc)| ReadSpec { name, offset, size, crc })
+            .collect();
+        let class = if background { Class::Background } else { Class::Foreground };
+        let task = reader::read_records(&engine.inner, Arc::new(file), specs, verify, class, TaskState::new()).py_err(py)?;
+        let bufs = wait_task(py, task, progress.as_ref())?;
+        Ok(bufs.into_iter().map(Buffer::new).collect())
+    }
+
+/// CRC-32 of each `(address, nbytes)` region, computed on `threads` threads
+/// with the GIL released.
+///
+/// The caller must keep every region's memory alive and unchanged during the
+/// call (Python passes `data_ptr()`s of storages it holds).
+#[pyfunction]
+#[pyo3(signature = (regions, threads=2))]
+fn crc32_regions(py: Python<'_>, regions: Vec<(usize, usize)>, threads: usize) -> Vec<u32> {
+    use tierstore_core::plan::{Plan, Source};
+    py.detach(|| {
+        let mut plan = Plan::new(4096).expect("valid alignment");
+        for (i, &(addr, len)) in regions.iter().enumerate() {
+            // SAFETY: the caller keeps the memory alive for this call.
+            let src = unsafe { Source::mem(addr as *const u8, len) };
+            plan.add(&format!("r{i}"), src).expect("valid name");
+        }
+        plan.compute_missing_crcs(threads);
+        (0..regions.len()).map(|i| plan.crc(i).unwrap_or(0)).collect()
+    })
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(read_directory, m)?)?;
+    m.add_function(wrap_pyfunction!(read_directory_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(data_offsets_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(check_offsets, m)?)?;
+    m.add_function(wrap_pyfunction!(read_small, m)?)?;
+    m.add_function(wrap_pyfunction!(data_offsets, m)?)?;
+    m.add_function(wrap_pyfunction!(read_records, m)?)?;
+    m.add_function(wrap_pyfunction!(crc32_regions, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,181 @@
+//! Writing containers: `Writer` (a file, through the engine) and `Stream`
+//! (pieces for a Python file object).
+
+use std::path::PathBuf;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use tierstore_core::io::Class;
+use tierstore_core::plan::{Plan, Source};
+use tierstore_core::task::TaskState;
+use tierstore_core::writer::{ContainerStream, ContainerWriter, WriteOptions};
+
+use crate::engine::PyEngine;
+use crate::errors::IntoPy;
+use crate::wait::wait_task;
+
+/// (name, header_offset, data_offset, size, crc32 or None)
+type EntryTuple = (String, u64, u64, u64, Option<u32>);
+
+fn plan_entries(plan: &Plan) -> Vec<EntryTuple> {
+    plan.entries()
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (e.name.clone(), e.header_offset, e.data_offset, e.size, plan.crc(i)))
+        .collect()
+}
+
+fn closed() -> PyErr {
+    PyValueError::new_err("the writer is closed (committed, aborted or failed)")
+}
+
+/// A container file being written. Memory records borrow caller memory: the
+/// `owner` passed with each is kept alive until the writer is done with it.
+#[pyclass(module = "tierstore._core")]
+pub struct Writer {
+    inner: Option<ContainerWriter>,
+    owners: Vec<Py<PyAny>>,
+}
+
+#[pymethods]
+impl Writer {
+    /// Appends a record holding a copy of `data`; returns its index.
+    fn add_bytes(&mut self, py: Python<'_>, name: &str, data: &[u8]) -> PyResult<usize> {
+        let w = self.inner.as_mut().ok_or_else(closed)?;
+        w.add(name, Source::Bytes(data.into())).py_err(py)
+    }
+
+    /// Appends a record that reads `nbytes` at `address`; `owner` (e.g. the
+    /// storage) must keep that memory alive and is held until the writer ends.
+    fn add_memory(&mut self, py: Python<'_>, name: &str, address: usize, nbytes: usize, owner: Py<PyAny>) -> PyResult<usize> {
+        let w = self.inner.as_mut().ok_or_else(closed)?;
+        // SAFETY: `owner` keeps the memory alive; it is stored in `self.owners`
+        // and dropped only after the writer (and every task using this source)
+        // is gone. The caller promises not to modify it during the save.
+        let src = unsafe { Source::mem(address as *const u8, nbytes) };
+        let i = w.add(name, src).py_err(py)?;
+        self.owners.push(owner);
+        Ok(i)
+    }
+
+    /// Writes every record added so far; returns their CRC-32s.
+    #[pyo3(signature = (progress=None))]
+    fn write_data(&mut self, py: Python<'_>, progress: Option<Bound<'_, PyAny>>) -> PyResult<Vec<Option<u32>>> {
+        let w = self.inner.take().ok_or_else(closed)?;
+        let task = w.write_data(TaskState::new()).py_err(py)?;
+        let w = wait_task(py, task, progress.as_ref())?;
+        let crcs = (0..w.plan().len()).map(|i| w.plan().crc(i)).collect();
+        self.inner = Some(w);
+        Ok(crcs)
+    }
+
+    /// Writes the rest, makes the file durable and renames it into place.
+    #[pyo3(signature = (progress=None))]
+    fn commit(&mut self, py: Python<'_>, progress: Option<Bound<'_, PyAny>>) -> PyResult<String> {
+        let w = self.inner.take().ok_or_else(closed)?;
+        let task = w.commit(TaskState::new()).py_err(py)?;
+        let r = wait_task(py, task, progress.as_ref());
+        self.owners.clear();
+        Ok(r?.display().to_string())
+    }
+
+    /// Abandons the write; the temporary file is removed.
+    fn abort(&mut self) {
+        self.inner = None;
+        self.owners.clear();
+    }
+
+    /// (name, header_offset, data_offset, size, crc32 or None) per record.
+    fn entries(&self) -> PyResult<Vec<EntryTuple>> {
+        Ok(plan_entries(self.inner.as_ref().ok_or_else(closed)?.plan()))
+    }
+
+    /// End of the record area (where the next record's header would go).
+    #[getter]
+    fn records_end(&self) -> PyResult<u64> {
+        Ok(self.inner.as_ref().ok_or_else(closed)?.plan().records_end())
+    }
+
+    #[getter]
+    fn direct(&self) -> PyResult<bool> {
+        Ok(self.inner.as_ref().ok_or_else(closed)?.direct().0)
+    }
+
+    #[getter]
+    fn buffered_reason(&self) -> PyResult<Option<String>> {
+        Ok(self.inner.as_ref().ok_or_else(closed)?.direct().1)
+    }
+}
+
+/// Starts writing a container to `path` (atomically replaced on commit).
+#[pyfunction]
+#[pyo3(signature = (engine, path, *, align=4096, durable=true, background=false))]
+fn create_writer(py: Python<'_>, engine: &PyEngine, path: PathBuf, align: u64, durable: bool, background: bool) -> PyResult<Writer> {
+    let opts = WriteOptions {
+        align,
+        durable,
+        class: if background { Class::Background } else { Class::Foreground },
+    };
+    let e = &engine.inner;
+    let w = py.detach(|| ContainerWriter::create(e, &path, opts)).py_err(py)?;
+    Ok(Writer {
+        inner: Some(w),
+        owners: Vec::new(),
+    })
+}
+
+/// A container produced piece by piece, for writing to a Python file object.
+#[pyclass(module = "tierstore._core")]
+pub struct Stream {
+    inner: ContainerStream,
+    owners: Vec<Py<PyAny>>,
+}
+
+#[pymethods]
+impl Stream {
+    #[new]
+    #[pyo3(signature = (*, align=4096, chunk_bytes=8388608, threads=2))]
+    fn new(py: Python<'_>, align: u64, chunk_bytes: usize, threads: usize) -> PyResult<Self> {
+        Ok(Stream {
+            inner: ContainerStream::new(align, chunk_bytes.max(4096), threads).py_err(py)?,
+            owners: Vec::new(),
+        })
+    }
+
+    fn add_bytes(&mut self, py: Python<'_>, name: &str, data: &[u8]) -> PyResult<usize> {
+        self.inner.add(name, Source::Bytes(data.into())).py_err(py)
+    }
+
+    fn add_memory(&mut self, py: Python<'_>, name: &str, address: usize, nbytes: usize, owner: Py<PyAny>) -> PyResult<usize> {
+        // SAFETY: as for `Writer::add_memory`; `owner` lives as long as `self`.
+        let src = unsafe { Source::mem(address as *const u8, nbytes) };
+        let i = self.inner.add(name, src).py_err(py)?;
+        self.owners.push(owner);
+        Ok(i)
+    }
+
+    /// CRC-32 of every record added so far (computed with the GIL released).
+    fn checksums(&mut self, py: Python<'_>) -> Vec<u32> {
+        let s = &mut self.inner;
+        py.detach(|| s.checksums())
+    }
+
+    fn entries(&self) -> Vec<EntryTuple> {
+        plan_entries(self.inner.plan())
+    }
+
+    /// The next piece of the file, or None at the end.
+    fn next_chunk<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let s = &mut self.inner;
+        let v = py.detach(|| s.next_chunk()).py_err(py)?;
+        Ok(v.map(|v| PyBytes::new(py, &v)))
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Writer>()?;
+    m.add_class::<Stream>()?;
+    m.add_function(wrap_pyfunction!(create_writer, m)?)?;
+    Ok(())
+}
