@@ -43,12 +43,13 @@ class StorageCollector:
         return self._keys.get(storage._cdata)
 
     def persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
+        storage: torch.UntypedStorage
         if isinstance(obj, torch.storage.TypedStorage):
             storage = obj._untyped_storage
             dtype = obj.dtype
             storage_type = getattr(torch, obj._pickle_storage_type())
             numel = obj._size()
-        elif torch.is_storage(obj):
+        elif isinstance(obj, torch.UntypedStorage):
             storage = obj
             dtype = torch.uint8
             storage_type = torch.serialization.normalize_storage_type(type(obj))
@@ -90,7 +91,7 @@ def dumps(obj: Any, pickle_module: ModuleType | None, protocol: int) -> tuple[by
     else:
         base: Any = pickle_module.Pickler
 
-        class _Custom(base):  # type: ignore[misc, valid-type]
+        class _Custom(base):  # type: ignore[misc]
             def persistent_id(self, o: Any) -> Any:
                 return collector.persistent_id(o)
 
@@ -126,7 +127,7 @@ def unpickler(
         return _FullUnpickler(f, encoding=encoding, **kwargs)
     base: Any = pickle_module.Unpickler
 
-    class _Custom(base):  # type: ignore[misc, valid-type]
+    class _Custom(base):  # type: ignore[misc]
         def find_class(self, module: str, name: str) -> Any:
             if type(name) is str and "Storage" in name:
                 try:
@@ -159,7 +160,9 @@ def restore_location_fn(map_location: Any) -> Any:
             return restore(s, loc) if r is None else r
 
         return call
-    raise TypeError(f"map_location must be None, a str, a torch.device, a dict or a callable, not {map_location!r}")
+    raise TypeError(
+        f"map_location must be None, a str, a torch.device, a dict or a callable, not {map_location!r}"
+    )
 
 
 def tensor_paths(obj: Any, limit: int = 1_000_000) -> list[tuple[list[str | int], torch.Tensor]]:

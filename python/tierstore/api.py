@@ -22,13 +22,11 @@ from typing import IO, Any
 
 import torch
 
-from tierstore import _core, _pickle, _progress, manifest
+from tierstore import _archive, _core, _pickle, _progress, manifest
 from tierstore._engine import get_engine
 from tierstore.errors import (
     ChecksumError,
     CorruptFileError,
-    FormatError,
-    ManifestError,
     MissingRecordError,
     NotAContainerError,
     TierstoreError,
@@ -146,10 +144,12 @@ def save(
     tensors = _tensor_entries(obj, collector)
     prefix = _archive_name(f)
     small = _small_records(not _disable_byteorder_record, align)
-    if _is_path(f):
-        _save_path(os.fspath(f), prefix, data_pkl, storages, small, tensors, collector, durable, progress, align)
+    if isinstance(f, (str, os.PathLike)):
+        _save_path(
+            os.fspath(f), prefix, data_pkl, storages, small, tensors, collector, durable, progress, align
+        )
     elif hasattr(f, "write"):
-        _save_stream(f, prefix, data_pkl, storages, small, tensors, collector, align)  # type: ignore[arg-type]
+        _save_stream(f, prefix, data_pkl, storages, small, tensors, collector, align)
     else:
         raise TypeError(f"f must be a path or a writable binary file object, not {type(f).__name__}")
 
@@ -172,7 +172,11 @@ def _manifest_bytes(
         if rel.startswith("data/"):
             s = collector.storages[rel[5:]]
             rec.update(
-                kind="storage", dtype=_dtype_name(s.dtype), numel=s.numel, location=s.location, codec="raw",
+                kind="storage",
+                dtype=_dtype_name(s.dtype),
+                numel=s.numel,
+                location=s.location,
+                codec="raw",
                 delta_base=None,
             )
         else:
@@ -260,113 +264,6 @@ def _save_stream(
 # Loading
 
 
-class _Archive:
-    """The directory of an archive: record name (without prefix) -> entry."""
-
-    def __init__(self, path: str, entries: list[tuple[str, int, int, int, int, int]], cd_offset: int, file_len: int):
-        self.path = path
-        self.cd_offset = cd_offset
-        self.file_len = file_len
-        if not entries:
-            raise MissingRecordError(f"{path}: missing record 'data.pkl' (the archive is empty)", path=path)
-        first = entries[0][0]
-        self.prefix = first.split("/", 1)[0] if "/" in first else ""
-        cut = len(self.prefix) + 1 if self.prefix else 0
-        self.records: dict[str, tuple[int, int, int, int, int]] = {}
-        for name, crc, size, csize, method, hdr in entries:
-            if cut and not name.startswith(self.prefix + "/"):
-                raise CorruptFileError(
-                    f"{path}: record '{name}' is outside the archive folder '{self.prefix}/'", path=path, record=name
-                )
-            self.records[name[cut:]] = (crc, size, csize, method, hdr)
-
-    def full(self, rel: str) -> str:
-        return f"{self.prefix}/{rel}" if self.prefix else rel
-
-
-def _load_small(path: str, offset: int, size: int, what: str) -> bytes:
-    data: bytes = _core.read_small(path, offset, size, what)
-    return data
-
-
-def _check_crc(path: str, record: str, data: Any, expected: int) -> None:
-    actual = zlib.crc32(data)
-    if actual != expected:
-        raise ChecksumError(
-            f"{path}: record '{record}': checksum mismatch (stored crc32 {expected:08x}, computed {actual:08x}); "
-            "the record is damaged",
-            path=path,
-            record=record,
-        )
-
-
-def _local_data_offset(path: str, arch: _Archive, rel: str, header: bytes) -> int:
-    crc, size, csize, method, hdr = arch.records[rel]
-    if len(header) < 30:
-        raise TruncatedFileErrorAt(path, rel)
-    sig, _v, _fl, _m, _t, _d, _c, _cs, _us, nlen, xlen = _LOCAL_HEADER.unpack_from(header)
-    if sig != _LOCAL_SIG:
-        raise CorruptFileError(f"{path}: record '{arch.full(rel)}': no local file header at offset {hdr}",
-                               path=path, record=arch.full(rel))
-    return int(hdr + 30 + nlen + xlen)
-
-
-def TruncatedFileErrorAt(path: str, rel: str) -> FormatError:  # noqa: N802
-    from tierstore.errors import TruncatedFileError
-
-    return TruncatedFileError(f"{path}: truncated file: record '{rel}' is cut short", path=path, record=rel)
-
-
-def _read_manifest(path: str, arch: _Archive) -> dict[str, Any] | None:
-    rel = manifest.MANIFEST_NAME
-    if rel not in arch.records:
-        return None
-    crc, size, _csize, _method, hdr = arch.records[rel]
-    if size > manifest.MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{path}: record '{arch.full(rel)}': absurd size {size}", path=path, record=rel)
-    probe = min(30 + len(arch.full(rel)) + 512, arch.cd_offset - hdr)
-    off = _local_data_offset(path, arch, rel, _load_small(path, hdr, probe, "manifest header"))
-    if off + size > arch.cd_offset:
-        raise ManifestError(f"{path}: record '{arch.full(rel)}' runs past the record area", path=path, record=rel)
-    data = _load_small(path, off, size, "manifest")
-    _check_crc(path, arch.full(rel), data, crc)
-    m = manifest.parse(data, path, arch.file_len)
-    return m
-
-
-def _record_offsets(path: str, arch: _Archive, m: dict[str, Any] | None) -> dict[str, int]:
-    """Data offset of every record: from the manifest (checked against the
-    directory) or from the local headers."""
-    if m is None:
-        offs = _core.data_offsets(path)
-        return {rel: off for rel, off in zip(arch.records, offs, strict=True)}
-    out: dict[str, int] = {}
-    for r in m["records"]:
-        rel = r["name"]
-        ent = arch.records.get(rel)
-        if ent is None:
-            raise ManifestError(
-                f"{path}: record '{manifest.MANIFEST_NAME}': lists record '{rel}', which the archive lacks",
-                path=path, record=manifest.MANIFEST_NAME,
-            )
-        crc, size, _cs, _m, _hdr = ent
-        if r["size"] != size or r["crc32"] != crc:
-            raise ManifestError(
-                f"{path}: record '{manifest.MANIFEST_NAME}': entry for '{rel}' (size {r['size']}, crc32 "
-                f"{r['crc32']:08x}) disagrees with the zip directory (size {size}, crc32 {crc:08x})",
-                path=path, record=manifest.MANIFEST_NAME,
-            )
-        out[rel] = r["offset"]
-    _core.check_offsets(path, [(arch.full(rel), off) for rel, off in out.items()])
-    missing = [rel for rel in arch.records if rel not in out and rel != manifest.MANIFEST_NAME]
-    if missing:
-        offs = _core.data_offsets(path)
-        all_off = dict(zip(arch.records, offs, strict=True))
-        for rel in missing:
-            out[rel] = all_off[rel]
-    return out
-
-
 def _is_legacy_torch(head: bytes) -> bool:
     # Pre-1.6 torch files are a sequence of pickles (protocol 2 starts with
     # 0x80 0x02), or a tar archive from even older versions.
@@ -410,24 +307,31 @@ def load(
     if pickle_load_args and weights_only:
         warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
     encoding = pickle_load_args.pop("encoding", "utf-8")
-    opts = dict(map_location=map_location, pickle_module=pickle_module, weights_only=weights_only,
-                encoding=encoding, pickle_load_args=pickle_load_args)
-    if _is_path(f):
+    opts = dict(
+        map_location=map_location,
+        pickle_module=pickle_module,
+        weights_only=weights_only,
+        encoding=encoding,
+        pickle_load_args=pickle_load_args,
+    )
+    if isinstance(f, (str, os.PathLike)):
         return _load_path(os.fspath(f), bool(mmap), verify, progress, opts)
     if mmap:
         raise ValueError("f must be a file path in order to use the mmap argument")
     if not hasattr(f, "read"):
         raise TypeError(f"f must be a path or a readable binary file object, not {type(f).__name__}")
-    return _load_stream(f, verify, opts)  # type: ignore[arg-type]
+    return _load_stream(f, verify, opts)
 
 
 def _hand_to_torch(src: Any, opts: dict[str, Any], mmap: bool) -> Any:
     kwargs = dict(opts["pickle_load_args"])
-    kwargs["encoding"] = opts["encoding"]
+    if not opts["weights_only"]:
+        kwargs["encoding"] = opts["encoding"]
     if opts["pickle_module"] is not None:
         kwargs["pickle_module"] = opts["pickle_module"]
-    return torch.load(src, map_location=opts["map_location"], weights_only=opts["weights_only"],
-                      mmap=mmap or None, **kwargs)
+    return torch.load(
+        src, map_location=opts["map_location"], weights_only=opts["weights_only"], mmap=mmap or None, **kwargs
+    )
 
 
 def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts: dict[str, Any]) -> Any:
@@ -439,24 +343,21 @@ def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts:
         if _is_legacy_torch(head):
             return _hand_to_torch(path, opts, mmap)
         raise
-    arch = _Archive(path, entries, cd_offset, file_len)
+    arch = _archive.Archive(path, entries, cd_offset, file_len)
     if "data.pkl" not in arch.records:
         if "constants.pkl" in arch.records:  # TorchScript: torch.load dispatches it
             return _hand_to_torch(path, opts, mmap)
-        raise MissingRecordError(f"{path}: missing record '{arch.full('data.pkl')}'", path=path,
-                                 record=arch.full("data.pkl"))
-    for rel, (_crc, size, csize, method, _h) in arch.records.items():
-        if method != 0 or csize != size:
-            raise CorruptFileError(
-                f"{path}: record '{arch.full(rel)}' is compressed (method {method}); torch and tierstore "
-                "archives store records uncompressed", path=path, record=arch.full(rel))
-    m = _read_manifest(path, arch)
-    offsets = _record_offsets(path, arch, m)
+        raise MissingRecordError(
+            f"{path}: missing record '{arch.full('data.pkl')}'", path=path, record=arch.full("data.pkl")
+        )
+    arch, _m, offsets = _archive.open_archive(path)
     crc, size, *_ = arch.records["data.pkl"]
-    data_pkl = _load_small(path, offsets["data.pkl"], size, "data.pkl")
+    data_pkl = _archive.load_small(path, offsets["data.pkl"], size, "data.pkl")
     if verify:
-        _check_crc(path, arch.full("data.pkl"), data_pkl, crc)
-    byteorder = _byteorder(arch, offsets, lambda off, n: _load_small(path, off, n, "byteorder"))
+        _archive.check_crc(path, arch.full("data.pkl"), data_pkl, crc)
+    byteorder = _archive.byteorder(
+        arch, offsets, lambda off, n: _archive.load_small(path, off, n, "byteorder")
+    )
     keys = [rel[5:] for rel in arch.records if rel.startswith("data/")]
     storages: dict[str, torch.UntypedStorage] = {}
     if mmap:
@@ -471,12 +372,19 @@ def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts:
                 exp = arch.records[f"data/{k}"][0]
                 if c != exp:
                     raise ChecksumError(
-                        f"{path}: record '{arch.full('data/' + k)}': checksum mismatch (stored crc32 {exp:08x}, "
-                        f"computed {c:08x}); the record is damaged", path=path, record=arch.full("data/" + k))
+                        f"{path}: record '{arch.full('data/' + k)}': checksum mismatch "
+                        f"(stored crc32 {exp:08x}, computed {c:08x}); the record is damaged",
+                        path=path,
+                        record=arch.full("data/" + k),
+                    )
     else:
         specs = [
-            (arch.full(f"data/{k}"), offsets[f"data/{k}"], arch.records[f"data/{k}"][1],
-             arch.records[f"data/{k}"][0] if verify else None)
+            (
+                arch.full(f"data/{k}"),
+                offsets[f"data/{k}"],
+                arch.records[f"data/{k}"][1],
+                arch.records[f"data/{k}"][0] if verify else None,
+            )
             for k in keys
         ]
         total = sum(s[2] for s in specs)
@@ -484,23 +392,11 @@ def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts:
             bufs = _core.read_records(get_engine(), path, specs, verify=verify, progress=cb)
         for k, b in zip(keys, bufs, strict=True):
             storages[k] = (
-                torch.frombuffer(b, dtype=torch.uint8).untyped_storage() if len(b) else torch.UntypedStorage(0)
+                torch.frombuffer(b, dtype=torch.uint8).untyped_storage()
+                if len(b)
+                else torch.UntypedStorage(0)
             )
     return _unpickle(path, data_pkl, storages, byteorder, opts)
-
-
-def _byteorder(arch: _Archive, offsets: dict[str, int], read: Callable[[int, int], bytes]) -> str:
-    if "byteorder" not in arch.records:
-        return "little"
-    size = arch.records["byteorder"][1]
-    if size > 16:
-        raise CorruptFileError(f"{arch.path}: record 'byteorder' is {size} bytes long", path=arch.path,
-                               record="byteorder")
-    v = read(offsets["byteorder"], size)
-    if v not in (b"little", b"big"):
-        raise CorruptFileError(f"{arch.path}: record 'byteorder' holds {v!r}, expected 'little' or 'big'",
-                               path=arch.path, record="byteorder")
-    return v.decode()
 
 
 def _load_stream(f: IO[bytes], verify: bool, opts: dict[str, Any]) -> Any:
@@ -514,10 +410,11 @@ def _load_stream(f: IO[bytes], verify: bool, opts: dict[str, Any]) -> Any:
 
             return _hand_to_torch(io.BytesIO(buf), opts, False)
         raise
-    arch = _Archive(name, entries, cd_offset, file_len)
+    arch = _archive.Archive(name, entries, cd_offset, file_len)
     if "data.pkl" not in arch.records:
-        raise MissingRecordError(f"{name}: missing record '{arch.full('data.pkl')}'", path=name,
-                                 record=arch.full("data.pkl"))
+        raise MissingRecordError(
+            f"{name}: missing record '{arch.full('data.pkl')}'", path=name, record=arch.full("data.pkl")
+        )
     offs = _core.data_offsets_bytes(buf, name)
     offsets = dict(zip(arch.records, offs, strict=True))
     view = memoryview(buf)
@@ -528,36 +425,47 @@ def _load_stream(f: IO[bytes], verify: bool, opts: dict[str, Any]) -> Any:
 
     if verify:
         for rel, (crc, *_rest) in arch.records.items():
-            _check_crc(name, arch.full(rel), rec(rel), crc)
+            _archive.check_crc(name, arch.full(rel), rec(rel), crc)
     data_pkl = bytes(rec("data.pkl"))
-    byteorder = _byteorder(arch, offsets, lambda off, n: bytes(view[off : off + n]))
+    byteorder = _archive.byteorder(arch, offsets, lambda off, n: bytes(view[off : off + n]))
     storages: dict[str, torch.UntypedStorage] = {}
     for rel in arch.records:
         if rel.startswith("data/"):
             n = arch.records[rel][1]
             storages[rel[5:]] = (
                 torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offsets[rel]).untyped_storage()
-                if n else torch.UntypedStorage(0)
+                if n
+                else torch.UntypedStorage(0)
             )
     return _unpickle(name, data_pkl, storages, byteorder, opts)
 
 
 def _unpickle(
-    path: str, data_pkl: bytes, storages: dict[str, torch.UntypedStorage], byteorder: str, opts: dict[str, Any]
+    path: str,
+    data_pkl: bytes,
+    storages: dict[str, torch.UntypedStorage],
+    byteorder: str,
+    opts: dict[str, Any],
 ) -> Any:
     restore = _pickle.restore_location_fn(opts["map_location"])
     loaded: dict[str, torch.storage.TypedStorage] = {}
 
     def persistent_load(saved_id: Any) -> Any:
         if not isinstance(saved_id, tuple) or len(saved_id) != 5:
-            raise CorruptFileError(f"{path}: record 'data.pkl': bad persistent id {saved_id!r:.100}",
-                                   path=path, record="data.pkl")
+            raise CorruptFileError(
+                f"{path}: record 'data.pkl': bad persistent id {saved_id!r:.100}",
+                path=path,
+                record="data.pkl",
+            )
         typename, storage_type, key, location, numel = saved_id
         if isinstance(typename, bytes):
             typename = typename.decode("ascii")
         if typename != "storage":
-            raise CorruptFileError(f"{path}: record 'data.pkl': unknown persistent id type {typename!r}",
-                                   path=path, record="data.pkl")
+            raise CorruptFileError(
+                f"{path}: record 'data.pkl': unknown persistent id type {typename!r}",
+                path=path,
+                record="data.pkl",
+            )
         if isinstance(location, bytes):
             location = location.decode("ascii")
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
@@ -567,12 +475,17 @@ def _unpickle(
             return typed
         raw = storages.get(key)
         if raw is None:
-            raise MissingRecordError(f"{path}: missing record 'data/{key}' (referenced by data.pkl)",
-                                     path=path, record=f"data/{key}")
+            raise MissingRecordError(
+                f"{path}: missing record 'data/{key}' (referenced by data.pkl)",
+                path=path,
+                record=f"data/{key}",
+            )
         if raw.nbytes() < nbytes:
             raise CorruptFileError(
                 f"{path}: record 'data/{key}' holds {raw.nbytes()} bytes but data.pkl expects {nbytes}",
-                path=path, record=f"data/{key}")
+                path=path,
+                record=f"data/{key}",
+            )
         if raw.nbytes() > nbytes:
             raw = raw[:nbytes]
         if byteorder != sys.byteorder:
@@ -582,8 +495,13 @@ def _unpickle(
             loaded[key] = typed
         return typed
 
-    up = _pickle.unpickler(data_pkl, weights_only=opts["weights_only"], pickle_module=opts["pickle_module"],
-                           encoding=opts["encoding"], **opts["pickle_load_args"])
+    up = _pickle.unpickler(
+        data_pkl,
+        weights_only=opts["weights_only"],
+        pickle_module=opts["pickle_module"],
+        encoding=opts["encoding"],
+        **opts["pickle_load_args"],
+    )
     up.persistent_load = persistent_load
     tls = getattr(torch.serialization, "_serialization_tls", None)
     if tls is not None:

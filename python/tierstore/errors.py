@@ -56,7 +56,7 @@ class TierstoreError(Exception):
         self.record = record
 
 
-class _OSErrorMixin(TierstoreError, OSError):
+class _OSBaseError(TierstoreError, OSError):
     def __init__(
         self, message: str, *, path: str | None = None, record: str | None = None, errno: int | None = None
     ) -> None:
@@ -72,33 +72,33 @@ class _OSErrorMixin(TierstoreError, OSError):
         return str(self.strerror if self.strerror is not None else self.args[0])
 
 
-class NotFoundError(_OSErrorMixin, FileNotFoundError):
+class NotFoundError(_OSBaseError, FileNotFoundError):
     """A file or directory does not exist."""
 
 
-class DirectoryError(_OSErrorMixin, IsADirectoryError):
+class DirectoryError(_OSBaseError, IsADirectoryError):
     """A directory was given where a file is expected."""
 
 
-class PermissionDeniedError(_OSErrorMixin, PermissionError):
+class PermissionDeniedError(_OSBaseError, PermissionError):
     """The file or directory cannot be written or read (e.g. read-only)."""
 
 
-class NoSpaceError(_OSErrorMixin):
+class NoSpaceError(_OSBaseError):
     """The disk filled up during a save; the previous file is untouched."""
 
 
-class StorageIOError(_OSErrorMixin):
+class StorageIOError(_OSBaseError):
     """Any other operating-system I/O failure."""
 
 
-class _ValueErrorMixin(TierstoreError, ValueError):
+class _ValueBaseError(TierstoreError, ValueError):
     def __init__(self, message: str, *, path: str | None = None, record: str | None = None) -> None:
         ValueError.__init__(self, message)
         self._locate(path, record)
 
 
-class FormatError(_ValueErrorMixin):
+class FormatError(_ValueBaseError):
     """The file's contents are not what a tierstore or torch file holds."""
 
 
@@ -134,7 +134,7 @@ class UnsafeObjectError(TierstoreError, pickle.UnpicklingError):
         self._locate(path, None)
 
 
-_OS_ERRORS: dict[int, type[_OSErrorMixin]] = {
+_OS_ERRORS: dict[int, type[_OSBaseError]] = {
     _errno.ENOENT: NotFoundError,
     _errno.ENOTDIR: NotFoundError,
     _errno.EISDIR: DirectoryError,

@@ -75,18 +75,19 @@ def parse(data: bytes, path: str, file_len: int) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _fail(path, f"not valid JSON ({e})") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
-        raise _fail(path, "not a tierstore manifest (missing \"format\": \"tierstore\")")
+        raise _fail(path, 'not a tierstore manifest (missing "format": "tierstore")')
     v = m.get("format_version")
     if not isinstance(v, int) or v < 1:
         raise _fail(path, f"bad format_version {v!r}")
     if v > FORMAT_VERSION:
         raise _fail(
             path,
-            f"format_version {v} is newer than this tierstore understands ({FORMAT_VERSION}); upgrade tierstore",
+            f"format_version {v} is newer than this tierstore understands ({FORMAT_VERSION}); "
+            "upgrade tierstore",
         )
     recs = m.get("records")
     if not isinstance(recs, list):
-        raise _fail(path, "\"records\" must be a list")
+        raise _fail(path, '"records" must be a list')
     for r in recs:
         if not isinstance(r, dict) or not isinstance(r.get("name"), str):
             raise _fail(path, f"bad record entry {r!r:.200}")
@@ -103,5 +104,5 @@ def parse(data: bytes, path: str, file_len: int) -> dict[str, Any]:
             raise _fail(path, f"record '{r['name']}': crc32 {r['crc32']} does not fit 32 bits")
     tensors = m.get("tensors", [])
     if not isinstance(tensors, list):
-        raise _fail(path, "\"tensors\" must be a list")
+        raise _fail(path, '"tensors" must be a list')
     return m

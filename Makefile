@@ -1,0 +1,78 @@
+# tierstore: the two commands are `make demo` and `make test`; both set
+# everything up on a fresh machine (virtual environment, torch and the other
+# dependencies, the Rust extension) and are idempotent.
+#
+# Third-party Python packages (torch is several GB) live in one shared
+# environment per version of requirements/dev.txt, under ~/.cache/tierstore,
+# so that a fresh clone or a CI run does not download them again. Each
+# checkout has its own .venv that sees those packages through a .pth file and
+# holds this checkout's build of tierstore.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+
+PY ?= python3
+PYVER := $(shell $(PY) -c 'import sys; print(f"python{sys.version_info[0]}.{sys.version_info[1]}")')
+DEPS_HASH := $(shell sha256sum requirements/dev.txt | cut -c1-12)
+CACHE ?= $(HOME)/.cache/tierstore
+DEPS := $(CACHE)/deps-$(DEPS_HASH)
+VENV := .venv
+VPY := $(VENV)/bin/python
+RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
+
+.PHONY: help setup demo test test-rust test-py lint bench clean gpu-check
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
+
+$(DEPS)/.complete: requirements/dev.txt
+	@mkdir -p $(CACHE)
+	@exec 9>$(CACHE)/.lock; flock 9; \
+	if [ ! -f $@ ]; then \
+	  echo "installing Python dependencies into $(DEPS) (once per requirements version)"; \
+	  rm -rf $(DEPS).tmp; $(PY) -m venv $(DEPS).tmp; \
+	  $(DEPS).tmp/bin/python -m pip install -q --disable-pip-version-check -r requirements/dev.txt; \
+	  rm -rf $(DEPS); mv $(DEPS).tmp $(DEPS); touch $@; \
+	fi
+
+$(VENV)/.deps-$(DEPS_HASH): $(DEPS)/.complete
+	@[ -x $(VPY) ] || $(PY) -m venv $(VENV)
+	@echo "$(abspath $(DEPS))/lib/$(PYVER)/site-packages" > $(VENV)/lib/$(PYVER)/site-packages/_tierstore_deps.pth
+	@rm -f $(VENV)/.deps-*; touch $@
+
+$(VENV)/.built: $(VENV)/.deps-$(DEPS_HASH) $(RUST_SRC)
+	@echo "building the Rust extension (release)"
+	@VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH $(DEPS)/bin/maturin develop --release -q 2>&1 | grep -v -E '^(📦|🔗|🐍|✏️|🛠|🍹)' || true
+	@$(VPY) -c 'import tierstore; print("tierstore", tierstore.__version__, "built")'
+	@touch $@
+
+setup: $(VENV)/.built ## create the environment and build the extension
+
+demo: setup ## train-free demo: save/load a model checkpoint with tierstore, torch.save and torch.load
+	$(VPY) -m tierstore.demo
+
+test-rust: ## cargo tests of the engine (no Python)
+	cargo test -q -p tierstore-core --release
+
+test-py: setup ## pytest of the package
+	$(VPY) -m pytest -q -p no:cacheprovider
+
+test: setup test-rust test-py ## every test
+
+lint: setup ## rustfmt, clippy, ruff, mypy, stubtest
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets -q -- -D warnings
+	$(VPY) -m ruff check python tests benches
+	$(VPY) -m ruff format --check python tests benches
+	$(VPY) -m mypy
+	$(VPY) -m mypy.stubtest tierstore._core --allowlist .stubtest-allowlist
+
+bench: setup ## save/load benchmark against torch.save, torch.load and safetensors
+	$(VPY) benches/bench_save_load.py
+
+gpu-check: setup ## GPU checks (on a machine with a GPU)
+	bash benches/gpu_check.sh
+
+clean: ## remove the build and the environment (not the shared cache)
+	rm -rf $(VENV) target
