@@ -103,6 +103,7 @@ def read_manifest(path: str, arch: Archive) -> dict[str, Any] | None:
     data = load_small(path, off, size, "manifest")
     check_crc(path, arch.full(rel), data, crc)
     m = manifest.parse(data, path, arch.file_len)
+    m["_offset"] = off
     return m
 
 
@@ -131,8 +132,9 @@ def record_offsets(path: str, arch: Archive, m: dict[str, Any] | None) -> dict[s
                 record=manifest.MANIFEST_NAME,
             )
         out[rel] = r["offset"]
+    out[manifest.MANIFEST_NAME] = m["_offset"]
     _core.check_offsets(path, [(arch.full(rel), off) for rel, off in out.items()])
-    missing = [rel for rel in arch.records if rel not in out and rel != manifest.MANIFEST_NAME]
+    missing = [rel for rel in arch.records if rel not in out]
     if missing:
         offs = _core.data_offsets(path)
         all_off = dict(zip(arch.records, offs, strict=True))

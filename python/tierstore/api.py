@@ -39,6 +39,9 @@ FileLike = str | os.PathLike[str] | IO[bytes]
 MapLocation = None | str | torch.device | dict[str, str] | Callable[[Any, str], Any]
 
 DEFAULT_ALIGN = 4096
+# Metadata records (data.pkl, version, the manifest, ...) are aligned like
+# torch aligns records; only storages need page alignment.
+_META_ALIGN = 64
 _STREAM_CHUNK = 8 << 20
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50
@@ -220,10 +223,10 @@ def _save_path(
         crcs = {e[0]: e[4] for e in w.entries() if e[4] is not None}
         for name, data in [("data.pkl", data_pkl), *small]:
             full = f"{prefix}/{name}"
-            w.add_bytes(full, data)
+            w.add_bytes(full, data, _META_ALIGN)
             crcs[full] = zlib.crc32(data)
         m = _manifest_bytes(prefix, w.entries(), crcs, collector, tensors, align)
-        w.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", m)
+        w.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", m, _META_ALIGN)
         w.commit()
     except BaseException:
         w.abort()
@@ -249,10 +252,10 @@ def _save_stream(
         else:
             s.add_memory(name, st.data_ptr(), n, st)
     for name, data in [("data.pkl", data_pkl), *small]:
-        s.add_bytes(f"{prefix}/{name}", data)
+        s.add_bytes(f"{prefix}/{name}", data, _META_ALIGN)
     crcs = dict(zip((e[0] for e in s.entries()), s.checksums(), strict=True))
     m = _manifest_bytes(prefix, s.entries(), crcs, collector, tensors, align)
-    s.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", m)
+    s.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", m, _META_ALIGN)
     while (chunk := s.next_chunk()) is not None:
         f.write(chunk)
     flush = getattr(f, "flush", None)

@@ -25,7 +25,8 @@ from tierstore.errors import ChecksumError, TierstoreError
 def _console() -> Any:
     from rich.console import Console
 
-    return Console(highlight=False)
+    # Piped output is not wrapped at 80 columns (names would be folded).
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
 
 def _human(n: int) -> str:
@@ -93,7 +94,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "tensors": shapes.get(rel, []),
                 "size": size,
                 "offset": off,
-                "aligned": off % 4096 == 0,
+                "alignment": off & -off if off else 4096,
+                "aligned": off % 4096 == 0 if rel.startswith("data/") else off % 64 == 0,
                 "crc32": f"{crc:08x}",
                 "checksum": states[rel],
             }
@@ -130,7 +132,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             shown,
             _human(r["size"]),
             str(r["offset"]),
-            "4096" if r["aligned"] else ("64" if r["offset"] % 64 == 0 else "no"),
+            str(min(r["alignment"], 4096)),
             f"[{style}]{state}[/{style}] {r['crc32']}",
         )
     con.print(table)

@@ -104,12 +104,17 @@ impl Plan {
         self.layout.align()
     }
 
-    /// Appends a record; returns its index.
+    /// Appends a record aligned to the plan's alignment; returns its index.
     pub fn add(&mut self, name: &str, source: Source) -> Result<usize> {
+        self.add_aligned(name, source, self.layout.align())
+    }
+
+    /// Appends a record whose data is aligned to `align` (at most the plan's).
+    pub fn add_aligned(&mut self, name: &str, source: Source, align: u64) -> Result<usize> {
         if self.tail.is_some() {
             return Err(Error::Invalid("records cannot be added after the directory".into()));
         }
-        self.layout.push(name, source.len() as u64)?;
+        self.layout.push_aligned(name, source.len() as u64, align)?;
         // The CRC-32 of no bytes is 0.
         self.crcs.push(if source.is_empty() { Some(0) } else { None });
         self.sources.push(source);

@@ -98,6 +98,11 @@ impl ContainerWriter {
         self.plan.add(name, source)
     }
 
+    /// Appends a record with a smaller data alignment (small metadata records).
+    pub fn add_aligned(&mut self, name: &str, source: Source, align: u64) -> Result<usize> {
+        self.plan.add_aligned(name, source, align)
+    }
+
     /// Writes every record added so far, in the background. The task returns
     /// the writer, with the CRC of every written record known.
     pub fn write_data(self, state: Arc<TaskState>) -> Result<Task<ContainerWriter>> {
@@ -300,6 +305,10 @@ impl ContainerStream {
 
     pub fn add(&mut self, name: &str, source: Source) -> Result<usize> {
         self.plan.add(name, source)
+    }
+
+    pub fn add_aligned(&mut self, name: &str, source: Source, align: u64) -> Result<usize> {
+        self.plan.add_aligned(name, source, align)
     }
 
     /// CRCs of all records added so far.

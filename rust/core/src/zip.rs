@@ -108,8 +108,21 @@ impl LayoutBuilder {
         self.align
     }
 
-    /// Appends a record of `size` bytes and returns its placement.
+    /// Appends a record of `size` bytes, its data aligned to the builder's
+    /// alignment, and returns its placement.
     pub fn push(&mut self, name: &str, size: u64) -> Result<&Entry> {
+        self.push_aligned(name, size, self.align)
+    }
+
+    /// Appends a record whose data is aligned to `align` (a power of two no
+    /// larger than the builder's), for small records that need no page alignment.
+    pub fn push_aligned(&mut self, name: &str, size: u64, align: u64) -> Result<&Entry> {
+        if !align.is_power_of_two() || align > self.align {
+            return Err(Error::Invalid(format!(
+                "record alignment {align} must be a power of two <= {}",
+                self.align
+            )));
+        }
         if name.is_empty() || name.len() as u64 > U16_MAX {
             return Err(Error::Invalid(format!(
                 "record name must have 1..=65535 bytes, got {}",
@@ -119,7 +132,7 @@ impl LayoutBuilder {
         let zip64_len = if size >= U32_MAX { 4 + 16 } else { 0 };
         let header_offset = self.cursor;
         let base = header_offset + LOCAL_HEADER_LEN + name.len() as u64 + zip64_len + 4;
-        let data_offset = base.div_ceil(self.align) * self.align;
+        let data_offset = base.div_ceil(align) * align;
         self.entries.push(Entry {
             name: name.to_owned(),
             size,

@@ -40,10 +40,16 @@ pub struct Writer {
 
 #[pymethods]
 impl Writer {
-    /// Appends a record holding a copy of `data`; returns its index.
-    fn add_bytes(&mut self, py: Python<'_>, name: &str, data: &[u8]) -> PyResult<usize> {
+    /// Appends a record holding a copy of `data`; returns its index. `align`
+    /// (default: the file's record alignment) may be smaller for metadata.
+    #[pyo3(signature = (name, data, align=None))]
+    fn add_bytes(&mut self, py: Python<'_>, name: &str, data: &[u8], align: Option<u64>) -> PyResult<usize> {
         let w = self.inner.as_mut().ok_or_else(closed)?;
-        w.add(name, Source::Bytes(data.into())).py_err(py)
+        match align {
+            Some(a) => w.add_aligned(name, Source::Bytes(data.into()), a),
+            None => w.add(name, Source::Bytes(data.into())),
+        }
+        .py_err(py)
     }
 
     /// Appends a record that reads `nbytes` at `address`; `owner` (e.g. the
@@ -143,8 +149,13 @@ impl Stream {
         })
     }
 
-    fn add_bytes(&mut self, py: Python<'_>, name: &str, data: &[u8]) -> PyResult<usize> {
-        self.inner.add(name, Source::Bytes(data.into())).py_err(py)
+    #[pyo3(signature = (name, data, align=None))]
+    fn add_bytes(&mut self, py: Python<'_>, name: &str, data: &[u8], align: Option<u64>) -> PyResult<usize> {
+        match align {
+            Some(a) => self.inner.add_aligned(name, Source::Bytes(data.into()), a),
+            None => self.inner.add(name, Source::Bytes(data.into())),
+        }
+        .py_err(py)
     }
 
     fn add_memory(&mut self, py: Python<'_>, name: &str, address: usize, nbytes: usize, owner: Py<PyAny>) -> PyResult<usize> {

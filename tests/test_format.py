@@ -1,0 +1,105 @@
+"""The container: torch-compatible zip, 4096-aligned records, valid CRCs,
+zip64 when needed, a manifest that follows its schema, old files still load."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import struct
+import zipfile
+
+import jsonschema
+import pytest
+import torch
+from conftest import tensors_equal
+
+import tierstore
+from tierstore import manifest
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+def _data_offset(path: pathlib.Path, info: zipfile.ZipInfo) -> int:
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        h = f.read(30)
+    nlen, xlen = struct.unpack_from("<HH", h, 26)
+    return info.header_offset + 30 + nlen + xlen
+
+
+def test_records_aligned_crcs_valid_manifest_ignored_by_torch(tmp_path: pathlib.Path) -> None:
+    sd = {f"t{i}": torch.randn(i * 37 + 1) for i in range(20)}
+    p = tmp_path / "f.pt"
+    tierstore.save(sd, p)
+    with zipfile.ZipFile(p) as z:
+        assert z.testzip() is None, "every CRC-32 is correct"
+        names = z.namelist()
+        for info in z.infolist():
+            assert info.compress_type == zipfile.ZIP_STORED
+            align = 4096 if "/data/" in info.filename else 64
+            assert _data_offset(p, info) % align == 0, info.filename
+        assert "f/.tierstore/manifest.json" in names
+        assert {"f/data.pkl", "f/version", "f/byteorder", "f/.format_version"} <= set(names)
+    assert tensors_equal(torch.load(p), sd)
+
+
+def test_manifest_follows_schema_and_describes_records(tmp_path: pathlib.Path) -> None:
+    sd = {"model": {"w": torch.randn(4, 5), "b": torch.zeros(5, dtype=torch.bfloat16)}}
+    sd["model"]["wt"] = sd["model"]["w"].t()
+    p = tmp_path / "m.pt"
+    tierstore.save(sd, p)
+    with zipfile.ZipFile(p) as z:
+        m = json.loads(z.read("m/.tierstore/manifest.json"))
+        jsonschema.validate(m, manifest.schema())
+        for r in m["records"]:
+            info = z.getinfo("m/" + r["name"])
+            assert r["size"] == info.file_size and r["crc32"] == info.CRC
+            assert r["offset"] == _data_offset(p, info)
+    assert m["format"] == "tierstore" and m["format_version"] == 1 and m["alignment"] == 4096
+    by_path = {tuple(t["path"]): t for t in m["tensors"]}
+    assert by_path[("model", "w")]["shape"] == [4, 5]
+    assert by_path[("model", "wt")]["stride"] == [1, 5]
+    assert by_path[("model", "wt")]["record"] == by_path[("model", "w")]["record"]
+    assert by_path[("model", "b")]["dtype"] == "bfloat16"
+    storage = next(r for r in m["records"] if r["name"] == by_path[("model", "b")]["record"])
+    assert storage["dtype"] == "bfloat16" and storage["numel"] == 5 and storage["codec"] == "raw"
+
+
+def test_files_of_format_version_1_still_load(tmp_path: pathlib.Path) -> None:
+    """A file written by tierstore 0.1.0 is kept in tests/data; it must keep loading."""
+    src = DATA / "format_v1.pt"
+    p = tmp_path / "format_v1.pt"
+    shutil.copy(src, p)
+    back = tierstore.load(p)
+    assert torch.equal(back["arange"], torch.arange(10, dtype=torch.float32))
+    assert back["bf16"].dtype == torch.bfloat16 and back["meta"] == {"step": 7, "name": "v1"}
+    assert torch.equal(torch.load(p)["arange"], back["arange"])
+
+
+def _enough(gib: int) -> bool:
+    import os
+
+    st = os.statvfs("/tmp")
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return st.f_bavail * st.f_frsize > gib * 2**30 * 2 and mem > gib * 2**30 * 2
+
+
+@pytest.mark.skipif(not _enough(5), reason="needs ~10 GiB of free disk and memory")
+def test_zip64_for_records_over_4_gib(tmp_path: pathlib.Path) -> None:
+    n = (4 << 30) + 12345
+    big = torch.zeros(n, dtype=torch.uint8)
+    big[-7:] = torch.arange(1, 8, dtype=torch.uint8)
+    p = tmp_path / "huge.pt"
+    tierstore.save({"big": big, "after": torch.arange(3)}, p)
+    del big
+    with zipfile.ZipFile(p) as z:
+        info = z.getinfo("huge/data/0")
+        assert info.file_size == n
+        after = z.getinfo("huge/data/1")
+        assert after.header_offset > 2**32, "a record beyond 4 GiB needs zip64 offsets"
+    back = torch.load(p, mmap=True)
+    assert back["big"].shape == (n,) and back["big"][-7:].tolist() == list(range(1, 8))
+    assert back["after"].tolist() == [0, 1, 2]
+    mine = tierstore.load(p, mmap=True, verify=False)
+    assert mine["big"][-1].item() == 7 and mine["after"].tolist() == [0, 1, 2]
