@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 DEFAULT_PROTOCOL = 2
+_UNTYPED_DTYPES = frozenset(torch.storage._new_dtypes())
 
 
 @dataclass
@@ -32,7 +33,11 @@ class SavedStorage:
 
 
 class StorageCollector:
-    """``persistent_id`` of ``torch.save``: one record per distinct storage."""
+    """``persistent_id`` of ``torch.save``: one record per distinct storage.
+
+    Storages can be registered before pickling (``preseed``) so that their
+    bytes are written while the pickler runs; the pickler then finds their keys.
+    """
 
     def __init__(self) -> None:
         self.storages: dict[str, SavedStorage] = {}
@@ -41,6 +46,37 @@ class StorageCollector:
 
     def key_of(self, storage: torch.UntypedStorage) -> str | None:
         return self._keys.get(storage._cdata)
+
+    def _register(self, storage: torch.UntypedStorage, dtype: torch.dtype, numel: int, location: str) -> str:
+        if str(storage.device) != "meta" and storage.data_ptr() != 0:
+            seen = self._dtypes.setdefault(storage.data_ptr(), dtype)
+            if seen != dtype:
+                raise RuntimeError(
+                    "Cannot save multiple tensors or storages that view the same data as different types"
+                )
+        key = self._keys.get(storage._cdata)
+        if key is None:
+            key = str(len(self._keys))
+            self._keys[storage._cdata] = key
+        if key not in self.storages:
+            self.storages[key] = SavedStorage(key, storage, dtype, location, numel)
+        return key
+
+    def preseed(self, tensors: list[torch.Tensor]) -> None:
+        """Registers the storages of plain tensors, in order."""
+        for t in tensors:
+            if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+                continue
+            if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            if storage._cdata in self._keys:
+                continue
+            # Tensors of the newer dtypes pickle their storage untyped (bytes),
+            # as Tensor.__reduce_ex__ does; register them the same way.
+            dtype = torch.uint8 if t.dtype in _UNTYPED_DTYPES else t.dtype
+            location = torch.serialization.location_tag(storage)
+            self._register(storage, dtype, storage.nbytes() // dtype.itemsize, location)
 
     def persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
         storage: torch.UntypedStorage
@@ -56,20 +92,9 @@ class StorageCollector:
             numel = storage.nbytes()
         else:
             return None
-        if str(storage.device) != "meta" and storage.data_ptr() != 0:
-            seen = self._dtypes.setdefault(storage.data_ptr(), dtype)
-            if seen != dtype:
-                raise RuntimeError(
-                    "Cannot save multiple tensors or storages that view the same data as different types"
-                )
-        key = self._keys.get(storage._cdata)
-        if key is None:
-            key = str(len(self._keys))
-            self._keys[storage._cdata] = key
         fake = getattr(obj, "_fake_device", None)
         location = str(fake) if fake is not None else torch.serialization.location_tag(storage)
-        if key not in self.storages:
-            self.storages[key] = SavedStorage(key, storage, dtype, location, numel)
+        key = self._register(storage, dtype, numel, location)
         return ("storage", storage_type, key, location, numel)
 
 
@@ -82,10 +107,12 @@ class _Pickler(pickle.Pickler):
         return self._collector.persistent_id(obj)
 
 
-def dumps(obj: Any, pickle_module: ModuleType | None, protocol: int) -> tuple[bytes, StorageCollector]:
+def dumps(
+    obj: Any, pickle_module: ModuleType | None, protocol: int, collector: StorageCollector | None = None
+) -> tuple[bytes, StorageCollector]:
     """Pickles ``obj``; returns ``data.pkl`` and the storages it refers to."""
     buf = io.BytesIO()
-    collector = StorageCollector()
+    collector = collector or StorageCollector()
     if pickle_module is None or pickle_module is pickle:
         _Pickler(buf, protocol, collector).dump(obj)
     else:

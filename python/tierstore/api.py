@@ -77,9 +77,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _tensor_entries(obj: Any, collector: _pickle.StorageCollector) -> list[dict[str, Any]]:
+def _tensor_entries(
+    found: list[tuple[list[str | int], torch.Tensor]], collector: _pickle.StorageCollector
+) -> list[dict[str, Any]]:
     out = []
-    for path, t in _pickle.tensor_paths(obj):
+    for path, t in found:
         if t.layout != torch.strided or t.is_quantized or t.is_nested:
             continue
         try:
@@ -102,10 +104,15 @@ def _tensor_entries(obj: Any, collector: _pickle.StorageCollector) -> list[dict[
     return out
 
 
-def _host_storages(collector: _pickle.StorageCollector) -> list[tuple[str, torch.UntypedStorage]]:
-    """Each storage on the host (device storages are copied; meta ones refused)."""
+def _host_storages(
+    collector: _pickle.StorageCollector, skip: set[str] | None = None
+) -> list[tuple[str, torch.UntypedStorage]]:
+    """Each storage not in ``skip`` on the host (device storages are copied;
+    meta ones refused)."""
     out = []
     for key, s in collector.storages.items():
+        if skip is not None and key in skip:
+            continue
         st = s.storage
         if st.device.type == "meta":
             raise TierstoreError(f"cannot save the data of meta storage data/{key}: it has none")
@@ -142,19 +149,32 @@ def save(
         return
     if align & (align - 1) or not 64 <= align <= 32768:
         raise ValueError(f"align must be a power of two between 64 and 32768, got {align}")
-    data_pkl, collector = _pickle.dumps(obj, pickle_module, pickle_protocol)
-    storages = _host_storages(collector)
-    tensors = _tensor_entries(obj, collector)
+    if not isinstance(f, (str, os.PathLike)) and not hasattr(f, "write"):
+        raise TypeError(f"f must be a path or a writable binary file object, not {type(f).__name__}")
+    # Storages reachable through dicts, lists and tuples get their keys before
+    # pickling, so that their bytes are written while the pickler runs.
+    found = _pickle.tensor_paths(obj)
+    collector = _pickle.StorageCollector()
+    collector.preseed([t for _, t in found])
     prefix = _archive_name(f)
     small = _small_records(not _disable_byteorder_record, align)
+    pickler = _PickleJob(obj, pickle_module, pickle_protocol, collector)
     if isinstance(f, (str, os.PathLike)):
-        _save_path(
-            os.fspath(f), prefix, data_pkl, storages, small, tensors, collector, durable, progress, align
-        )
-    elif hasattr(f, "write"):
-        _save_stream(f, prefix, data_pkl, storages, small, tensors, collector, align)
+        _save_path(os.fspath(f), prefix, pickler, found, small, durable, progress, align)
     else:
-        raise TypeError(f"f must be a path or a writable binary file object, not {type(f).__name__}")
+        data_pkl = pickler.run()
+        storages = _host_storages(collector)
+        tensors = _tensor_entries(found, collector)
+        _save_stream(f, prefix, data_pkl, storages, small, tensors, collector, align)
+
+
+class _PickleJob:
+    def __init__(self, obj: Any, module: ModuleType | None, protocol: int, collector: _pickle.StorageCollector):
+        self.obj, self.module, self.protocol, self.collector = obj, module, protocol, collector
+
+    def run(self) -> bytes:
+        data, _ = _pickle.dumps(self.obj, self.module, self.protocol, self.collector)
+        return data
 
 
 def _manifest_bytes(
@@ -198,33 +218,47 @@ def _manifest_bytes(
 def _save_path(
     path: str,
     prefix: str,
-    data_pkl: bytes,
-    storages: list[tuple[str, torch.UntypedStorage]],
+    pickler: _PickleJob,
+    found: list[tuple[list[str | int], torch.Tensor]],
     small: list[tuple[str, bytes]],
-    tensors: list[dict[str, Any]],
-    collector: _pickle.StorageCollector,
     durable: bool,
     progress: bool | None,
     align: int,
 ) -> None:
-    engine = get_engine()
-    w = _core.create_writer(engine, path, align=align, durable=durable)
-    try:
-        for key, st in storages:
+    collector = pickler.collector
+    w = _core.create_writer(get_engine(), path, align=align, durable=durable)
+    added: set[str] = set()
+    # Host copies of device storages must live until their bytes are written.
+    keep: list[torch.UntypedStorage] = []
+
+    def add_new() -> int:
+        total = 0
+        for key, st in _host_storages(collector, added):
             name = f"{prefix}/data/{key}"
             n = st.nbytes()
             if n == 0:
                 w.add_bytes(name, b"")
             else:
                 w.add_memory(name, st.data_ptr(), n, st)
-        total = sum(st.nbytes() for _, st in storages)
+            keep.append(st)
+            added.add(key)
+            total += n
+        return total
+
+    try:
+        total = add_new()
         with _progress.bar(_progress.wanted(progress) and total > 0, f"saving {path}") as cb:
-            w.write_data(cb)
+            w.start_data()
+            data_pkl = pickler.run()  # runs while the engine writes the storages
+            w.wait_data(cb)
+            if add_new():  # storages only the pickler found (inside custom objects)
+                w.write_data(cb)
         crcs = {e[0]: e[4] for e in w.entries() if e[4] is not None}
         for name, data in [("data.pkl", data_pkl), *small]:
             full = f"{prefix}/{name}"
             w.add_bytes(full, data, _META_ALIGN)
             crcs[full] = zlib.crc32(data)
+        tensors = _tensor_entries(found, collector)
         m = _manifest_bytes(prefix, w.entries(), crcs, collector, tensors, align)
         w.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", m, _META_ALIGN)
         w.commit()
@@ -391,14 +425,30 @@ def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts:
             for k in keys
         ]
         total = sum(s[2] for s in specs)
-        with _progress.bar(_progress.wanted(progress) and total > 0, f"loading {path}") as cb:
-            bufs = _core.read_records(get_engine(), path, specs, verify=verify, progress=cb)
-        for k, b in zip(keys, bufs, strict=True):
+        # The reads run in the engine while this thread unpickles: tensors are
+        # built on the buffers as they fill, and nothing reads their bytes
+        # before the read has finished (see _unpickle's `ready`).
+        pending = _core.start_read(get_engine(), path, specs, verify=verify)
+        for k, b in zip(keys, pending.buffers, strict=True):
             storages[k] = (
-                torch.frombuffer(b, dtype=torch.uint8).untyped_storage()
-                if len(b)
-                else torch.UntypedStorage(0)
+                torch.frombuffer(b, dtype=torch.uint8).untyped_storage() if len(b) else torch.UntypedStorage(0)
             )
+        with _progress.bar(_progress.wanted(progress) and total > 0, f"loading {path}") as cb:
+            waited = False
+
+            def ready() -> None:
+                nonlocal waited
+                if not waited:
+                    waited = True
+                    pending.wait(cb)
+
+            try:
+                result = _unpickle(path, data_pkl, storages, byteorder, opts, ready)
+                ready()
+            except BaseException:
+                pending.abandon()
+                raise
+        return result
     return _unpickle(path, data_pkl, storages, byteorder, opts)
 
 
@@ -443,13 +493,30 @@ def _load_stream(f: IO[bytes], verify: bool, opts: dict[str, Any]) -> Any:
     return _unpickle(name, data_pkl, storages, byteorder, opts)
 
 
+def _stays_on_host(map_location: Any, location: str) -> bool:
+    """True when restoring a storage saved at ``location`` keeps it on the CPU
+    (or makes it meta) without reading its bytes."""
+    if map_location is None:
+        target = location
+    elif isinstance(map_location, dict):
+        target = map_location.get(location, location)
+    elif isinstance(map_location, (str, torch.device)):
+        target = str(map_location)
+    else:
+        return False  # a callable may do anything with the data
+    return target == "cpu" or target.startswith("meta")
+
+
 def _unpickle(
     path: str,
     data_pkl: bytes,
     storages: dict[str, torch.UntypedStorage],
     byteorder: str,
     opts: dict[str, Any],
+    ready: Callable[[], None] | None = None,
 ) -> Any:
+    """Unpickles ``data.pkl`` over ``storages``. ``ready()`` blocks until the
+    storages hold their data; it is called before anything reads them."""
     restore = _pickle.restore_location_fn(opts["map_location"])
     loaded: dict[str, torch.storage.TypedStorage] = {}
 
@@ -491,6 +558,12 @@ def _unpickle(
             )
         if raw.nbytes() > nbytes:
             raw = raw[:nbytes]
+        if ready is not None and (byteorder != sys.byteorder or not _stays_on_host(opts["map_location"], location)):
+            ready()
+        if ready is not None and (
+            byteorder != sys.byteorder or not _stays_on_host(opts["map_location"], location)
+        ):
+            ready()
         if byteorder != sys.byteorder:
             raw.byteswap(dtype)
         typed = torch.storage.TypedStorage(wrap_storage=restore(raw, location), dtype=dtype, _internal=True)

@@ -17,13 +17,22 @@ use crossbeam_channel::{Receiver, Sender};
 /// Default alignment of buffers and of records in the container.
 pub const DEFAULT_ALIGN: usize = 4096;
 
+/// Buffers at least this large are mapped directly from the kernel (page
+/// aligned, never fragmenting the heap, returned to the system on drop).
+const MMAP_MIN: usize = 256 << 10;
+/// Mappings at least this large ask for transparent huge pages (far fewer
+/// page faults when a load fills them).
+const HUGE_MIN: usize = 4 << 20;
+
 /// An owned, aligned, fixed-capacity byte buffer.
 ///
-/// The contents are not zeroed on allocation; callers fill what they expose.
+/// The contents are not zeroed by us (mapped buffers come zeroed from the
+/// kernel); callers only expose what they filled.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     cap: usize,
     align: usize,
+    mapped: bool,
 }
 
 // SAFETY: `AlignedBuf` owns its allocation exclusively (like `Vec<u8>`), so it can
@@ -37,17 +46,52 @@ impl AlignedBuf {
     ///
     /// Returns `None` when `align` is not a power of two or the allocation fails.
     pub fn new(cap: usize, align: usize) -> Option<Self> {
+        if !align.is_power_of_two() {
+            return None;
+        }
         if cap == 0 {
             return Some(AlignedBuf {
                 ptr: NonNull::dangling(),
                 cap: 0,
                 align,
+                mapped: false,
+            });
+        }
+        if cap >= MMAP_MIN && align <= 4096 {
+            // SAFETY: anonymous private mapping; no file, no fixed address.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    cap,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return None;
+            }
+            if cap >= HUGE_MIN {
+                // SAFETY: advice on a mapping we own; failure is harmless.
+                unsafe { libc::madvise(p, cap, libc::MADV_HUGEPAGE) };
+            }
+            return NonNull::new(p.cast::<u8>()).map(|ptr| AlignedBuf {
+                ptr,
+                cap,
+                align,
+                mapped: true,
             });
         }
         let layout = Layout::from_size_align(cap, align).ok()?;
         // SAFETY: `layout` has a non-zero size.
         let raw = unsafe { alloc::alloc(layout) };
-        NonNull::new(raw).map(|ptr| AlignedBuf { ptr, cap, align })
+        NonNull::new(raw).map(|ptr| AlignedBuf {
+            ptr,
+            cap,
+            align,
+            mapped: false,
+        })
     }
 
     pub fn capacity(&self) -> usize {
@@ -66,10 +110,19 @@ impl AlignedBuf {
         self.ptr.as_ptr()
     }
 
+    /// A writable pointer to the memory for I/O into a shared buffer.
+    ///
+    /// The memory is owned through a raw pointer, not a Rust reference, so
+    /// writing through this pointer is sound as long as no slice of the same
+    /// bytes (from `as_slice`) is alive meanwhile; readers wait for the writes.
+    pub fn io_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
     /// The whole buffer as a slice.
     ///
     /// Bytes that were never written hold unspecified (but initialised-as-u8)
-    /// values from the allocator; callers only read what they wrote or read in.
+    /// values; callers only read what they wrote or read in.
     pub fn as_slice(&self) -> &[u8] {
         if self.cap == 0 {
             return &[];
@@ -90,6 +143,11 @@ impl AlignedBuf {
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         if self.cap == 0 {
+            return;
+        }
+        if self.mapped {
+            // SAFETY: mapped in `new` with exactly this length.
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.cap) };
             return;
         }
         let layout = Layout::from_size_align(self.cap, self.align).expect("layout was valid");
@@ -224,9 +282,12 @@ mod tests {
     #[test]
     fn aligned_alloc_is_aligned() {
         for align in [512, 4096, 65536] {
-            let b = AlignedBuf::new(12345, align).unwrap();
-            assert_eq!(b.as_ptr() as usize % align, 0);
-            assert_eq!(b.capacity(), 12345);
+            for cap in [12345, 300_000, 5 << 20] {
+                let mut b = AlignedBuf::new(cap, align).unwrap();
+                assert_eq!(b.as_ptr() as usize % align, 0);
+                assert_eq!(b.capacity(), cap);
+                b.as_mut_slice()[cap - 1] = 7;
+            }
         }
         assert!(AlignedBuf::new(10, 3).is_none());
     }

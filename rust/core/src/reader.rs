@@ -34,9 +34,11 @@ pub struct ReadSpec {
     pub crc: Option<u32>,
 }
 
-/// A record's bytes: `buf[start .. start + len]`.
+/// A record's bytes: `buf[start .. start + len]`. Small records that lie
+/// close together in the file share one buffer (one read, one allocation);
+/// the buffer lives until the last record using it is dropped.
 pub struct RecordBuf {
-    pub buf: AlignedBuf,
+    pub buf: Arc<AlignedBuf>,
     pub start: usize,
     pub len: usize,
 }
@@ -47,9 +49,66 @@ impl RecordBuf {
     }
 }
 
+/// Records up to this size may share a buffer with their neighbours.
+const SMALL_RECORD: u64 = 1 << 20;
+/// Largest gap (headers, padding, records not asked for) read over to keep a
+/// group together.
+const MAX_GAP: u64 = 64 << 10;
+
+/// One buffer and the file range it mirrors.
+#[derive(Clone)]
+struct Arena {
+    /// File offset of `buf[0]`.
+    file_start: u64,
+    cap: usize,
+    /// (record index, offset in the buffer, length).
+    records: Vec<(usize, usize, usize)>,
+}
+
+/// Groups records into arenas: small neighbours together, large ones alone.
+fn plan_arenas(specs: &[ReadSpec], a: u64, max_span: u64) -> Vec<Arena> {
+    let mut order: Vec<usize> = (0..specs.len()).collect();
+    order.sort_by_key(|&i| specs[i].offset);
+    let mut arenas: Vec<Arena> = Vec::new();
+    let mut open: Option<(Arena, u64)> = None; // arena and the file end it covers
+    let close = |arena: Arena, end: u64, arenas: &mut Vec<Arena>| {
+        let mut arena = arena;
+        arena.cap = (align_up(end, a) - arena.file_start) as usize;
+        arenas.push(arena);
+    };
+    for i in order {
+        let s = &specs[i];
+        let (lo, hi) = (align_down(s.offset, a), s.offset + s.size);
+        let small = s.size <= SMALL_RECORD;
+        if let Some((mut arena, end)) = open.take() {
+            let fits = small && lo <= end + MAX_GAP && lo >= arena.file_start && align_up(hi, a) - arena.file_start <= max_span;
+            if fits {
+                arena.records.push((i, (s.offset - arena.file_start) as usize, s.size as usize));
+                open = Some((arena, end.max(hi)));
+                continue;
+            }
+            close(arena, end, &mut arenas);
+        }
+        let arena = Arena {
+            file_start: lo,
+            cap: 0,
+            records: vec![(i, (s.offset - lo) as usize, s.size as usize)],
+        };
+        if small {
+            open = Some((arena, hi));
+        } else {
+            close(arena, hi, &mut arenas);
+        }
+    }
+    if let Some((arena, end)) = open {
+        close(arena, end, &mut arenas);
+    }
+    arenas
+}
+
 struct Piece {
-    record: usize,
-    /// Offset of the piece inside the record's buffer.
+    arena: usize,
+    /// Offset of the piece inside the arena's buffer.
     buf_off: usize,
     /// Bytes asked for.
     len: usize,
@@ -65,16 +124,18 @@ unsafe impl Send for SendPtr {}
 // SAFETY: shared access only reads completed ranges (see the verifier).
 unsafe impl Sync for SendPtr {}
 
-/// Reads `specs` from `file`. The task returns one buffer per spec, in order.
-pub fn read_records(
-    engine: &Arc<Engine>,
-    file: Arc<EngineFile>,
-    specs: Vec<ReadSpec>,
-    verify: bool,
-    class: Class,
-    state: Arc<TaskState>,
-) -> Result<Task<Vec<RecordBuf>>> {
-    for s in &specs {
+/// The buffers a read fills, allocated before it starts: `records[i]` is
+/// where spec `i` will be. Callers may hand these out at once (to build
+/// tensors while the data arrives) and must not read them before the read
+/// task has finished successfully.
+pub struct ReadPlan {
+    arenas: Vec<Arena>,
+    bufs: Vec<Arc<AlignedBuf>>,
+    pub records: Vec<RecordBuf>,
+}
+
+fn check_bounds(file: &EngineFile, specs: &[ReadSpec]) -> Result<()> {
+    for s in specs {
         if s.offset.checked_add(s.size).is_none_or(|e| e > file.len) {
             return Err(Error::truncated(
                 &file.path,
@@ -85,65 +146,136 @@ pub fn read_records(
             ));
         }
     }
-    let engine = Arc::clone(engine);
-    Task::spawn("tierstore-load", state, move |st| run(&engine, &file, &specs, verify, class, &st))
+    Ok(())
 }
 
+/// Groups the records into buffers and allocates them.
+pub fn plan_read(engine: &Engine, file: &EngineFile, specs: &[ReadSpec]) -> Result<ReadPlan> {
+    check_bounds(file, specs)?;
+    let a = file.align.max(512);
+    let arenas = plan_arenas(specs, a, engine.config().chunk_size as u64);
+    let mut bufs = Vec::with_capacity(arenas.len());
+    for ar in &arenas {
+        let buf = AlignedBuf::new(ar.cap, BUF_ALIGN).ok_or_else(|| {
+            Error::Invalid(format!(
+                "cannot allocate {} bytes for record '{}' of {}",
+                ar.cap,
+                specs[ar.records[0].0].name,
+                file.path.display()
+            ))
+        })?;
+        bufs.push(Arc::new(buf));
+    }
+    let mut records: Vec<Option<RecordBuf>> = (0..specs.len()).map(|_| None).collect();
+    for (ai, ar) in arenas.iter().enumerate() {
+        for &(rec, start, len) in &ar.records {
+            records[rec] = Some(RecordBuf {
+                buf: Arc::clone(&bufs[ai]),
+                start,
+                len,
+            });
+        }
+    }
+    let records = records.into_iter().map(|r| r.expect("every record is in one arena")).collect();
+    Ok(ReadPlan { arenas, bufs, records })
+}
+
+/// Reads `specs` from `file`. The task returns one buffer per spec, in order.
+pub fn read_records(
+    engine: &Arc<Engine>,
+    file: Arc<EngineFile>,
+    specs: Vec<ReadSpec>,
+    verify: bool,
+    class: Class,
+    state: Arc<TaskState>,
+) -> Result<Task<Vec<RecordBuf>>> {
+    let plan = plan_read(engine, &file, &specs)?;
+    let engine = Arc::clone(engine);
+    Task::spawn("tierstore-load", state, move |st| {
+        run(&engine, &file, &specs, &plan, verify, class, &st)?;
+        Ok(plan.records)
+    })
+}
+
+/// Starts filling a plan's buffers; the task ends when every byte is in and,
+/// with `verify`, every CRC has been checked.
+pub fn start_read(
+    engine: &Arc<Engine>,
+    file: Arc<EngineFile>,
+    specs: Vec<ReadSpec>,
+    plan: &ReadPlan,
+    verify: bool,
+    class: Class,
+    state: Arc<TaskState>,
+) -> Result<Task<()>> {
+    // The task keeps its own references to the buffers, so they outlive every
+    // request even if the caller drops the plan's records meanwhile.
+    let shadow = ReadPlan {
+        arenas: plan.arenas.clone(),
+        bufs: plan.bufs.clone(),
+        records: Vec::new(),
+    };
+    let engine = Arc::clone(engine);
+    Task::spawn("tierstore-load", state, move |st| run(&engine, &file, &specs, &shadow, verify, class, &st))
+}
+
+#[allow(clippy::too_many_lines)]
 fn run(
     engine: &Arc<Engine>,
     file: &Arc<EngineFile>,
     specs: &[ReadSpec],
+    plan: &ReadPlan,
     verify: bool,
     class: Class,
     st: &Arc<TaskState>,
-) -> Result<Vec<RecordBuf>> {
-    let a = file.align.max(1);
+) -> Result<()> {
     let chunk = engine.config().chunk_size;
-    let mut bufs = Vec::with_capacity(specs.len());
-    let mut work: Vec<(usize, usize, usize, u64)> = Vec::new(); // record, buf_off, len, file_off
-    for (i, s) in specs.iter().enumerate() {
-        let first = align_down(s.offset, a);
-        let start = (s.offset - first) as usize;
-        let cap = align_up(start as u64 + s.size, a) as usize;
-        let buf = AlignedBuf::new(cap, BUF_ALIGN).ok_or_else(|| {
-            Error::Invalid(format!("cannot allocate {cap} bytes for record '{}' of {}", s.name, file.path.display()))
-        })?;
+    let arenas = &plan.arenas;
+    let mut work: Vec<(usize, usize, usize, u64)> = Vec::new(); // arena, buf_off, len, file_off
+    for (ai, ar) in arenas.iter().enumerate() {
         let mut o = 0;
-        while o < cap {
-            let n = chunk.min(cap - o);
-            work.push((i, o, n, first + o as u64));
+        while o < ar.cap {
+            let n = chunk.min(ar.cap - o);
+            work.push((ai, o, n, ar.file_start + o as u64));
             o += n;
         }
-        bufs.push(RecordBuf { buf, start, len: s.size as usize });
     }
     st.bytes_total
         .fetch_add(specs.iter().map(|s| s.size).sum(), Ordering::Relaxed);
-    let ptrs: Vec<SendPtr> = bufs.iter_mut().map(|b| SendPtr(b.buf.as_mut_ptr())).collect();
+    let ptrs: Vec<SendPtr> = plan.bufs.iter().map(|b| SendPtr(b.io_ptr())).collect();
     let slot = engine.path_slot(file.dev);
     let (tx, rx) = crossbeam_channel::unbounded::<Piece>();
     let window = (engine.config().queue_depth * 2).max(8);
     let mut submitted = 0usize;
     let mut completed = 0usize;
     let mut pieces: Vec<CrcPiece> = Vec::new();
-    let verifier = |p: &Piece| -> Option<CrcPiece> {
-        let b = &bufs[p.record];
-        let lo = p.buf_off.max(b.start);
+    // CRC pieces of every record (with an expected CRC) overlapping a
+    // completed transfer.
+    let verifier = |p: &Piece| -> Vec<CrcPiece> {
         let got = *p.got.as_ref().unwrap_or(&0);
-        let hi = (p.buf_off + got).min(b.start + b.len);
-        if lo >= hi {
-            return None;
+        let (plo, phi) = (p.buf_off, p.buf_off + got);
+        let mut out = Vec::new();
+        for &(rec, start, len) in &arenas[p.arena].records {
+            if specs[rec].crc.is_none() {
+                continue;
+            }
+            let (lo, hi) = (plo.max(start), phi.min(start + len));
+            if lo >= hi {
+                continue;
+            }
+            // SAFETY: `[lo, hi)` lies inside this arena's buffer and its
+            // transfer has completed; no request writes that range any more.
+            let data = unsafe { std::slice::from_raw_parts(ptrs[p.arena].0.add(lo).cast_const(), hi - lo) };
+            let mut h = Hasher::new();
+            h.update(data);
+            out.push(CrcPiece {
+                record: rec,
+                offset: (lo - start) as u64,
+                len: (hi - lo) as u64,
+                hasher: h,
+            });
         }
-        // SAFETY: `[lo, hi)` lies inside this record's buffer and its transfer
-        // has completed; no request writes that range any more.
-        let data = unsafe { std::slice::from_raw_parts(ptrs[p.record].0.add(lo).cast_const(), hi - lo) };
-        let mut h = Hasher::new();
-        h.update(data);
-        Some(CrcPiece {
-            record: p.record,
-            offset: (lo - b.start) as u64,
-            len: (hi - lo) as u64,
-            hasher: h,
-        })
+        out
     };
     let nverify = if verify { engine.config().cpu_threads.max(1) } else { 1 };
     std::thread::scope(|sc| -> Result<()> {
@@ -153,62 +285,73 @@ fn run(
             .map(|_| {
                 let vrx = vrx.clone();
                 let verifier = &verifier;
-                sc.spawn(move || vrx.iter().filter_map(|p| verifier(&p)).collect::<Vec<_>>())
+                sc.spawn(move || vrx.iter().flat_map(|p| verifier(&p)).collect::<Vec<_>>())
             })
             .collect();
         drop(vrx);
         let handle = |p: Piece, pieces: &mut Vec<CrcPiece>| {
-            let s = &specs[p.record];
-            let b = &bufs[p.record];
-            let need = (b.start + b.len).saturating_sub(p.buf_off).min(p.len);
+            let ar = &arenas[p.arena];
+            // Bytes of this transfer that hold record data (the rest is gap).
+            let need_end = ar.records.iter().map(|&(_, s, l)| s + l).max().unwrap_or(0);
+            let need = need_end.saturating_sub(p.buf_off).min(p.len);
+            let name = &specs[ar.records[0].0].name;
             let got = match &p.got {
                 Ok(n) => *n,
                 Err(e) => {
                     st.fail(Error::io(
                         &file.path,
                         "read",
-                        std::io::Error::new(e.kind(), format!("record '{}': {e}", s.name)),
+                        std::io::Error::new(e.kind(), format!("record '{name}': {e}")),
                     ));
                     return;
                 }
             };
             if got < need {
+                let cut = ar
+                    .records
+                    .iter()
+                    .find(|&&(_, s, l)| s + l > p.buf_off + got)
+                    .map_or(name, |&(r, _, _)| &specs[r].name);
                 st.fail(Error::truncated(
                     &file.path,
-                    format!("record '{}' is cut short by the end of the file", s.name),
+                    format!("record '{cut}' is cut short by the end of the file"),
                 ));
                 return;
             }
-            st.bytes_done.fetch_add(need as u64, Ordering::Relaxed);
-            if verify && s.crc.is_some() {
+            let data: u64 = ar
+                .records
+                .iter()
+                .map(|&(_, s, l)| (p.buf_off + got).min(s + l).saturating_sub(p.buf_off.max(s)) as u64)
+                .sum();
+            st.bytes_done.fetch_add(data, Ordering::Relaxed);
+            if verify {
                 if nverify > 1 && vtx.len() < 4 {
                     let _ = vtx.send(p);
-                } else if let Some(c) = verifier(&p) {
-                    pieces.push(c);
+                } else {
+                    pieces.extend(verifier(&p));
                 }
             }
         };
         while completed < work.len() {
             while submitted < work.len() && submitted - completed < window && !st.should_stop() {
-                let (rec, off, len, foff) = work[submitted];
+                let (ai, off, len, foff) = work[submitted];
                 let tx = tx.clone();
                 let done = Box::new(move |got: std::io::Result<usize>| {
                     let _ = tx.send(Piece {
-                        record: rec,
+                        arena: ai,
                         buf_off: off,
                         len,
                         got,
                     });
                 });
-                // SAFETY: the buffer range `[off, off + len)` belongs to this
-                // record's buffer, which the task owns until every request has
-                // completed (the loop below waits for all of them); the file
-                // stays open through `file`.
+                // SAFETY: `[off, off + len)` lies in this arena's buffer, which
+                // the task owns until every request has completed (the loop
+                // below waits for all of them); `file` keeps the fd open.
                 let req = unsafe {
                     Request::new(
                         Op::Read,
                         file.fd(),
-                        ptrs[rec].0.add(off),
+                        ptrs[ai].0.add(off),
                         len,
                         foff,
                         class,
@@ -243,7 +386,7 @@ fn run(
     if verify {
         check_crcs(file, specs, pieces)?;
     }
-    Ok(bufs)
+    Ok(())
 }
 
 /// Finds the data offset of every entry by reading its local header (for

@@ -10,7 +10,7 @@ use pyo3::types::PyBytes;
 use tierstore_core::file::{EngineFile, FileSource};
 use tierstore_core::io::Class;
 use tierstore_core::reader::{self, ReadSpec};
-use tierstore_core::task::TaskState;
+use tierstore_core::task::{Task, TaskState};
 use tierstore_core::zip::{self, Directory};
 
 use crate::buffer::Buffer;
@@ -148,6 +148,73 @@ fn data_offsets(py: Python<'_>, path: PathBuf) -> PyResult<Vec<u64>> {
         Ok(bufs.into_iter().map(Buffer::new).collect())
     }
 
+/// A read running in the background: its buffers exist at once (to build
+/// tensors on), their contents are valid once `wait` returns.
+#[pyclass(module = "tierstore._core")]
+pub struct PendingRead {
+    task: Option<Task<()>>,
+    buffers: Vec<Py<Buffer>>,
+}
+
+#[pymethods]
+impl PendingRead {
+    /// One buffer per spec, in order. Do not read them before `wait` returns.
+    #[getter]
+    fn buffers(&self, py: Python<'_>) -> Vec<Py<Buffer>> {
+        self.buffers.iter().map(|b| b.clone_ref(py)).collect()
+    }
+
+    /// Cancels the read and waits for the requests in flight (for error paths).
+    fn abandon(&mut self, py: Python<'_>) {
+        if let Some(t) = self.task.take() {
+            t.cancel();
+            let _ = py.detach(|| t.join());
+        }
+    }
+
+    /// Waits for every byte and checksum; raises on damage or I/O errors.
+    #[pyo3(signature = (progress=None))]
+    fn wait(&mut self, py: Python<'_>, progress: Option<Bound<'_, PyAny>>) -> PyResult<()> {
+        match self.task.take() {
+            Some(t) => wait_task(py, t, progress.as_ref()),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Starts reading records of `path` (specs as for `read_records`) and returns
+/// at once with the buffers they will fill.
+#[pyfunction]
+#[pyo3(signature = (engine, path, specs, *, verify=true, background=false))]
+fn start_read(
+    py: Python<'_>,
+    engine: &PyEngine,
+    path: PathBuf,
+    specs: Vec<(String, u64, u64, Option<u32>)>,
+    verify: bool,
+    background: bool,
+) -> PyResult<PendingRead> {
+    let want_direct = engine.inner.mode().direct();
+    let file = py.detach(|| EngineFile::open_read(&path, want_direct)).py_err(py)?;
+    let specs: Vec<ReadSpec> = specs
+        .into_iter()
+        .map(|(name, offset, size, crc)| ReadSpec { name, offset, size, crc })
+        .collect();
+    let e = &engine.inner;
+    let plan = py.detach(|| reader::plan_read(e, &file, &specs)).py_err(py)?;
+    let class = if background { Class::Background } else { Class::Foreground };
+    let task = reader::start_read(&engine.inner, Arc::new(file), specs, &plan, verify, class, TaskState::new()).py_err(py)?;
+    let buffers = plan
+        .records
+        .into_iter()
+        .map(|r| Py::new(py, Buffer::new(r)))
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(PendingRead {
+        task: Some(task),
+        buffers,
+    })
+}
+
 /// CRC-32 of each `(address, nbytes)` region, computed on `threads` threads
 /// with the GIL released.
 ///
@@ -178,5 +245,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(data_offsets, m)?)?;
     m.add_function(wrap_pyfunction!(read_records, m)?)?;
     m.add_function(wrap_pyfunction!(crc32_regions, m)?)?;
+    m.add_function(wrap_pyfunction!(start_read, m)?)?;
+    m.add_class::<PendingRead>()?;
     Ok(())
 }

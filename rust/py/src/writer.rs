@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tierstore_core::io::Class;
 use tierstore_core::plan::{Plan, Source};
-use tierstore_core::task::TaskState;
+use tierstore_core::task::{Task, TaskState};
 use tierstore_core::writer::{ContainerStream, ContainerWriter, WriteOptions};
 
 use crate::engine::PyEngine;
@@ -35,6 +35,8 @@ fn closed() -> PyErr {
 #[pyclass(module = "tierstore._core")]
 pub struct Writer {
     inner: Option<ContainerWriter>,
+    /// A `write_data` running in the background (see `start_data`).
+    pending: Option<Task<ContainerWriter>>,
     owners: Vec<Py<PyAny>>,
 }
 
@@ -65,15 +67,33 @@ impl Writer {
         Ok(i)
     }
 
-    /// Writes every record added so far; returns their CRC-32s.
-    #[pyo3(signature = (progress=None))]
-    fn write_data(&mut self, py: Python<'_>, progress: Option<Bound<'_, PyAny>>) -> PyResult<Vec<Option<u32>>> {
+    /// Starts writing every record added so far in the background and
+    /// returns at once; `wait_data` waits for it. Python code (e.g. pickling)
+    /// runs meanwhile; the records' memory must not change until then.
+    fn start_data(&mut self, py: Python<'_>) -> PyResult<()> {
         let w = self.inner.take().ok_or_else(closed)?;
-        let task = w.write_data(TaskState::new()).py_err(py)?;
+        self.pending = Some(w.write_data(TaskState::new()).py_err(py)?);
+        Ok(())
+    }
+
+    /// Waits for `start_data`; returns the CRC-32 of every record so far.
+    #[pyo3(signature = (progress=None))]
+    fn wait_data(&mut self, py: Python<'_>, progress: Option<Bound<'_, PyAny>>) -> PyResult<Vec<Option<u32>>> {
+        let task = self
+            .pending
+            .take()
+            .ok_or_else(|| PyValueError::new_err("no write in progress (call start_data first)"))?;
         let w = wait_task(py, task, progress.as_ref())?;
         let crcs = (0..w.plan().len()).map(|i| w.plan().crc(i)).collect();
         self.inner = Some(w);
         Ok(crcs)
+    }
+
+    /// Writes every record added so far; returns their CRC-32s.
+    #[pyo3(signature = (progress=None))]
+    fn write_data(&mut self, py: Python<'_>, progress: Option<Bound<'_, PyAny>>) -> PyResult<Vec<Option<u32>>> {
+        self.start_data(py)?;
+        self.wait_data(py, progress)
     }
 
     /// Writes the rest, makes the file durable and renames it into place.
@@ -87,7 +107,11 @@ impl Writer {
     }
 
     /// Abandons the write; the temporary file is removed.
-    fn abort(&mut self) {
+    fn abort(&mut self, py: Python<'_>) {
+        if let Some(t) = self.pending.take() {
+            t.cancel();
+            let _ = py.detach(|| t.join());
+        }
         self.inner = None;
         self.owners.clear();
     }
@@ -127,6 +151,7 @@ fn create_writer(py: Python<'_>, engine: &PyEngine, path: PathBuf, align: u64, d
     let w = py.detach(|| ContainerWriter::create(e, &path, opts)).py_err(py)?;
     Ok(Writer {
         inner: Some(w),
+        pending: None,
         owners: Vec::new(),
     })
 }
