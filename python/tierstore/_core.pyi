@@ -79,6 +79,7 @@ def read_records(
     background: bool = False,
     progress: _Progress = None,
 ) -> list[Buffer]: ...
+
 class PendingRead:
     @property
     def buffers(self) -> list[Buffer]: ...

@@ -75,7 +75,8 @@ class StorageCollector:
             # Tensors of the newer dtypes pickle their storage untyped (bytes),
             # as Tensor.__reduce_ex__ does; register them the same way.
             dtype = torch.uint8 if t.dtype in _UNTYPED_DTYPES else t.dtype
-            location = torch.serialization.location_tag(storage)
+            dev = storage.device
+            location = "cpu" if dev.type == "cpu" else torch.serialization.location_tag(storage)
             self._register(storage, dtype, storage.nbytes() // dtype.itemsize, location)
 
     def persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
@@ -112,18 +113,18 @@ def dumps(
 ) -> tuple[bytes, StorageCollector]:
     """Pickles ``obj``; returns ``data.pkl`` and the storages it refers to."""
     buf = io.BytesIO()
-    collector = collector or StorageCollector()
+    col = collector if collector is not None else StorageCollector()
     if pickle_module is None or pickle_module is pickle:
-        _Pickler(buf, protocol, collector).dump(obj)
+        _Pickler(buf, protocol, col).dump(obj)
     else:
         base: Any = pickle_module.Pickler
 
         class _Custom(base):  # type: ignore[misc]
             def persistent_id(self, o: Any) -> Any:
-                return collector.persistent_id(o)
+                return col.persistent_id(o)
 
         _Custom(buf, protocol=protocol).dump(obj)
-    return buf.getvalue(), collector
+    return buf.getvalue(), col
 
 
 _MODULE_RENAMES = {"torch.tensor": "torch._tensor"}

@@ -164,12 +164,14 @@ def save(
     else:
         data_pkl = pickler.run()
         storages = _host_storages(collector)
-        tensors = _tensor_entries(found, collector)
-        _save_stream(f, prefix, data_pkl, storages, small, tensors, collector, align)
+        parts = _ManifestParts(prefix, collector, found, align)
+        _save_stream(f, prefix, data_pkl, storages, small, parts, align)
 
 
 class _PickleJob:
-    def __init__(self, obj: Any, module: ModuleType | None, protocol: int, collector: _pickle.StorageCollector):
+    def __init__(
+        self, obj: Any, module: ModuleType | None, protocol: int, collector: _pickle.StorageCollector
+    ) -> None:
         self.obj, self.module, self.protocol, self.collector = obj, module, protocol, collector
 
     def run(self) -> bytes:
@@ -177,42 +179,47 @@ class _PickleJob:
         return data
 
 
-def _manifest_bytes(
-    prefix: str,
-    entries: list[tuple[str, int, int, int, int | None]],
-    crcs: dict[str, int],
-    collector: _pickle.StorageCollector,
-    tensors: list[dict[str, Any]],
-    align: int,
-) -> bytes:
-    from tierstore import __version__
+class _ManifestParts:
+    """The manifest, prepared while the data is written; CRCs come last."""
 
-    records = []
-    cut = len(prefix) + 1
-    for name, _hdr, data_off, size, _crc in entries:
-        rel = name[cut:]
-        rec: dict[str, Any] = {"name": rel, "offset": data_off, "size": size, "crc32": crcs[name]}
-        if rel.startswith("data/"):
-            s = collector.storages[rel[5:]]
-            rec.update(
-                kind="storage",
-                dtype=_dtype_name(s.dtype),
-                numel=s.numel,
-                location=s.location,
-                codec="raw",
-                delta_base=None,
-            )
-        else:
-            rec["kind"] = "pickle" if rel == "data.pkl" else "meta"
-        records.append(rec)
-    return manifest.build(
-        archive=prefix,
-        alignment=align,
-        records=records,
-        tensors=tensors,
-        writer=f"tierstore {__version__}",
-        torch_version=torch.__version__,
-    )
+    def __init__(
+        self,
+        prefix: str,
+        collector: _pickle.StorageCollector,
+        found: list[tuple[list[str | int], torch.Tensor]],
+        align: int,
+    ) -> None:
+        self.prefix, self.collector, self.align = prefix, collector, align
+        self.tensors_json = manifest.dump_tensors(_tensor_entries(found, collector))
+
+    def build(self, entries: list[tuple[str, int, int, int, int | None]], crcs: dict[str, int]) -> bytes:
+        from tierstore import __version__
+
+        records = []
+        cut = len(self.prefix) + 1
+        storages = self.collector.storages
+        for name, _hdr, data_off, size, _crc in entries:
+            rel = name[cut:]
+            rec: dict[str, Any] = {"name": rel, "offset": data_off, "size": size, "crc32": crcs[name]}
+            if rel.startswith("data/"):
+                s = storages[rel[5:]]
+                rec["kind"] = "storage"
+                rec["dtype"] = _dtype_name(s.dtype)
+                rec["numel"] = s.numel
+                rec["location"] = s.location
+                rec["codec"] = "raw"
+                rec["delta_base"] = None
+            else:
+                rec["kind"] = "pickle" if rel == "data.pkl" else "meta"
+            records.append(rec)
+        return manifest.build(
+            archive=self.prefix,
+            alignment=self.align,
+            records=records,
+            tensors_json=self.tensors_json,
+            writer=f"tierstore {__version__}",
+            torch_version=torch.__version__,
+        )
 
 
 def _save_path(
@@ -249,18 +256,21 @@ def _save_path(
         total = add_new()
         with _progress.bar(_progress.wanted(progress) and total > 0, f"saving {path}") as cb:
             w.start_data()
-            data_pkl = pickler.run()  # runs while the engine writes the storages
+            # Pickling and most of the manifest are done while the engine writes.
+            data_pkl = pickler.run()
+            late = [key for key in collector.storages if key not in added]
+            parts = _ManifestParts(prefix, collector, found, align)
             w.wait_data(cb)
-            if add_new():  # storages only the pickler found (inside custom objects)
+            if late:  # storages only the pickler found (inside custom objects)
+                add_new()
                 w.write_data(cb)
-        crcs = {e[0]: e[4] for e in w.entries() if e[4] is not None}
         for name, data in [("data.pkl", data_pkl), *small]:
-            full = f"{prefix}/{name}"
-            w.add_bytes(full, data, _META_ALIGN)
-            crcs[full] = zlib.crc32(data)
-        tensors = _tensor_entries(found, collector)
-        m = _manifest_bytes(prefix, w.entries(), crcs, collector, tensors, align)
-        w.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", m, _META_ALIGN)
+            w.add_bytes(f"{prefix}/{name}", data, _META_ALIGN)
+        entries = w.entries()
+        crcs = {e[0]: e[4] for e in entries if e[4] is not None}
+        for name, data in [("data.pkl", data_pkl), *small]:
+            crcs[f"{prefix}/{name}"] = zlib.crc32(data)
+        w.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", parts.build(entries, crcs), _META_ALIGN)
         w.commit()
     except BaseException:
         w.abort()
@@ -273,8 +283,7 @@ def _save_stream(
     data_pkl: bytes,
     storages: list[tuple[str, torch.UntypedStorage]],
     small: list[tuple[str, bytes]],
-    tensors: list[dict[str, Any]],
-    collector: _pickle.StorageCollector,
+    parts: _ManifestParts,
     align: int,
 ) -> None:
     s = _core.Stream(align=align, chunk_bytes=_STREAM_CHUNK, threads=get_engine().info()["cpu_threads"])
@@ -288,7 +297,7 @@ def _save_stream(
     for name, data in [("data.pkl", data_pkl), *small]:
         s.add_bytes(f"{prefix}/{name}", data, _META_ALIGN)
     crcs = dict(zip((e[0] for e in s.entries()), s.checksums(), strict=True))
-    m = _manifest_bytes(prefix, s.entries(), crcs, collector, tensors, align)
+    m = parts.build(s.entries(), crcs)
     s.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", m, _META_ALIGN)
     while (chunk := s.next_chunk()) is not None:
         f.write(chunk)
@@ -430,9 +439,7 @@ def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts:
         # before the read has finished (see _unpickle's `ready`).
         pending = _core.start_read(get_engine(), path, specs, verify=verify)
         for k, b in zip(keys, pending.buffers, strict=True):
-            storages[k] = (
-                torch.frombuffer(b, dtype=torch.uint8).untyped_storage() if len(b) else torch.UntypedStorage(0)
-            )
+            storages[k] = _storage_over(b)
         with _progress.bar(_progress.wanted(progress) and total > 0, f"loading {path}") as cb:
             waited = False
 
@@ -491,6 +498,13 @@ def _load_stream(f: IO[bytes], verify: bool, opts: dict[str, Any]) -> Any:
                 else torch.UntypedStorage(0)
             )
     return _unpickle(name, data_pkl, storages, byteorder, opts)
+
+
+def _storage_over(buf: Any) -> torch.UntypedStorage:
+    """An untyped storage viewing ``buf`` without a copy (it keeps ``buf`` alive)."""
+    if not len(buf):
+        return torch.UntypedStorage(0)
+    return torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
 
 
 def _stays_on_host(map_location: Any, location: str) -> bool:
@@ -558,8 +572,6 @@ def _unpickle(
             )
         if raw.nbytes() > nbytes:
             raw = raw[:nbytes]
-        if ready is not None and (byteorder != sys.byteorder or not _stays_on_host(opts["map_location"], location)):
-            ready()
         if ready is not None and (
             byteorder != sys.byteorder or not _stays_on_host(opts["map_location"], location)
         ):

@@ -42,7 +42,9 @@ def _path_str(path: list[str | int]) -> str:
     return ".".join(str(p) for p in path) if path else "<root>"
 
 
-def _record_states(path: str, arch: _archive.Archive, offsets: dict[str, int], verify: bool) -> dict[str, str]:
+def _record_states(
+    path: str, arch: _archive.Archive, offsets: dict[str, int], verify: bool
+) -> dict[str, str]:
     """Checksum state per record: ok, DAMAGED or 'not checked'."""
     if not verify:
         return dict.fromkeys(arch.records, "not checked")
@@ -83,7 +85,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             if "dtype" in r:
                 dtypes[r["name"]] = r["dtype"]
             kinds[r["name"]] = r.get("kind", "")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for rel, (crc, size, _cs, _meth, _hdr) in sorted(arch.records.items(), key=lambda kv: offsets[kv[0]]):
         off = offsets[rel]
         rows.append(

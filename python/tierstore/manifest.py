@@ -32,12 +32,17 @@ def schema() -> dict[str, Any]:
     return result
 
 
+def dump_tensors(tensors: list[dict[str, Any]]) -> str:
+    """The ``tensors`` list as JSON (prepared early, while data is written)."""
+    return json.dumps(tensors, separators=(",", ":"))
+
+
 def build(
     *,
     archive: str,
     alignment: int,
     records: list[dict[str, Any]],
-    tensors: list[dict[str, Any]],
+    tensors_json: str,
     writer: str,
     torch_version: str,
     extra: dict[str, Any] | None = None,
@@ -52,12 +57,12 @@ def build(
         "alignment": alignment,
         "checksum": "crc32",
         "records": records,
-        "tensors": tensors,
         "shard": None,
     }
     if extra:
         m.update(extra)
-    return json.dumps(m, separators=(",", ":")).encode()
+    head = json.dumps(m, separators=(",", ":"))
+    return (head[:-1] + ',"tensors":' + tensors_json + "}").encode()
 
 
 def _fail(path: str, detail: str) -> ManifestError:

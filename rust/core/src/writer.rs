@@ -143,13 +143,24 @@ impl ContainerWriter {
                 .fetch_add(end - w.written_to + deferred.iter().map(|(s, e)| e - s).sum::<u64>(), Ordering::Relaxed);
             w.file.reserve(file_end)?;
             let start = w.written_to;
+            let t0 = std::time::Instant::now();
             w.write_range(&st, start, end, &deferred, false)?;
+            let t1 = std::time::Instant::now();
             if end != file_end || w.file.inner.direct {
                 w.file.set_len(file_end)?;
             }
             let path = w.file.final_path().to_path_buf();
             let durable = w.opts.durable;
             w.file.commit(durable)?;
+            if std::env::var_os("TIERSTORE_TRACE").is_some() {
+                eprintln!(
+                    "tierstore: commit {}: tail+{} deferred ranges {:?}, truncate+fsync+rename {:?}",
+                    path.display(),
+                    deferred.len(),
+                    t1 - t0,
+                    t1.elapsed()
+                );
+            }
             Ok(path)
         })
     }
