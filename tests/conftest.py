@@ -33,12 +33,19 @@ def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     tierstore.configure(None)
 
 
-def run_python(code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_python(
+    code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     e = dict(os.environ)
     if env:
         e.update(env)
     return subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=e, check=False
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=e,
+        check=False,
     )
 
 
@@ -71,9 +78,12 @@ def tensors_equal(a: object, b: object) -> bool:
             return torch.equal(av.view(torch.uint8), bv.view(torch.uint8))
         return bool((av.view(torch.uint8) == bv.view(torch.uint8)).all())
     if isinstance(a, dict):
-        return isinstance(b, dict) and type(a) is type(b) and list(a) == list(b) and all(
-            tensors_equal(a[k], b[k]) for k in a
+        return (
+            isinstance(b, dict)
+            and type(a) is type(b)
+            and list(a) == list(b)
+            and all(tensors_equal(a[k], b[k]) for k in a)
         )
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))  # type: ignore[arg-type]
+        return type(a) is type(b) and len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b, strict=True))  # type: ignore[arg-type]
     return a == b

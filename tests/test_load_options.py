@@ -109,7 +109,7 @@ def test_verify_false_skips_checksums(tmp_path: pathlib.Path) -> None:
     data = bytearray(p.read_bytes())
     from tierstore import _archive
 
-    arch, _m, offsets = _archive.open_archive(str(p))
+    _arch, _m, offsets = _archive.open_archive(str(p))
     data[offsets["data/0"] + 10] ^= 0xFF
     p.write_bytes(bytes(data))
     with pytest.raises(tierstore.ChecksumError):

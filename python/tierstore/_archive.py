@@ -28,9 +28,7 @@ _VERIFY_BATCH = 256 << 20
 class Archive:
     """The directory of an archive: record name (without prefix) -> entry."""
 
-    def __init__(
-        self, path: str, entries: list[tuple[str, int, int, int, int, int]], cd_offset: int, file_len: int
-    ):
+    def __init__(self, path: str, entries: list[tuple[str, int, int, int, int, int]], cd_offset: int, file_len: int):
         self.path = path
         self.cd_offset = cd_offset
         self.file_len = file_len
@@ -97,9 +95,7 @@ def read_manifest(path: str, arch: Archive) -> dict[str, Any] | None:
     probe = min(30 + len(arch.full(rel)) + 512, arch.cd_offset - hdr)
     off = _local_data_offset(path, arch, rel, load_small(path, hdr, probe, "manifest header"))
     if off + size > arch.cd_offset:
-        raise ManifestError(
-            f"{path}: record '{arch.full(rel)}' runs past the record area", path=path, record=rel
-        )
+        raise ManifestError(f"{path}: record '{arch.full(rel)}' runs past the record area", path=path, record=rel)
     data = load_small(path, off, size, "manifest")
     check_crc(path, arch.full(rel), data, crc)
     m = manifest.parse(data, path, arch.file_len)

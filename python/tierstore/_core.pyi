@@ -2,21 +2,43 @@
 
 from collections.abc import Callable
 from os import PathLike
-from typing import Any
+from typing import Any, final
+
+__all__ = [
+    "Buffer",
+    "Engine",
+    "PendingRead",
+    "Stream",
+    "Writer",
+    "__version__",
+    "check_offsets",
+    "crc32_regions",
+    "create_writer",
+    "data_offsets",
+    "data_offsets_bytes",
+    "io_uring_status",
+    "probe_path",
+    "read_directory",
+    "read_directory_bytes",
+    "read_records",
+    "read_small",
+    "start_read",
+]
 
 __version__: str
 
 _Path = str | PathLike[str]
 _Progress = Callable[[int, int], None] | None
 
+@final
 class Buffer:
     """An aligned engine buffer, exported through the buffer protocol."""
 
     def __len__(self) -> int: ...
     @property
     def address(self) -> int: ...
-    def __buffer__(self, flags: int, /) -> memoryview: ...
 
+@final
 class Engine:
     def __new__(
         cls,
@@ -33,6 +55,7 @@ class Engine:
     def mode(self) -> str: ...
     def info(self) -> dict[str, Any]: ...
 
+@final
 class Writer:
     def add_bytes(self, name: str, data: bytes, align: int | None = None) -> int: ...
     def add_memory(self, name: str, address: int, nbytes: int, owner: object) -> int: ...
@@ -49,6 +72,7 @@ class Writer:
     @property
     def buffered_reason(self) -> str | None: ...
 
+@final
 class Stream:
     def __new__(cls, *, align: int = 4096, chunk_bytes: int = 8388608, threads: int = 2) -> Stream: ...
     def add_bytes(self, name: str, data: bytes, align: int | None = None) -> int: ...
@@ -80,6 +104,7 @@ def read_records(
     progress: _Progress = None,
 ) -> list[Buffer]: ...
 
+@final
 class PendingRead:
     @property
     def buffers(self) -> list[Buffer]: ...

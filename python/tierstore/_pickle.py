@@ -188,9 +188,7 @@ def restore_location_fn(map_location: Any) -> Any:
             return restore(s, loc) if r is None else r
 
         return call
-    raise TypeError(
-        f"map_location must be None, a str, a torch.device, a dict or a callable, not {map_location!r}"
-    )
+    raise TypeError(f"map_location must be None, a str, a torch.device, a dict or a callable, not {map_location!r}")
 
 
 def tensor_paths(obj: Any, limit: int = 1_000_000) -> list[tuple[list[str | int], torch.Tensor]]:

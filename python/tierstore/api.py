@@ -169,9 +169,7 @@ def save(
 
 
 class _PickleJob:
-    def __init__(
-        self, obj: Any, module: ModuleType | None, protocol: int, collector: _pickle.StorageCollector
-    ) -> None:
+    def __init__(self, obj: Any, module: ModuleType | None, protocol: int, collector: _pickle.StorageCollector) -> None:
         self.obj, self.module, self.protocol, self.collector = obj, module, protocol, collector
 
     def run(self) -> bytes:
@@ -401,9 +399,7 @@ def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts:
     data_pkl = _archive.load_small(path, offsets["data.pkl"], size, "data.pkl")
     if verify:
         _archive.check_crc(path, arch.full("data.pkl"), data_pkl, crc)
-    byteorder = _archive.byteorder(
-        arch, offsets, lambda off, n: _archive.load_small(path, off, n, "byteorder")
-    )
+    byteorder = _archive.byteorder(arch, offsets, lambda off, n: _archive.load_small(path, off, n, "byteorder"))
     keys = [rel[5:] for rel in arch.records if rel.startswith("data/")]
     storages: dict[str, torch.UntypedStorage] = {}
     if mmap:
@@ -572,9 +568,7 @@ def _unpickle(
             )
         if raw.nbytes() > nbytes:
             raw = raw[:nbytes]
-        if ready is not None and (
-            byteorder != sys.byteorder or not _stays_on_host(opts["map_location"], location)
-        ):
+        if ready is not None and (byteorder != sys.byteorder or not _stays_on_host(opts["map_location"], location)):
             ready()
         if byteorder != sys.byteorder:
             raw.byteswap(dtype)

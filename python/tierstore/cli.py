@@ -42,9 +42,7 @@ def _path_str(path: list[str | int]) -> str:
     return ".".join(str(p) for p in path) if path else "<root>"
 
 
-def _record_states(
-    path: str, arch: _archive.Archive, offsets: dict[str, int], verify: bool
-) -> dict[str, str]:
+def _record_states(path: str, arch: _archive.Archive, offsets: dict[str, int], verify: bool) -> dict[str, str]:
     """Checksum state per record: ok, DAMAGED or 'not checked'."""
     if not verify:
         return dict.fromkeys(arch.records, "not checked")

@@ -154,9 +154,7 @@ _FORMAT_ERRORS: dict[str, type[FormatError]] = {
 }
 
 
-def _from_engine(
-    kind: str, message: str, path: str | None, record: str | None, errno: int | None
-) -> BaseException:
+def _from_engine(kind: str, message: str, path: str | None, record: str | None, errno: int | None) -> BaseException:
     """Builds the exception for an engine error (called by ``tierstore._core``)."""
     if kind == "io":
         cls = _OS_ERRORS.get(errno or 0, StorageIOError)

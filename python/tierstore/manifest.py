@@ -87,8 +87,7 @@ def parse(data: bytes, path: str, file_len: int) -> dict[str, Any]:
     if v > FORMAT_VERSION:
         raise _fail(
             path,
-            f"format_version {v} is newer than this tierstore understands ({FORMAT_VERSION}); "
-            "upgrade tierstore",
+            f"format_version {v} is newer than this tierstore understands ({FORMAT_VERSION}); upgrade tierstore",
         )
     recs = m.get("records")
     if not isinstance(recs, list):

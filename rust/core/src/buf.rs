@@ -301,7 +301,11 @@ mod tests {
         let pa = a.as_ptr();
         drop(a);
         let c = pool.acquire(Duration::from_millis(1)).unwrap();
-        assert_eq!(c.as_ptr(), pa, "a released buffer is reused, not reallocated");
+        assert_eq!(
+            c.as_ptr(),
+            pa,
+            "a released buffer is reused, not reallocated"
+        );
         assert_eq!(pool.allocated_bytes(), 2 * 8192);
         drop(b);
         drop(c);

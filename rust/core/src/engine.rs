@@ -126,9 +126,14 @@ impl Engine {
         let (mode, mode_reason) = match config.mode {
             Some(Mode::IoUring) => {
                 if let Err(why) = &uring {
-                    return Err(Error::Invalid(format!("io_uring was requested but is unavailable: {why}")));
+                    return Err(Error::Invalid(format!(
+                        "io_uring was requested but is unavailable: {why}"
+                    )));
                 }
-                (Mode::IoUring, format!("forced by {}", forced_by.unwrap_or("option")))
+                (
+                    Mode::IoUring,
+                    format!("forced by {}", forced_by.unwrap_or("option")),
+                )
             }
             Some(m) => (m, format!("forced by {}", forced_by.unwrap_or("option"))),
             None => match &uring {
@@ -179,7 +184,10 @@ impl Engine {
             Mode::Threads | Mode::Buffered => {
                 for i in 0..self.config.queue_depth.min(64) {
                     let d = Arc::clone(&self.dispatcher);
-                    ws.push(spawn(format!("tierstore-io-{i}"), Box::new(move || io::threads::worker(&d)))?);
+                    ws.push(spawn(
+                        format!("tierstore-io-{i}"),
+                        Box::new(move || io::threads::worker(&d)),
+                    )?);
                 }
             }
         }

@@ -30,7 +30,7 @@ pub enum Error {
     Truncated { path: PathBuf, detail: String },
     /// A structure inside the archive is inconsistent (sizes or offsets that
     /// point outside the file, overlapping records, bad signatures).
-    #[error("{}: {}{detail}", path.display(), record_prefix(record))]
+    #[error("{}: {}{detail}", path.display(), record_prefix(record.as_deref()))]
     Corrupt {
         path: PathBuf,
         record: Option<String>,
@@ -58,7 +58,7 @@ pub enum Error {
     Invalid(String),
 }
 
-fn record_prefix(record: &Option<String>) -> String {
+fn record_prefix(record: Option<&str>) -> String {
     match record {
         Some(r) => format!("record '{r}': "),
         None => String::new(),

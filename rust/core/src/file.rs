@@ -26,9 +26,16 @@ fn cpath(p: &Path) -> Result<CString> {
 }
 
 fn open_raw(path: &Path, flags: i32, mode: libc::mode_t) -> io::Result<File> {
-    let c = CString::new(path.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: NUL-terminated path, plain flags.
-    let fd = unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC, libc::c_uint::from(mode)) };
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            flags | libc::O_CLOEXEC,
+            libc::c_uint::from(mode),
+        )
+    };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -105,13 +112,18 @@ impl EngineFile {
         if offset.checked_add(len).is_none_or(|e| e > self.len) {
             return Err(Error::truncated(
                 &self.path,
-                format!("{what} [{offset}, +{len}) lies beyond the end of the file ({} bytes)", self.len),
+                format!(
+                    "{what} [{offset}, +{len}) lies beyond the end of the file ({} bytes)",
+                    self.len
+                ),
             ));
         }
         let f = if self.direct {
             File::open(&self.path).map_err(|e| Error::io(&self.path, "open", e))?
         } else {
-            self.file.try_clone().map_err(|e| Error::io(&self.path, "open", e))?
+            self.file
+                .try_clone()
+                .map_err(|e| Error::io(&self.path, "open", e))?
         };
         let mut v = vec![0u8; len as usize];
         f.read_exact_at(&mut v, offset).map_err(|e| {
@@ -149,13 +161,21 @@ impl AtomicFile {
         match std::fs::metadata(&dir) {
             Ok(m) if m.is_dir() => {}
             Ok(_) => {
-                return Err(Error::io(&dir, "open directory", io::Error::from_raw_os_error(libc::ENOTDIR)));
+                return Err(Error::io(
+                    &dir,
+                    "open directory",
+                    io::Error::from_raw_os_error(libc::ENOTDIR),
+                ));
             }
             Err(e) => return Err(Error::io(&dir, "open directory", e)),
         }
         if let Ok(m) = std::fs::metadata(final_path) {
             if m.is_dir() {
-                return Err(Error::io(final_path, "create", io::Error::from_raw_os_error(libc::EISDIR)));
+                return Err(Error::io(
+                    final_path,
+                    "create",
+                    io::Error::from_raw_os_error(libc::EISDIR),
+                ));
             }
         }
         let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
@@ -182,12 +202,13 @@ impl AtomicFile {
         let direct = file.is_some();
         let file = match file {
             Some(f) => f,
-            None => open_raw(&tmp, base, 0o644).map_err(|e| Error::io(final_path, "create temporary file", e))?,
+            None => open_raw(&tmp, base, 0o644)
+                .map_err(|e| Error::io(final_path, "create temporary file", e))?,
         };
         let dio = dio_align_of(&file);
         let align = if direct { dio.io_align() } else { 1 };
         use std::os::unix::fs::MetadataExt;
-        let dev = file.metadata().map(|m| m.dev()).unwrap_or(0);
+        let dev = file.metadata().map_or(0, |m| m.dev());
         Ok(AtomicFile {
             inner: EngineFile {
                 file,
@@ -246,7 +267,11 @@ impl AtomicFile {
         let to = cpath(&self.final_path)?;
         // SAFETY: two NUL-terminated paths.
         if unsafe { libc::rename(from.as_ptr(), to.as_ptr()) } != 0 {
-            return Err(Error::io(&self.final_path, "rename", io::Error::last_os_error()));
+            return Err(Error::io(
+                &self.final_path,
+                "rename",
+                io::Error::last_os_error(),
+            ));
         }
         self.committed = true;
         if durable {
@@ -267,8 +292,10 @@ impl Drop for AtomicFile {
 
 /// fsyncs a directory so that a rename in it is durable.
 pub fn sync_dir(dir: &Path) -> Result<()> {
-    let d = open_raw(dir, libc::O_RDONLY | libc::O_DIRECTORY, 0).map_err(|e| Error::io(dir, "open directory", e))?;
-    d.sync_all().map_err(|e| Error::io(dir, "fsync directory", e))
+    let d = open_raw(dir, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+        .map_err(|e| Error::io(dir, "open directory", e))?;
+    d.sync_all()
+        .map_err(|e| Error::io(dir, "fsync directory", e))
 }
 
 fn pid_alive(pid: i32) -> bool {
@@ -283,13 +310,21 @@ pub fn remove_stale_temps(final_path: &Path) {
     let (Some(dir), Some(name)) = (final_path.parent(), final_path.file_name()) else {
         return;
     };
-    let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
     let prefix = format!(".{}{TMP_MARK}", name.to_string_lossy());
-    let Ok(rd) = std::fs::read_dir(dir) else { return };
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
     for ent in rd.flatten() {
         let fname = ent.file_name();
         let fname = fname.to_string_lossy();
-        let Some(rest) = fname.strip_prefix(&prefix) else { continue };
+        let Some(rest) = fname.strip_prefix(&prefix) else {
+            continue;
+        };
         let Some(pid) = rest.split('.').next().and_then(|p| p.parse::<i32>().ok()) else {
             continue;
         };
@@ -301,6 +336,39 @@ pub fn remove_stale_temps(final_path: &Path) {
             }
             let _ = std::fs::remove_file(ent.path());
         }
+    }
+}
+
+/// A file as a [`crate::zip::ReadAt`] source (buffered positioned reads).
+pub struct FileSource {
+    file: File,
+    len: u64,
+}
+
+impl FileSource {
+    pub fn open(path: &Path) -> Result<Self> {
+        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, "open", e))?;
+        if meta.is_dir() {
+            return Err(Error::io(
+                path,
+                "open",
+                io::Error::from_raw_os_error(libc::EISDIR),
+            ));
+        }
+        let file = File::open(path).map_err(|e| Error::io(path, "open", e))?;
+        Ok(FileSource {
+            file,
+            len: meta.len(),
+        })
+    }
+}
+
+impl crate::zip::ReadAt for FileSource {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.file.read_exact_at(buf, offset)
     }
 }
 
@@ -319,7 +387,11 @@ mod tests {
             // dropped without commit
         }
         assert_eq!(std::fs::read(&target).unwrap(), b"old");
-        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1, "temporary removed");
+        assert_eq!(
+            std::fs::read_dir(d.path()).unwrap().count(),
+            1,
+            "temporary removed"
+        );
         let f = AtomicFile::create(&target, false).unwrap();
         f.inner.file.write_all_at(b"new!", 0).unwrap();
         f.commit(true).unwrap();
@@ -349,31 +421,5 @@ mod tests {
         assert!(e.to_string().contains("nope"), "{e}");
         let e = AtomicFile::create(d.path(), true).err().unwrap();
         assert!(matches!(e, Error::Io { .. } | Error::Invalid(_)), "{e}");
-    }
-}
-
-/// A file as a [`crate::zip::ReadAt`] source (buffered positioned reads).
-pub struct FileSource {
-    file: File,
-    len: u64,
-}
-
-impl FileSource {
-    pub fn open(path: &Path) -> Result<Self> {
-        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, "open", e))?;
-        if meta.is_dir() {
-            return Err(Error::io(path, "open", io::Error::from_raw_os_error(libc::EISDIR)));
-        }
-        let file = File::open(path).map_err(|e| Error::io(path, "open", e))?;
-        Ok(FileSource { file, len: meta.len() })
-    }
-}
-
-impl crate::zip::ReadAt for FileSource {
-    fn len(&self) -> u64 {
-        self.len
-    }
-    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.file.read_exact_at(buf, offset)
     }
 }

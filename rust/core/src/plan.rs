@@ -112,11 +112,14 @@ impl Plan {
     /// Appends a record whose data is aligned to `align` (at most the plan's).
     pub fn add_aligned(&mut self, name: &str, source: Source, align: u64) -> Result<usize> {
         if self.tail.is_some() {
-            return Err(Error::Invalid("records cannot be added after the directory".into()));
+            return Err(Error::Invalid(
+                "records cannot be added after the directory".into(),
+            ));
         }
         self.layout.push_aligned(name, source.len() as u64, align)?;
         // The CRC-32 of no bytes is 0.
-        self.crcs.push(if source.is_empty() { Some(0) } else { None });
+        self.crcs
+            .push(if source.is_empty() { Some(0) } else { None });
         self.sources.push(source);
         Ok(self.sources.len() - 1)
     }
@@ -174,7 +177,9 @@ impl Plan {
 
     /// Computes the CRC of every record that has none yet, on `threads` threads.
     pub fn compute_missing_crcs(&mut self, threads: usize) {
-        let todo: Vec<usize> = (0..self.sources.len()).filter(|&i| self.crcs[i].is_none()).collect();
+        let todo: Vec<usize> = (0..self.sources.len())
+            .filter(|&i| self.crcs[i].is_none())
+            .collect();
         if todo.is_empty() {
             return;
         }
@@ -213,7 +218,10 @@ impl Plan {
                     })
                 })
                 .collect();
-            handles.into_iter().flat_map(|h| h.join().expect("crc thread")).collect()
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().expect("crc thread"))
+                .collect()
         });
         self.absorb(pieces);
     }
@@ -240,7 +248,13 @@ impl Plan {
     /// whose CRC is unknown and cannot be learnt from this range (its data runs
     /// past it) is not written: its blocks (of `granule` bytes) within the range
     /// are returned as deferred, or, when `allow_defer` is false, an error.
-    pub fn gather(&self, start: u64, buf: &mut [u8], granule: u64, allow_defer: bool) -> Result<Gathered> {
+    pub fn gather(
+        &self,
+        start: u64,
+        buf: &mut [u8],
+        granule: u64,
+        allow_defer: bool,
+    ) -> Result<Gathered> {
         let end = start + buf.len() as u64;
         let entries = self.layout.entries();
         let mut out = Gathered::default();
@@ -255,7 +269,8 @@ impl Plan {
             let (ds, de) = (e.data_offset.max(start), e.data_end().min(end));
             let mut whole_record_hasher = None;
             if ds < de {
-                let from = &src.slice()[(ds - e.data_offset) as usize..(de - e.data_offset) as usize];
+                let from =
+                    &src.slice()[(ds - e.data_offset) as usize..(de - e.data_offset) as usize];
                 buf[(ds - start) as usize..(de - start) as usize].copy_from_slice(from);
                 if self.crcs[idx].is_none() {
                     let mut h = Hasher::new();
@@ -280,8 +295,9 @@ impl Plan {
                         let mut e2 = e.clone();
                         e2.crc = crc;
                         let h = zip::local_header(&e2);
-                        buf[(hs - start) as usize..(he - start) as usize]
-                            .copy_from_slice(&h[(hs - e.header_offset) as usize..(he - e.header_offset) as usize]);
+                        buf[(hs - start) as usize..(he - start) as usize].copy_from_slice(
+                            &h[(hs - e.header_offset) as usize..(he - e.header_offset) as usize],
+                        );
                     }
                     None if allow_defer => {
                         let ds = align_down(e.header_offset, granule).max(start);
@@ -335,7 +351,10 @@ mod tests {
     fn records() -> Vec<(String, Vec<u8>)> {
         let mut v = vec![("a/data.pkl".to_string(), b"pickle".to_vec())];
         for (i, n) in [0usize, 1, 5000, 70_000, 3, 200_000].iter().enumerate() {
-            v.push((format!("a/data/{i}"), (0..*n).map(|x| (x * 7 + i) as u8).collect()));
+            v.push((
+                format!("a/data/{i}"),
+                (0..*n).map(|x| (x * 7 + i) as u8).collect(),
+            ));
         }
         v
     }
@@ -360,7 +379,8 @@ mod tests {
             // Only the non-deferred bytes reach the "file".
             let mut pos = s;
             for &(ds, de) in &g.deferred {
-                file[pos as usize..ds as usize].copy_from_slice(&buf[(pos - s) as usize..(ds - s) as usize]);
+                file[pos as usize..ds as usize]
+                    .copy_from_slice(&buf[(pos - s) as usize..(ds - s) as usize]);
                 pos = de;
             }
             file[pos as usize..e as usize].copy_from_slice(&buf[(pos - s) as usize..]);
@@ -396,7 +416,10 @@ mod tests {
             reference.finalize().unwrap();
             let mut whole = vec![0u8; reference.file_end() as usize];
             reference.gather(0, &mut whole, 1, false).unwrap();
-            assert!(whole == file, "chunked build with chunk {chunk} differs from the one-pass build");
+            assert!(
+                whole == file,
+                "chunked build with chunk {chunk} differs from the one-pass build"
+            );
             let dir = read_directory(file.as_slice(), std::path::Path::new("mem")).unwrap();
             let recs = records();
             assert_eq!(dir.entries.len(), recs.len());
@@ -405,8 +428,11 @@ mod tests {
                 assert_eq!(e.crc, crc32fast::hash(d), "chunk {chunk} record {n}");
                 let mut h = vec![0u8; 600];
                 let l = (file.len() as u64 - e.header_offset).min(600) as usize;
-                file.as_slice().read_exact_at(&mut h[..l], e.header_offset).unwrap();
-                let off = zip::data_offset_from_local(&h, e, &dir, std::path::Path::new("mem")).unwrap();
+                file.as_slice()
+                    .read_exact_at(&mut h[..l], e.header_offset)
+                    .unwrap();
+                let off =
+                    zip::data_offset_from_local(&h, e, &dir, std::path::Path::new("mem")).unwrap();
                 assert_eq!(&file[off as usize..off as usize + d.len()], &d[..]);
             }
         }
@@ -416,8 +442,10 @@ mod tests {
     fn crc_pass_matches() {
         let mut plan = Plan::new(4096).unwrap();
         let big: Vec<u8> = (0..10_000_000u32).map(|x| x as u8).collect();
-        plan.add("a/big", Source::Bytes(big.clone().into())).unwrap();
-        plan.add("a/empty", Source::Bytes(Vec::new().into())).unwrap();
+        plan.add("a/big", Source::Bytes(big.clone().into()))
+            .unwrap();
+        plan.add("a/empty", Source::Bytes(Vec::new().into()))
+            .unwrap();
         plan.compute_missing_crcs(3);
         assert_eq!(plan.crc(0), Some(crc32fast::hash(&big)));
         assert_eq!(plan.crc(1), Some(0));

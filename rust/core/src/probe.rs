@@ -21,7 +21,8 @@ pub fn io_uring_status() -> Result<(), String> {
                     return Err("disabled by the kernel (kernel.io_uring_disabled = 2)".into());
                 }
             }
-            let ring = io_uring::IoUring::new(8).map_err(|e| format!("io_uring_setup failed: {e}"))?;
+            let ring =
+                io_uring::IoUring::new(8).map_err(|e| format!("io_uring_setup failed: {e}"))?;
             let mut probe = io_uring::Probe::new();
             ring.submitter()
                 .register_probe(&mut probe)
@@ -238,7 +239,10 @@ mod tests {
             assert!(a.mem.is_power_of_two() && a.offset.is_power_of_two());
             assert!(a.io_align() >= 512);
         }
-        assert!(std::fs::read_dir(d.path()).unwrap().next().is_none(), "probe file removed");
+        assert!(
+            std::fs::read_dir(d.path()).unwrap().next().is_none(),
+            "probe file removed"
+        );
     }
 
     #[test]

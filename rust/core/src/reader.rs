@@ -81,9 +81,14 @@ fn plan_arenas(specs: &[ReadSpec], a: u64, max_span: u64) -> Vec<Arena> {
         let (lo, hi) = (align_down(s.offset, a), s.offset + s.size);
         let small = s.size <= SMALL_RECORD;
         if let Some((mut arena, end)) = open.take() {
-            let fits = small && lo <= end + MAX_GAP && lo >= arena.file_start && align_up(hi, a) - arena.file_start <= max_span;
+            let fits = small
+                && lo <= end + MAX_GAP
+                && lo >= arena.file_start
+                && align_up(hi, a) - arena.file_start <= max_span;
             if fits {
-                arena.records.push((i, (s.offset - arena.file_start) as usize, s.size as usize));
+                arena
+                    .records
+                    .push((i, (s.offset - arena.file_start) as usize, s.size as usize));
                 open = Some((arena, end.max(hi)));
                 continue;
             }
@@ -176,8 +181,15 @@ pub fn plan_read(engine: &Engine, file: &EngineFile, specs: &[ReadSpec]) -> Resu
             });
         }
     }
-    let records = records.into_iter().map(|r| r.expect("every record is in one arena")).collect();
-    Ok(ReadPlan { arenas, bufs, records })
+    let records = records
+        .into_iter()
+        .map(|r| r.expect("every record is in one arena"))
+        .collect();
+    Ok(ReadPlan {
+        arenas,
+        bufs,
+        records,
+    })
 }
 
 /// Reads `specs` from `file`. The task returns one buffer per spec, in order.
@@ -216,7 +228,9 @@ pub fn start_read(
         records: Vec::new(),
     };
     let engine = Arc::clone(engine);
-    Task::spawn("tierstore-load", state, move |st| run(&engine, &file, &specs, &shadow, verify, class, &st))
+    Task::spawn("tierstore-load", state, move |st| {
+        run(&engine, &file, &specs, &shadow, verify, class, &st)
+    })
 }
 
 #[allow(clippy::too_many_lines)]
@@ -265,7 +279,9 @@ fn run(
             }
             // SAFETY: `[lo, hi)` lies inside this arena's buffer and its
             // transfer has completed; no request writes that range any more.
-            let data = unsafe { std::slice::from_raw_parts(ptrs[p.arena].0.add(lo).cast_const(), hi - lo) };
+            let data = unsafe {
+                std::slice::from_raw_parts(ptrs[p.arena].0.add(lo).cast_const(), hi - lo)
+            };
             let mut h = Hasher::new();
             h.update(data);
             out.push(CrcPiece {
@@ -277,7 +293,11 @@ fn run(
         }
         out
     };
-    let nverify = if verify { engine.config().cpu_threads.max(1) } else { 1 };
+    let nverify = if verify {
+        engine.config().cpu_threads.max(1)
+    } else {
+        1
+    };
     std::thread::scope(|sc| -> Result<()> {
         // Helper verifiers (the driver below verifies too).
         let (vtx, vrx) = crossbeam_channel::unbounded::<Piece>();
@@ -321,7 +341,11 @@ fn run(
             let data: u64 = ar
                 .records
                 .iter()
-                .map(|&(_, s, l)| (p.buf_off + got).min(s + l).saturating_sub(p.buf_off.max(s)) as u64)
+                .map(|&(_, s, l)| {
+                    (p.buf_off + got)
+                        .min(s + l)
+                        .saturating_sub(p.buf_off.max(s)) as u64
+                })
                 .sum();
             st.bytes_done.fetch_add(data, Ordering::Relaxed);
             if verify {
@@ -393,7 +417,11 @@ fn run(
 /// archives written by others; ours record offsets in the manifest). The reads
 /// are spread over `threads` threads so that a cold file with thousands of
 /// records does not pay one seek at a time.
-pub fn resolve_data_offsets(file: &EngineFile, dir: &Directory, threads: usize) -> Result<Vec<u64>> {
+pub fn resolve_data_offsets(
+    file: &EngineFile,
+    dir: &Directory,
+    threads: usize,
+) -> Result<Vec<u64>> {
     let src = FileSource::open(&file.path)?;
     let n = dir.entries.len();
     let next = AtomicUsize::new(0);
@@ -404,7 +432,8 @@ pub fn resolve_data_offsets(file: &EngineFile, dir: &Directory, threads: usize) 
             sc.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(e) = dir.entries.get(i) else { break };
-                let len = zip::local_header_probe_len(e.name.len()).min(dir.cd_offset - e.header_offset);
+                let len =
+                    zip::local_header_probe_len(e.name.len()).min(dir.cd_offset - e.header_offset);
                 let mut buf = vec![0u8; len as usize];
                 let r = src
                     .read_exact_at(&mut buf, e.header_offset)

@@ -24,6 +24,9 @@ use crate::io::{Class, Op, PathSlot, Request};
 use crate::plan::{CrcPiece, Plan, Source};
 use crate::task::{Task, TaskState};
 
+/// A file range `[start, end)`.
+type Range = (u64, u64);
+
 /// How a container is written.
 #[derive(Clone, Debug)]
 pub struct WriteOptions {
@@ -62,11 +65,13 @@ impl ContainerWriter {
         // O_DIRECT only when our record alignment and staging buffers satisfy
         // the file system's requirements; otherwise write through the cache.
         if file.inner.direct
-            && (file.inner.align > opts.align || file.inner.dio.mem > crate::buf::DEFAULT_ALIGN as u64)
+            && (file.inner.align > opts.align
+                || file.inner.dio.mem > crate::buf::DEFAULT_ALIGN as u64)
         {
             drop(file);
             file = AtomicFile::create(path, false)?;
-            file.inner.buffered_reason = Some("the file system's O_DIRECT alignment exceeds the record alignment".into());
+            file.inner.buffered_reason =
+                Some("the file system's O_DIRECT alignment exceeds the record alignment".into());
         }
         let slot = engine.path_slot(file.inner.dev);
         Ok(ContainerWriter {
@@ -82,7 +87,10 @@ impl ContainerWriter {
 
     /// Whether the file is written with O_DIRECT, and if not, why.
     pub fn direct(&self) -> (bool, Option<String>) {
-        (self.file.inner.direct, self.file.inner.buffered_reason.clone())
+        (
+            self.file.inner.direct,
+            self.file.inner.buffered_reason.clone(),
+        )
     }
 
     pub fn final_path(&self) -> &Path {
@@ -111,7 +119,8 @@ impl ContainerWriter {
             let granule = w.file.inner.align.max(1);
             let end = align_down(w.plan.records_end(), granule);
             w.file.reserve(w.plan.records_end())?;
-            st.bytes_total.fetch_add(end - w.written_to, Ordering::Relaxed);
+            st.bytes_total
+                .fetch_add(end - w.written_to, Ordering::Relaxed);
             let (mut pieces, deferred) = w.write_range(&st, w.written_to, end, &[], true)?;
             // The last partial block is written by `commit`; checksum its bytes
             // now so that every record's CRC is known when this returns.
@@ -139,8 +148,10 @@ impl ContainerWriter {
             let file_end = w.plan.file_end();
             let end = align_up(file_end, granule);
             let deferred = std::mem::take(&mut w.deferred);
-            st.bytes_total
-                .fetch_add(end - w.written_to + deferred.iter().map(|(s, e)| e - s).sum::<u64>(), Ordering::Relaxed);
+            st.bytes_total.fetch_add(
+                end - w.written_to + deferred.iter().map(|(s, e)| e - s).sum::<u64>(),
+                Ordering::Relaxed,
+            );
             w.file.reserve(file_end)?;
             let start = w.written_to;
             let t0 = std::time::Instant::now();
@@ -173,7 +184,7 @@ impl ContainerWriter {
         end: u64,
         extra: &[(u64, u64)],
         allow_defer: bool,
-    ) -> Result<(Vec<CrcPiece>, Vec<(u64, u64)>)> {
+    ) -> Result<(Vec<CrcPiece>, Vec<Range>)> {
         let chunk = self.engine.pool().buf_size() as u64;
         let mut jobs: Vec<(u64, u64)> = Vec::new();
         let mut s = start;
@@ -202,7 +213,9 @@ impl ContainerWriter {
                     while !st.should_stop() {
                         let i = next.fetch_add(1, Ordering::Relaxed);
                         let Some(&(s, e)) = jobs.get(i) else { break };
-                        if let Err(err) = self.write_chunk(st, s, e, allow_defer, &pieces, &deferred) {
+                        if let Err(err) =
+                            self.write_chunk(st, s, e, allow_defer, &pieces, &deferred)
+                        {
                             st.fail(err);
                         }
                     }
@@ -236,7 +249,9 @@ impl ContainerWriter {
         };
         let len = (e - s) as usize;
         let granule = self.file.inner.align.max(1);
-        let g = self.plan.gather(s, &mut buf.as_mut_slice()[..len], granule, allow_defer)?;
+        let g = self
+            .plan
+            .gather(s, &mut buf.as_mut_slice()[..len], granule, allow_defer)?;
         pieces.lock().expect("lock").extend(g.pieces);
         // The pieces of this chunk to write now: all but the deferred ranges.
         let mut writes = Vec::new();
@@ -267,7 +282,10 @@ impl ContainerWriter {
                     Ok(n) => st.fail(Error::io(
                         &path,
                         "write",
-                        std::io::Error::new(std::io::ErrorKind::WriteZero, format!("short write: {n} of {expect} bytes")),
+                        std::io::Error::new(
+                            std::io::ErrorKind::WriteZero,
+                            format!("short write: {n} of {expect} bytes"),
+                        ),
                     )),
                     Err(err) => st.fail(Error::io(&path, "write", err)),
                 }
@@ -325,7 +343,9 @@ impl ContainerStream {
     /// CRCs of all records added so far.
     pub fn checksums(&mut self) -> Vec<u32> {
         self.plan.compute_missing_crcs(self.threads);
-        (0..self.plan.len()).map(|i| self.plan.crc(i).unwrap_or(0)).collect()
+        (0..self.plan.len())
+            .map(|i| self.plan.crc(i).unwrap_or(0))
+            .collect()
     }
 
     pub fn plan(&self) -> &Plan {

@@ -224,14 +224,18 @@ pub fn central_directory(entries: &[Entry], cd_offset: u64) -> Vec<u8> {
         }
         let zip64 = !extra.is_empty();
         put_u32(&mut v, CENTRAL_SIG);
-        put_u16(&mut v, 0x0300 | if zip64 { 45 } else { 20 }); // made by: unix
+        put_u16(&mut v, 0x0300 | if zip64 { 0x2d } else { 0x14 }); // made by: unix, 4.5 or 2.0
         put_u16(&mut v, if zip64 { 45 } else { 20 });
         put_u16(&mut v, 0);
         put_u16(&mut v, 0);
         put_u16(&mut v, 0);
         put_u16(&mut v, DOS_DATE);
         put_u32(&mut v, e.crc);
-        let small = if big_size { U32_MAX as u32 } else { e.size as u32 };
+        let small = if big_size {
+            U32_MAX as u32
+        } else {
+            e.size as u32
+        };
         put_u32(&mut v, small);
         put_u32(&mut v, small);
         put_u16(&mut v, e.name.len() as u16);
@@ -258,7 +262,7 @@ pub fn central_directory(entries: &[Entry], cd_offset: u64) -> Vec<u8> {
         let z64_offset = cd_offset + cd_size;
         put_u32(&mut v, ZIP64_EOCD_SIG);
         put_u64(&mut v, ZIP64_EOCD_LEN - 12);
-        put_u16(&mut v, 0x0300 | 45);
+        put_u16(&mut v, 0x0300 | 0x2d); // made by: unix, version 4.5
         put_u16(&mut v, 45);
         put_u32(&mut v, 0);
         put_u32(&mut v, 0);
@@ -277,8 +281,22 @@ pub fn central_directory(entries: &[Entry], cd_offset: u64) -> Vec<u8> {
     let n16 = if need64 { U16_MAX as u16 } else { n as u16 };
     put_u16(&mut v, n16);
     put_u16(&mut v, n16);
-    put_u32(&mut v, if need64 { U32_MAX as u32 } else { cd_size as u32 });
-    put_u32(&mut v, if need64 { U32_MAX as u32 } else { cd_offset as u32 });
+    put_u32(
+        &mut v,
+        if need64 {
+            U32_MAX as u32
+        } else {
+            cd_size as u32
+        },
+    );
+    put_u32(
+        &mut v,
+        if need64 {
+            U32_MAX as u32
+        } else {
+            cd_offset as u32
+        },
+    );
     put_u16(&mut v, 0);
     v
 }
@@ -286,6 +304,9 @@ pub fn central_directory(entries: &[Entry], cd_offset: u64) -> Vec<u8> {
 /// Random-access byte source the parser reads from (a file or memory).
 pub trait ReadAt {
     fn len(&self) -> u64;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
 }
 
@@ -334,16 +355,25 @@ fn u64_at(b: &[u8], i: usize) -> u64 {
     u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"))
 }
 
-fn read_at(src: &(impl ReadAt + ?Sized), path: &Path, off: u64, len: u64, what: &str) -> Result<Vec<u8>> {
-    let end = off.checked_add(len).filter(|&e| e <= src.len()).ok_or_else(|| {
-        Error::truncated(
-            path,
-            format!(
+fn read_at(
+    src: &(impl ReadAt + ?Sized),
+    path: &Path,
+    off: u64,
+    len: u64,
+    what: &str,
+) -> Result<Vec<u8>> {
+    let end = off
+        .checked_add(len)
+        .filter(|&e| e <= src.len())
+        .ok_or_else(|| {
+            Error::truncated(
+                path,
+                format!(
                 "{what} at offset {off} (+{len} bytes) lies beyond the end of the file ({} bytes)",
                 src.len()
             ),
-        )
-    })?;
+            )
+        })?;
     let _ = end;
     let mut buf = vec![0u8; len as usize];
     src.read_exact_at(&mut buf, off)
@@ -351,9 +381,9 @@ fn read_at(src: &(impl ReadAt + ?Sized), path: &Path, off: u64, len: u64, what: 
     Ok(buf)
 }
 
-/// Reads and validates the central directory. Every size and offset is checked
-/// against the file length before anything is allocated from it.
-pub fn read_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<Directory> {
+/// Finds the end records and returns (entries, central directory offset, size).
+#[allow(clippy::too_many_lines)] // one linear sequence of checks, each with its message
+fn find_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<(u64, u64, u64)> {
     let file_len = src.len();
     if file_len < EOCD_LEN {
         let head = read_at(src, path, 0, file_len.min(4), "file start")?;
@@ -407,9 +437,19 @@ pub fn read_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<Direc
         if eocd_off < ZIP64_LOCATOR_LEN {
             return Err(Error::corrupt(path, None, "zip64 locator missing"));
         }
-        let loc = read_at(src, path, eocd_off - ZIP64_LOCATOR_LEN, ZIP64_LOCATOR_LEN, "zip64 locator")?;
+        let loc = read_at(
+            src,
+            path,
+            eocd_off - ZIP64_LOCATOR_LEN,
+            ZIP64_LOCATOR_LEN,
+            "zip64 locator",
+        )?;
         if u32_at(&loc, 0) != ZIP64_LOCATOR_SIG {
-            return Err(Error::corrupt(path, None, "zip64 locator missing or damaged"));
+            return Err(Error::corrupt(
+                path,
+                None,
+                "zip64 locator missing or damaged",
+            ));
         }
         let z64_off = u64_at(&loc, 8);
         if z64_off
@@ -431,9 +471,9 @@ pub fn read_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<Direc
         cd_offset = u64_at(&z, 48);
         cd_end_limit = z64_off;
     }
-    let cd_end = cd_offset.checked_add(cd_size).ok_or_else(|| {
-        Error::corrupt(path, None, "central directory offset and size overflow")
-    })?;
+    let cd_end = cd_offset
+        .checked_add(cd_size)
+        .ok_or_else(|| Error::corrupt(path, None, "central directory offset and size overflow"))?;
     if cd_end > cd_end_limit {
         if cd_end > file_len {
             return Err(Error::truncated(
@@ -454,25 +494,32 @@ pub fn read_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<Direc
             format!("central directory claims {n_entries} records in {cd_size} bytes"),
         ));
     }
-    let cd = read_at(src, path, cd_offset, cd_size, "central directory")?;
+    Ok((n_entries, cd_offset, cd_size))
+}
+
+/// Parses `n_entries` central-directory entries from `cd` (read at `cd_offset`).
+fn parse_entries(cd: &[u8], n_entries: u64, cd_offset: u64, path: &Path) -> Result<Vec<CdEntry>> {
     let mut entries = Vec::with_capacity(n_entries as usize);
     let mut p = 0usize;
     for idx in 0..n_entries {
-        if p + CENTRAL_HEADER_LEN as usize > cd.len() || u32_at(&cd, p) != CENTRAL_SIG {
+        if p + CENTRAL_HEADER_LEN as usize > cd.len() || u32_at(cd, p) != CENTRAL_SIG {
             return Err(Error::corrupt(
                 path,
                 None,
-                format!("central directory entry {idx} at offset {} is damaged", cd_offset + p as u64),
+                format!(
+                    "central directory entry {idx} at offset {} is damaged",
+                    cd_offset + p as u64
+                ),
             ));
         }
-        let method = u16_at(&cd, p + 10);
-        let crc = u32_at(&cd, p + 16);
-        let mut compressed_size = u64::from(u32_at(&cd, p + 20));
-        let mut size = u64::from(u32_at(&cd, p + 24));
-        let name_len = usize::from(u16_at(&cd, p + 28));
-        let extra_len = usize::from(u16_at(&cd, p + 30));
-        let comment_len = usize::from(u16_at(&cd, p + 32));
-        let mut header_offset = u64::from(u32_at(&cd, p + 42));
+        let method = u16_at(cd, p + 10);
+        let crc = u32_at(cd, p + 16);
+        let mut compressed_size = u64::from(u32_at(cd, p + 20));
+        let mut size = u64::from(u32_at(cd, p + 24));
+        let name_len = usize::from(u16_at(cd, p + 28));
+        let extra_len = usize::from(u16_at(cd, p + 30));
+        let comment_len = usize::from(u16_at(cd, p + 32));
+        let mut header_offset = u64::from(u32_at(cd, p + 42));
         let var_start = p + CENTRAL_HEADER_LEN as usize;
         let next = var_start + name_len + extra_len + comment_len;
         if next > cd.len() {
@@ -487,8 +534,8 @@ pub fn read_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<Direc
         let mut x = var_start + name_len;
         let xend = x + extra_len;
         while x + 4 <= xend {
-            let id = u16_at(&cd, x);
-            let len = usize::from(u16_at(&cd, x + 2));
+            let id = u16_at(cd, x);
+            let len = usize::from(u16_at(cd, x + 2));
             let body = x + 4;
             if body + len > xend {
                 break;
@@ -497,7 +544,7 @@ pub fn read_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<Direc
                 let mut q = body;
                 let mut take = |field: &mut u64| {
                     if *field == U32_MAX && q + 8 <= body + len {
-                        *field = u64_at(&cd, q);
+                        *field = u64_at(cd, q);
                         q += 8;
                     }
                 };
@@ -521,7 +568,9 @@ pub fn read_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<Direc
             return Err(Error::corrupt(
                 path,
                 Some(&name),
-                format!("size {compressed_size} is larger than the record area ({cd_offset} bytes)"),
+                format!(
+                    "size {compressed_size} is larger than the record area ({cd_offset} bytes)"
+                ),
             ));
         }
         entries.push(CdEntry {
@@ -534,6 +583,16 @@ pub fn read_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<Direc
         });
         p = next;
     }
+    Ok(entries)
+}
+
+/// Reads and validates the central directory. Every size and offset is checked
+/// against the file length before anything is allocated from it.
+pub fn read_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<Directory> {
+    let file_len = src.len();
+    let (n_entries, cd_offset, cd_size) = find_directory(src, path)?;
+    let cd = read_at(src, path, cd_offset, cd_size, "central directory")?;
+    let entries = parse_entries(&cd, n_entries, cd_offset, path)?;
     Ok(Directory {
         entries,
         cd_offset,
@@ -550,7 +609,12 @@ pub fn local_header_probe_len(name_len: usize) -> u64 {
 /// Parses the local header of `e` from `buf` (read at `e.header_offset`) and
 /// returns the data offset. Errors if the bytes do not form its header or if
 /// the data would run past the record area.
-pub fn data_offset_from_local(buf: &[u8], e: &CdEntry, dir: &Directory, path: &Path) -> Result<u64> {
+pub fn data_offset_from_local(
+    buf: &[u8],
+    e: &CdEntry,
+    dir: &Directory,
+    path: &Path,
+) -> Result<u64> {
     if buf.len() < LOCAL_HEADER_LEN as usize || u32_at(buf, 0) != LOCAL_SIG {
         return Err(Error::corrupt(
             path,
@@ -608,17 +672,30 @@ mod tests {
     fn layout_aligns_every_record() {
         let mut lb = LayoutBuilder::new(4096).unwrap();
         for (i, size) in [0u64, 1, 4095, 4096, 10_000].iter().enumerate() {
-            let e = lb.push(&format!("archive/data/{i}"), *size).unwrap().clone();
+            let e = lb
+                .push(&format!("archive/data/{i}"), *size)
+                .unwrap()
+                .clone();
             assert_eq!(e.data_offset % 4096, 0);
             assert!(e.data_offset >= e.header_offset + 30 + e.name.len() as u64 + 4);
             assert!(e.data_offset - e.header_offset < 4096 + 30 + e.name.len() as u64 + 4);
-            assert_eq!(local_header(&e).len() as u64, e.data_offset - e.header_offset);
+            assert_eq!(
+                local_header(&e).len() as u64,
+                e.data_offset - e.header_offset
+            );
         }
     }
 
     #[test]
     fn roundtrip_directory() {
-        let file = build(&[("a/data.pkl", b"hello"), ("a/data/0", &[7u8; 5000]), ("a/x", b"")], 4096);
+        let file = build(
+            &[
+                ("a/data.pkl", b"hello"),
+                ("a/data/0", &[7u8; 5000]),
+                ("a/x", b""),
+            ],
+            4096,
+        );
         let dir = read_directory(file.as_slice(), Path::new("mem")).unwrap();
         assert_eq!(dir.entries.len(), 3);
         assert_eq!(dir.entries[1].name, "a/data/0");
@@ -656,7 +733,11 @@ mod tests {
             fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
                 for (i, b) in buf.iter_mut().enumerate() {
                     let o = offset + i as u64;
-                    *b = if o >= self.cd_off { self.cd[(o - self.cd_off) as usize] } else { 0 };
+                    *b = if o >= self.cd_off {
+                        self.cd[(o - self.cd_off) as usize]
+                    } else {
+                        0
+                    };
                 }
                 Ok(())
             }
@@ -667,16 +748,28 @@ mod tests {
         assert_eq!(dir.entries[0].header_offset, 6 << 30);
         assert_eq!(dir.cd_offset, cd_off);
         let h = local_header(&e);
-        assert_eq!(u32::from_le_bytes(h[18..22].try_into().unwrap()), 0xffff_ffff);
+        assert_eq!(
+            u32::from_le_bytes(h[18..22].try_into().unwrap()),
+            0xffff_ffff
+        );
     }
 
     #[test]
     fn rejects_garbage_and_truncation() {
         let p = Path::new("f");
-        assert!(matches!(read_directory(&b"hello world, not a zip at all"[..], p), Err(Error::NotAContainer { .. })));
-        let file = build(&[("a/data.pkl", b"hello"), ("a/data/0", &[1u8; 9000])], 4096);
+        assert!(matches!(
+            read_directory(&b"hello world, not a zip at all"[..], p),
+            Err(Error::NotAContainer { .. })
+        ));
+        let file = build(
+            &[("a/data.pkl", b"hello"), ("a/data/0", &[1u8; 9000])],
+            4096,
+        );
         let cut = &file[..file.len() - 10];
-        assert!(matches!(read_directory(cut, p), Err(Error::Truncated { .. })));
+        assert!(matches!(
+            read_directory(cut, p),
+            Err(Error::Truncated { .. })
+        ));
         // Absurd directory size: no huge allocation, a clear error.
         let mut bad = file.clone();
         let n = bad.len();

@@ -35,11 +35,17 @@ fn engine(mode: Mode) -> Arc<Engine> {
     Engine::start(cfg, Some("test")).unwrap()
 }
 
-fn write(engine: &Arc<Engine>, path: &Path, records: &[(String, Vec<u8>)], trailing: &[(String, Vec<u8>)]) {
+fn write(
+    engine: &Arc<Engine>,
+    path: &Path,
+    records: &[(String, Vec<u8>)],
+    trailing: &[(String, Vec<u8>)],
+) {
     let mut w = ContainerWriter::create(engine, path, WriteOptions::default()).unwrap();
     for (n, d) in records {
         // SAFETY: `records` outlives the write (we join before returning).
-        w.add(n, unsafe { Source::mem(d.as_ptr(), d.len()) }).unwrap();
+        w.add(n, unsafe { Source::mem(d.as_ptr(), d.len()) })
+            .unwrap();
     }
     let w = w.write_data(TaskState::new()).unwrap().join().unwrap();
     let mut w = w;
@@ -49,12 +55,20 @@ fn write(engine: &Arc<Engine>, path: &Path, records: &[(String, Vec<u8>)], trail
     w.commit(TaskState::new()).unwrap().join().unwrap();
 }
 
-fn read_all(engine: &Arc<Engine>, path: &Path, verify: bool) -> Result<Vec<(String, Vec<u8>)>, Error> {
+fn read_all(
+    engine: &Arc<Engine>,
+    path: &Path,
+    verify: bool,
+) -> Result<Vec<(String, Vec<u8>)>, Error> {
     let f = Arc::new(EngineFile::open_read(path, engine.mode().direct())?);
     let dir = read_directory(&std::fs::read(path).unwrap()[..], path)?;
     let mut specs = Vec::new();
     for e in &dir.entries {
-        let probe = f.read_small(e.header_offset, (dir.cd_offset - e.header_offset).min(zip::local_header_probe_len(e.name.len())), "header")?;
+        let probe = f.read_small(
+            e.header_offset,
+            (dir.cd_offset - e.header_offset).min(zip::local_header_probe_len(e.name.len())),
+            "header",
+        )?;
         let off = zip::data_offset_from_local(&probe, e, &dir, path)?;
         specs.push(ReadSpec {
             name: e.name.clone(),
@@ -63,15 +77,32 @@ fn read_all(engine: &Arc<Engine>, path: &Path, verify: bool) -> Result<Vec<(Stri
             crc: Some(e.crc),
         });
     }
-    let bufs = read_records(engine, f, specs.clone(), verify, Class::Foreground, TaskState::new())?.join()?;
-    Ok(specs.into_iter().zip(bufs).map(|(s, b)| (s.name, b.data().to_vec())).collect())
+    let bufs = read_records(
+        engine,
+        f,
+        specs.clone(),
+        verify,
+        Class::Foreground,
+        TaskState::new(),
+    )?
+    .join()?;
+    Ok(specs
+        .into_iter()
+        .zip(bufs)
+        .map(|(s, b)| (s.name, b.data().to_vec()))
+        .collect())
 }
 
 fn sample() -> Vec<(String, Vec<u8>)> {
     [0usize, 1, 100, 4096, 65_536, 65_537, 300_000, 17]
         .iter()
         .enumerate()
-        .map(|(i, &n)| (format!("ckpt/data/{i}"), (0..n).map(|x| (x * 31 + i * 7) as u8).collect()))
+        .map(|(i, &n)| {
+            (
+                format!("ckpt/data/{i}"),
+                (0..n).map(|x| (x * 31 + i * 7) as u8).collect(),
+            )
+        })
         .collect()
 }
 
@@ -92,12 +123,14 @@ fn roundtrip_every_backend() {
         let dir = read_directory(&std::fs::read(&p).unwrap()[..], &p).unwrap();
         for ent in &dir.entries {
             let bytes = std::fs::read(&p).unwrap();
-            let off = zip::data_offset_from_local(&bytes[ent.header_offset as usize..], ent, &dir, &p).unwrap();
+            let off =
+                zip::data_offset_from_local(&bytes[ent.header_offset as usize..], ent, &dir, &p)
+                    .unwrap();
             assert_eq!(off % 4096, 0, "record {} aligned", ent.name);
         }
         let leftovers: Vec<_> = std::fs::read_dir(d.path())
             .unwrap()
-            .filter_map(|x| x.ok())
+            .filter_map(Result::ok)
             .filter(|x| x.file_name().to_string_lossy().contains("tierstore-tmp"))
             .collect();
         assert!(leftovers.is_empty());
@@ -113,13 +146,21 @@ fn flipped_byte_is_reported_with_the_record_name() {
         write(&e, &p, &sample(), &[]);
         let mut bytes = std::fs::read(&p).unwrap();
         let dir = read_directory(&bytes[..], &p).unwrap();
-        let ent = dir.entries.iter().find(|x| x.name == "ckpt/data/6").unwrap();
-        let off = zip::data_offset_from_local(&bytes[ent.header_offset as usize..], ent, &dir, &p).unwrap();
+        let ent = dir
+            .entries
+            .iter()
+            .find(|x| x.name == "ckpt/data/6")
+            .unwrap();
+        let off = zip::data_offset_from_local(&bytes[ent.header_offset as usize..], ent, &dir, &p)
+            .unwrap();
         bytes[off as usize + 12345] ^= 0x40;
         std::fs::write(&p, &bytes).unwrap();
         match read_all(&e, &p, true) {
             Err(Error::Checksum { record, .. }) => assert_eq!(record, "ckpt/data/6"),
-            other => panic!("expected a checksum error, got {:?}", other.map(|v| v.len())),
+            other => panic!(
+                "expected a checksum error, got {:?}",
+                other.map(|v| v.len())
+            ),
         }
         // verify=false skips the check.
         assert!(read_all(&e, &p, false).is_ok());
@@ -144,7 +185,9 @@ fn truncated_file_is_reported() {
         size: 1 << 40,
         crc: None,
     };
-    let err = read_records(&e, f, vec![spec], true, Class::Foreground, TaskState::new()).err().unwrap();
+    let err = read_records(&e, f, vec![spec], true, Class::Foreground, TaskState::new())
+        .err()
+        .unwrap();
     assert!(err.to_string().contains("huge"), "{err}");
 }
 
@@ -157,7 +200,8 @@ fn cancelled_save_leaves_old_file_and_no_temp() {
     let big = vec![3u8; 8 << 20];
     let mut w = ContainerWriter::create(&e, &p, WriteOptions::default()).unwrap();
     // SAFETY: `big` outlives the task (joined below).
-    w.add("c/data/0", unsafe { Source::mem(big.as_ptr(), big.len()) }).unwrap();
+    w.add("c/data/0", unsafe { Source::mem(big.as_ptr(), big.len()) })
+        .unwrap();
     let st = TaskState::new();
     st.cancel();
     let r = w.write_data(st).unwrap().join();

@@ -38,7 +38,11 @@ impl Buffer {
     ///
     /// Called by CPython with a valid `view`. The exported memory is owned by
     /// this object, which the view keeps alive through `view.obj`.
-    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
         let this = slf.get();
         let len = this.inner.len;
         if len == 0 {
@@ -51,7 +55,14 @@ impl Buffer {
         // SAFETY: `view` is valid per the caller; FillInfo sets view.obj = slf
         // with a new reference.
         let rc = unsafe {
-            ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr.cast::<c_void>(), len as ffi::Py_ssize_t, 0, flags)
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                ptr.cast::<c_void>(),
+                len as ffi::Py_ssize_t,
+                0,
+                flags,
+            )
         };
         if rc != 0 {
             return Err(PyErr::fetch(slf.py()));

@@ -84,14 +84,16 @@ impl PyEngine {
 /// What the file system under `path` (a directory, or a file's directory)
 /// allows: O_DIRECT and its alignment, with where the figure came from.
 #[pyfunction]
-fn probe_path<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
+fn probe_path(py: Python<'_>, path: PathBuf) -> PyResult<Bound<'_, PyDict>> {
     let dir = if path.is_dir() {
         path.clone()
     } else {
-        path.parent().map_or_else(|| PathBuf::from("."), std::path::Path::to_path_buf)
+        path.parent()
+            .map_or_else(|| PathBuf::from("."), std::path::Path::to_path_buf)
     };
     let r = py.detach(|| probe::probe_dir(&dir));
-    let p = r.map_err(|e| crate::errors::to_pyerr(py, tierstore_core::Error::io(&dir, "probe", e)))?;
+    let p =
+        r.map_err(|e| crate::errors::to_pyerr(py, tierstore_core::Error::io(&dir, "probe", e)))?;
     let d = PyDict::new(py);
     d.set_item("path", dir.display().to_string())?;
     d.set_item("fs_type", p.fs_type)?;

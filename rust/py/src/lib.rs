@@ -5,6 +5,10 @@
 //! for Ctrl-C between short waits (see `wait`); errors are mapped once, in
 //! `errors`, onto the `tierstore.errors` hierarchy.
 
+// PyO3 functions take their arguments by value (PathBuf, Bound, Vec), and
+// some methods exist for Python's protocol without using `self`.
+#![allow(clippy::needless_pass_by_value, clippy::unused_self)]
+
 use pyo3::prelude::*;
 
 mod buffer;

@@ -24,7 +24,16 @@ type EntryTuple = (String, u32, u64, u64, u16, u64);
 fn entries(dir: &Directory) -> Vec<EntryTuple> {
     dir.entries
         .iter()
-        .map(|e| (e.name.clone(), e.crc, e.size, e.compressed_size, e.method, e.header_offset))
+        .map(|e| {
+            (
+                e.name.clone(),
+                e.crc,
+                e.size,
+                e.compressed_size,
+                e.method,
+                e.header_offset,
+            )
+        })
         .collect()
 }
 
@@ -42,7 +51,9 @@ fn read_directory(py: Python<'_>, path: PathBuf) -> PyResult<(Vec<EntryTuple>, u
 fn with_bytes<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(&[u8]) -> R) -> PyResult<R> {
     let pb = PyBuffer::<u8>::get(obj)?;
     if !pb.is_c_contiguous() {
-        return Err(pyo3::exceptions::PyValueError::new_err("expected a contiguous buffer"));
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "expected a contiguous buffer",
+        ));
     }
     let len = pb.len_bytes();
     let data: &[u8] = if len == 0 {
@@ -57,21 +68,30 @@ fn with_bytes<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(&[u8]) -> R) -> PyResult
 
 /// Same as `read_directory`, for an archive held in memory (`name` is used in messages).
 #[pyfunction]
-fn read_directory_bytes(py: Python<'_>, data: &Bound<'_, PyAny>, name: PathBuf) -> PyResult<(Vec<EntryTuple>, u64, u64)> {
+fn read_directory_bytes(
+    py: Python<'_>,
+    data: &Bound<'_, PyAny>,
+    name: PathBuf,
+) -> PyResult<(Vec<EntryTuple>, u64, u64)> {
     let dir = with_bytes(data, |d| zip::read_directory(d, &name))?.py_err(py)?;
     Ok((entries(&dir), dir.cd_offset, dir.file_len))
 }
 
 /// Data offsets of the given entries of an in-memory archive, from their local headers.
 #[pyfunction]
-fn data_offsets_bytes(py: Python<'_>, data: &Bound<'_, PyAny>, name: PathBuf) -> PyResult<Vec<u64>> {
+fn data_offsets_bytes(
+    py: Python<'_>,
+    data: &Bound<'_, PyAny>,
+    name: PathBuf,
+) -> PyResult<Vec<u64>> {
     with_bytes(data, |data| {
         let dir = zip::read_directory(data, &name)?;
         dir.entries
             .iter()
             .map(|e| {
                 let start = e.header_offset as usize;
-                let end = (e.header_offset + zip::local_header_probe_len(e.name.len())).min(dir.cd_offset) as usize;
+                let end = (e.header_offset + zip::local_header_probe_len(e.name.len()))
+                    .min(dir.cd_offset) as usize;
                 zip::data_offset_from_local(&data[start..end], e, &dir, &name)
             })
             .collect::<Result<Vec<_>, _>>()
@@ -92,7 +112,10 @@ fn check_offsets(py: Python<'_>, path: PathBuf, offsets: Vec<(String, u64)>) -> 
         let Some(e) = by_name.get(name.as_str()) else {
             return Err(crate::errors::to_pyerr(
                 py,
-                tierstore_core::Error::MissingRecord { path: path.clone(), record: name },
+                tierstore_core::Error::MissingRecord {
+                    path: path.clone(),
+                    record: name,
+                },
             ));
         };
         zip::check_data_range(e, off, &dir, &path).py_err(py)?;
@@ -102,51 +125,78 @@ fn check_offsets(py: Python<'_>, path: PathBuf, offsets: Vec<(String, u64)>) -> 
 
 /// `len` bytes at `offset` of `path`, read through the page cache.
 #[pyfunction]
-fn read_small<'py>(py: Python<'py>, path: PathBuf, offset: u64, len: u64, what: &str) -> PyResult<Bound<'py, PyBytes>> {
-        let v = py
-            .detach(|| EngineFile::open_read(&path, false).and_then(|f| f.read_small(offset, len, what)))
-            .py_err(py)?;
-        Ok(PyBytes::new(py, &v))
-    }
+fn read_small<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    offset: u64,
+    len: u64,
+    what: &str,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let v = py
+        .detach(|| {
+            EngineFile::open_read(&path, false).and_then(|f| f.read_small(offset, len, what))
+        })
+        .py_err(py)?;
+    Ok(PyBytes::new(py, &v))
+}
 
 /// Data offsets of every entry of `path`, from the local headers.
 #[pyfunction]
 fn data_offsets(py: Python<'_>, path: PathBuf) -> PyResult<Vec<u64>> {
-        let threads = 16;
-        py.detach(|| {
-            let f = EngineFile::open_read(&path, false)?;
-            let src = FileSource::open(&path)?;
-            let dir = zip::read_directory(&src, &path)?;
-            reader::resolve_data_offsets(&f, &dir, threads)
-        })
-        .py_err(py)
-    }
+    let threads = 16;
+    py.detach(|| {
+        let f = EngineFile::open_read(&path, false)?;
+        let src = FileSource::open(&path)?;
+        let dir = zip::read_directory(&src, &path)?;
+        reader::resolve_data_offsets(&f, &dir, threads)
+    })
+    .py_err(py)
+}
 
-    /// Reads records of `path` into new aligned buffers, one per spec
-    /// `(name, data_offset, size, crc32 or None)`, verifying CRCs if asked.
-    /// `progress(done, total)` is called from this thread while it waits.
+/// Reads records of `path` into new aligned buffers, one per spec
+/// `(name, data_offset, size, crc32 or None)`, verifying CRCs if asked.
+/// `progress(done, total)` is called from this thread while it waits.
 #[pyfunction]
-    #[pyo3(signature = (engine, path, specs, *, verify=true, background=false, progress=None))]
-    fn read_records(
-        py: Python<'_>,
-        engine: &PyEngine,
-        path: PathBuf,
-        specs: Vec<(String, u64, u64, Option<u32>)>,
-        verify: bool,
-        background: bool,
-        progress: Option<Bound<'_, PyAny>>,
-    ) -> PyResult<Vec<Buffer>> {
-        let want_direct = engine.inner.mode().direct();
-        let file = py.detach(|| EngineFile::open_read(&path, want_direct)).py_err(py)?;
-        let specs = specs
-            .into_iter()
-            .map(|(name, offset, size, crc)| ReadSpec { name, offset, size, crc })
-            .collect();
-        let class = if background { Class::Background } else { Class::Foreground };
-        let task = reader::read_records(&engine.inner, Arc::new(file), specs, verify, class, TaskState::new()).py_err(py)?;
-        let bufs = wait_task(py, task, progress.as_ref())?;
-        Ok(bufs.into_iter().map(Buffer::new).collect())
-    }
+#[pyo3(signature = (engine, path, specs, *, verify=true, background=false, progress=None))]
+fn read_records(
+    py: Python<'_>,
+    engine: &PyEngine,
+    path: PathBuf,
+    specs: Vec<(String, u64, u64, Option<u32>)>,
+    verify: bool,
+    background: bool,
+    progress: Option<Bound<'_, PyAny>>,
+) -> PyResult<Vec<Buffer>> {
+    let want_direct = engine.inner.mode().direct();
+    let file = py
+        .detach(|| EngineFile::open_read(&path, want_direct))
+        .py_err(py)?;
+    let specs = specs
+        .into_iter()
+        .map(|(name, offset, size, crc)| ReadSpec {
+            name,
+            offset,
+            size,
+            crc,
+        })
+        .collect();
+    let class = if background {
+        Class::Background
+    } else {
+        Class::Foreground
+    };
+    let task = reader::read_records(
+        &engine.inner,
+        Arc::new(file),
+        specs,
+        verify,
+        class,
+        TaskState::new(),
+    )
+    .py_err(py)?;
+    let bufs = wait_task(py, task, progress.as_ref())?;
+    Ok(bufs.into_iter().map(Buffer::new).collect())
+}
 
 /// A read running in the background: its buffers exist at once (to build
 /// tensors on), their contents are valid once `wait` returns.
@@ -195,15 +245,37 @@ fn start_read(
     background: bool,
 ) -> PyResult<PendingRead> {
     let want_direct = engine.inner.mode().direct();
-    let file = py.detach(|| EngineFile::open_read(&path, want_direct)).py_err(py)?;
+    let file = py
+        .detach(|| EngineFile::open_read(&path, want_direct))
+        .py_err(py)?;
     let specs: Vec<ReadSpec> = specs
         .into_iter()
-        .map(|(name, offset, size, crc)| ReadSpec { name, offset, size, crc })
+        .map(|(name, offset, size, crc)| ReadSpec {
+            name,
+            offset,
+            size,
+            crc,
+        })
         .collect();
     let e = &engine.inner;
-    let plan = py.detach(|| reader::plan_read(e, &file, &specs)).py_err(py)?;
-    let class = if background { Class::Background } else { Class::Foreground };
-    let task = reader::start_read(&engine.inner, Arc::new(file), specs, &plan, verify, class, TaskState::new()).py_err(py)?;
+    let plan = py
+        .detach(|| reader::plan_read(e, &file, &specs))
+        .py_err(py)?;
+    let class = if background {
+        Class::Background
+    } else {
+        Class::Foreground
+    };
+    let task = reader::start_read(
+        &engine.inner,
+        Arc::new(file),
+        specs,
+        &plan,
+        verify,
+        class,
+        TaskState::new(),
+    )
+    .py_err(py)?;
     let buffers = plan
         .records
         .into_iter()
@@ -232,7 +304,9 @@ fn crc32_regions(py: Python<'_>, regions: Vec<(usize, usize)>, threads: usize) -
             plan.add(&format!("r{i}"), src).expect("valid name");
         }
         plan.compute_missing_crcs(threads);
-        (0..regions.len()).map(|i| plan.crc(i).unwrap_or(0)).collect()
+        (0..regions.len())
+            .map(|i| plan.crc(i).unwrap_or(0))
+            .collect()
     })
 }
 

@@ -16,7 +16,11 @@ use crate::errors::to_pyerr;
 const TICK: Duration = Duration::from_millis(20);
 const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 
-pub fn wait_task<T: Send + 'static>(py: Python<'_>, task: Task<T>, progress: Option<&Bound<'_, PyAny>>) -> PyResult<T> {
+pub fn wait_task<T: Send + 'static>(
+    py: Python<'_>,
+    task: Task<T>,
+    progress: Option<&Bound<'_, PyAny>>,
+) -> PyResult<T> {
     let mut last = Instant::now();
     loop {
         if py.detach(|| task.wait_timeout(TICK)) {

@@ -22,7 +22,15 @@ fn plan_entries(plan: &Plan) -> Vec<EntryTuple> {
     plan.entries()
         .iter()
         .enumerate()
-        .map(|(i, e)| (e.name.clone(), e.header_offset, e.data_offset, e.size, plan.crc(i)))
+        .map(|(i, e)| {
+            (
+                e.name.clone(),
+                e.header_offset,
+                e.data_offset,
+                e.size,
+                plan.crc(i),
+            )
+        })
         .collect()
 }
 
@@ -45,7 +53,13 @@ impl Writer {
     /// Appends a record holding a copy of `data`; returns its index. `align`
     /// (default: the file's record alignment) may be smaller for metadata.
     #[pyo3(signature = (name, data, align=None))]
-    fn add_bytes(&mut self, py: Python<'_>, name: &str, data: &[u8], align: Option<u64>) -> PyResult<usize> {
+    fn add_bytes(
+        &mut self,
+        py: Python<'_>,
+        name: &str,
+        data: &[u8],
+        align: Option<u64>,
+    ) -> PyResult<usize> {
         let w = self.inner.as_mut().ok_or_else(closed)?;
         match align {
             Some(a) => w.add_aligned(name, Source::Bytes(data.into()), a),
@@ -56,7 +70,14 @@ impl Writer {
 
     /// Appends a record that reads `nbytes` at `address`; `owner` (e.g. the
     /// storage) must keep that memory alive and is held until the writer ends.
-    fn add_memory(&mut self, py: Python<'_>, name: &str, address: usize, nbytes: usize, owner: Py<PyAny>) -> PyResult<usize> {
+    fn add_memory(
+        &mut self,
+        py: Python<'_>,
+        name: &str,
+        address: usize,
+        nbytes: usize,
+        owner: Py<PyAny>,
+    ) -> PyResult<usize> {
         let w = self.inner.as_mut().ok_or_else(closed)?;
         // SAFETY: `owner` keeps the memory alive; it is stored in `self.owners`
         // and dropped only after the writer (and every task using this source)
@@ -78,7 +99,11 @@ impl Writer {
 
     /// Waits for `start_data`; returns the CRC-32 of every record so far.
     #[pyo3(signature = (progress=None))]
-    fn wait_data(&mut self, py: Python<'_>, progress: Option<Bound<'_, PyAny>>) -> PyResult<Vec<Option<u32>>> {
+    fn wait_data(
+        &mut self,
+        py: Python<'_>,
+        progress: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<Option<u32>>> {
         let task = self
             .pending
             .take()
@@ -91,7 +116,11 @@ impl Writer {
 
     /// Writes every record added so far; returns their CRC-32s.
     #[pyo3(signature = (progress=None))]
-    fn write_data(&mut self, py: Python<'_>, progress: Option<Bound<'_, PyAny>>) -> PyResult<Vec<Option<u32>>> {
+    fn write_data(
+        &mut self,
+        py: Python<'_>,
+        progress: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<Option<u32>>> {
         self.start_data(py)?;
         self.wait_data(py, progress)
     }
@@ -141,14 +170,27 @@ impl Writer {
 /// Starts writing a container to `path` (atomically replaced on commit).
 #[pyfunction]
 #[pyo3(signature = (engine, path, *, align=4096, durable=true, background=false))]
-fn create_writer(py: Python<'_>, engine: &PyEngine, path: PathBuf, align: u64, durable: bool, background: bool) -> PyResult<Writer> {
+fn create_writer(
+    py: Python<'_>,
+    engine: &PyEngine,
+    path: PathBuf,
+    align: u64,
+    durable: bool,
+    background: bool,
+) -> PyResult<Writer> {
     let opts = WriteOptions {
         align,
         durable,
-        class: if background { Class::Background } else { Class::Foreground },
+        class: if background {
+            Class::Background
+        } else {
+            Class::Foreground
+        },
     };
     let e = &engine.inner;
-    let w = py.detach(|| ContainerWriter::create(e, &path, opts)).py_err(py)?;
+    let w = py
+        .detach(|| ContainerWriter::create(e, &path, opts))
+        .py_err(py)?;
     Ok(Writer {
         inner: Some(w),
         pending: None,
@@ -166,7 +208,7 @@ pub struct Stream {
 #[pymethods]
 impl Stream {
     #[new]
-    #[pyo3(signature = (*, align=4096, chunk_bytes=8388608, threads=2))]
+    #[pyo3(signature = (*, align=4096, chunk_bytes=8_388_608, threads=2))]
     fn new(py: Python<'_>, align: u64, chunk_bytes: usize, threads: usize) -> PyResult<Self> {
         Ok(Stream {
             inner: ContainerStream::new(align, chunk_bytes.max(4096), threads).py_err(py)?,
@@ -175,7 +217,13 @@ impl Stream {
     }
 
     #[pyo3(signature = (name, data, align=None))]
-    fn add_bytes(&mut self, py: Python<'_>, name: &str, data: &[u8], align: Option<u64>) -> PyResult<usize> {
+    fn add_bytes(
+        &mut self,
+        py: Python<'_>,
+        name: &str,
+        data: &[u8],
+        align: Option<u64>,
+    ) -> PyResult<usize> {
         match align {
             Some(a) => self.inner.add_aligned(name, Source::Bytes(data.into()), a),
             None => self.inner.add(name, Source::Bytes(data.into())),
@@ -183,7 +231,14 @@ impl Stream {
         .py_err(py)
     }
 
-    fn add_memory(&mut self, py: Python<'_>, name: &str, address: usize, nbytes: usize, owner: Py<PyAny>) -> PyResult<usize> {
+    fn add_memory(
+        &mut self,
+        py: Python<'_>,
+        name: &str,
+        address: usize,
+        nbytes: usize,
+        owner: Py<PyAny>,
+    ) -> PyResult<usize> {
         // SAFETY: as for `Writer::add_memory`; `owner` lives as long as `self`.
         let src = unsafe { Source::mem(address as *const u8, nbytes) };
         let i = self.inner.add(name, src).py_err(py)?;

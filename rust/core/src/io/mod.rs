@@ -256,7 +256,10 @@ impl Dispatcher {
 
     /// Blocks until a request may be ready or `timeout` passes.
     pub fn wait_ready(&self, timeout: Duration) {
-        if self.deferred_len.load(Ordering::Acquire) > 0 && self.fg_rx.is_empty() && self.bg_rx.is_empty() {
+        if self.deferred_len.load(Ordering::Acquire) > 0
+            && self.fg_rx.is_empty()
+            && self.bg_rx.is_empty()
+        {
             // Deferred requests become ready when another request on their
             // path completes; poll briefly rather than sleep long.
             std::thread::sleep(timeout.min(Duration::from_micros(200)));
@@ -290,7 +293,12 @@ pub(crate) fn complete(disp: &Dispatcher, req: Request, result: io::Result<usize
 mod tests {
     use super::*;
 
-    fn req(class: Class, path: &Arc<PathSlot>, log: &Arc<Mutex<Vec<&'static str>>>, tag: &'static str) -> Request {
+    fn req(
+        class: Class,
+        path: &Arc<PathSlot>,
+        log: &Arc<Mutex<Vec<&'static str>>>,
+        tag: &'static str,
+    ) -> Request {
         let log = Arc::clone(log);
         // SAFETY: a zero-length request with a dangling pointer is never dereferenced.
         unsafe {
@@ -323,7 +331,10 @@ mod tests {
         }
         assert_eq!(order[0], Class::Foreground);
         let bg_pos = order.iter().position(|c| *c == Class::Background).unwrap();
-        assert_eq!(bg_pos, BG_EVERY as usize, "background goes after {BG_EVERY} foreground");
+        assert_eq!(
+            bg_pos, BG_EVERY as usize,
+            "background goes after {BG_EVERY} foreground"
+        );
         assert_eq!(order.len(), 21);
     }
 
@@ -376,7 +387,11 @@ mod tests {
         while let Some(r) = d.try_next() {
             taken.push(r);
         }
-        assert_eq!(taken.len(), 4, "background fills at most half of a path's slots");
+        assert_eq!(
+            taken.len(),
+            4,
+            "background fills at most half of a path's slots"
+        );
         d.submit(req(Class::Foreground, &p, &log, "fg"));
         let f = d.try_next().expect("foreground finds a free slot");
         assert_eq!(f.class, Class::Foreground);

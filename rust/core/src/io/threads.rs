@@ -34,7 +34,10 @@ fn transfer(req: &Request) -> io::Result<usize> {
         if rc == 0 {
             return match req.op {
                 Op::Read => Ok(done),
-                Op::Write => Err(io::Error::new(io::ErrorKind::WriteZero, "write returned 0 bytes")),
+                Op::Write => Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "write returned 0 bytes",
+                )),
             };
         }
         done += rc as usize;
@@ -45,17 +48,14 @@ fn transfer(req: &Request) -> io::Result<usize> {
 /// Runs until the dispatcher shuts down and its queues are empty.
 pub fn worker(disp: &Arc<Dispatcher>) {
     loop {
-        match disp.try_next() {
-            Some(req) => {
-                let result = transfer(&req);
-                complete(disp, req, result);
+        if let Some(req) = disp.try_next() {
+            let result = transfer(&req);
+            complete(disp, req, result);
+        } else {
+            if disp.is_shut_down() && disp.queued() == 0 {
+                return;
             }
-            None => {
-                if disp.is_shut_down() && disp.queued() == 0 {
-                    return;
-                }
-                disp.wait_ready(Duration::from_millis(50));
-            }
+            disp.wait_ready(Duration::from_millis(50));
         }
     }
 }

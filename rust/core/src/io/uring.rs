@@ -29,7 +29,9 @@ fn sqe_for(req: &Request, done: usize, slot: usize) -> squeue::Entry {
     let fd = types::Fd(req.fd);
     match req.op {
         Op::Read => opcode::Read::new(fd, ptr, len).offset(off).build(),
-        Op::Write => opcode::Write::new(fd, ptr.cast_const(), len).offset(off).build(),
+        Op::Write => opcode::Write::new(fd, ptr.cast_const(), len)
+            .offset(off)
+            .build(),
     }
     .user_data(slot as u64)
 }
@@ -76,35 +78,38 @@ pub fn worker(disp: &Arc<Dispatcher>, depth: u32) -> io::Result<()> {
         }
         match ring.submit_and_wait(1) {
             Ok(_) => {}
-            Err(e) if e.raw_os_error() == Some(libc::EINTR) || e.raw_os_error() == Some(libc::EBUSY) => {}
+            Err(e)
+                if e.raw_os_error() == Some(libc::EINTR)
+                    || e.raw_os_error() == Some(libc::EBUSY) => {}
             Err(e) => return Err(e),
         }
-        let cqes: Vec<(u64, i32)> = ring.completion().map(|c| (c.user_data(), c.result())).collect();
+        let cqes: Vec<(u64, i32)> = ring
+            .completion()
+            .map(|c| (c.user_data(), c.result()))
+            .collect();
         for (ud, res) in cqes {
             let slot = ud as usize;
             let f = slots[slot].as_mut().expect("completion for a slot in use");
-            let outcome: Option<io::Result<usize>> = if res < 0 {
-                let errno = -res;
-                if errno == libc::EINTR || errno == libc::EAGAIN {
+            let outcome: Option<io::Result<usize>> = match res {
+                r if r < 0 && (-r == libc::EINTR || -r == libc::EAGAIN) => {
                     pending_resubmit.push(slot);
                     None
-                } else {
-                    Some(Err(io::Error::from_raw_os_error(errno)))
                 }
-            } else if res == 0 {
+                r if r < 0 => Some(Err(io::Error::from_raw_os_error(-r))),
                 // End of file (reads) or a device that accepts nothing more.
-                if f.req.op == Op::Read {
-                    Some(Ok(f.done))
-                } else {
-                    Some(Err(io::Error::new(io::ErrorKind::WriteZero, "write returned 0 bytes")))
-                }
-            } else {
-                f.done += res as usize;
-                if f.done < f.req.len {
-                    pending_resubmit.push(slot);
-                    None
-                } else {
-                    Some(Ok(f.done))
+                0 if f.req.op == Op::Read => Some(Ok(f.done)),
+                0 => Some(Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "write returned 0 bytes",
+                ))),
+                r => {
+                    f.done += r as usize;
+                    if f.done < f.req.len {
+                        pending_resubmit.push(slot);
+                        None
+                    } else {
+                        Some(Ok(f.done))
+                    }
                 }
             };
             if let Some(result) = outcome {
