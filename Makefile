@@ -37,7 +37,7 @@ $(DEPS)/.complete: requirements/dev.txt
 	fi
 
 $(VENV)/.deps-$(DEPS_HASH): $(DEPS)/.complete
-	@[ -x $(VPY) ] || $(PY) -m venv $(VENV)
+	@[ -x $(VPY) ] || { $(PY) -m venv $(VENV) && $(VPY) -m pip uninstall -q -y setuptools; }
 	@echo "$(abspath $(DEPS))/lib/$(PYVER)/site-packages" > $(VENV)/lib/$(PYVER)/site-packages/_tierstore_deps.pth
 	@rm -f $(VENV)/.deps-*; touch $@
 

@@ -16,6 +16,7 @@ __all__ = [
     "create_writer",
     "data_offsets",
     "data_offsets_bytes",
+    "fast_weights_only_load",
     "io_uring_status",
     "probe_path",
     "read_directory",
@@ -119,4 +120,13 @@ def start_read(
     verify: bool = True,
     background: bool = False,
 ) -> PendingRead: ...
+def fast_weights_only_load(
+    data: bytes,
+    allowed: dict[str, Any],
+    blocked_modules: list[str],
+    ordered_dict: type,
+    counter: type,
+    deferred_callables: list[Any],
+    persistent_load: Callable[[Any], Any],
+) -> Any: ...
 def crc32_regions(regions: list[tuple[int, int]], threads: int = 2) -> list[int]: ...

@@ -167,6 +167,30 @@ def unpickler(
     return _Custom(f, encoding=encoding, **kwargs)
 
 
+def fast_weights_only(data: bytes, persistent_load: Any) -> Any:
+    """Runs torch's weights-only unpickling rules in Rust (``tierstore._core``).
+
+    Returns ``None`` when the file needs something the fast path leaves to
+    torch (another opcode, a global outside the allow-list, sparse tensors,
+    ...); the caller then runs ``torch._weights_only_unpickler`` itself, which
+    accepts the file or raises torch's own error. The allow-list is torch's
+    default one plus ``torch.serialization.add_safe_globals``.
+    """
+    try:
+        from torch import _weights_only_unpickler as wo
+
+        allowed = {**wo._get_user_allowed_globals(), **wo._get_allowed_globals()}
+        blocked = list(wo._blocklisted_modules)
+    except (ImportError, AttributeError):  # a torch without these internals
+        return None
+    from collections import Counter, OrderedDict
+
+    from tierstore import _core
+
+    deferred = [c for c in getattr(torch, "_tensor_classes", ()) if "sparse" in getattr(c, "__module__", "")]
+    return _core.fast_weights_only_load(data, allowed, blocked, OrderedDict, Counter, deferred, persistent_load)
+
+
 def restore_location_fn(map_location: Any) -> Any:
     """``map_location`` (None, str, device, dict or callable) as a function
     ``(storage, location) -> storage``, with torch's semantics."""

@@ -577,19 +577,21 @@ def _unpickle(
             loaded[key] = typed
         return typed
 
-    up = _pickle.unpickler(
-        data_pkl,
-        weights_only=opts["weights_only"],
-        pickle_module=opts["pickle_module"],
-        encoding=opts["encoding"],
-        **opts["pickle_load_args"],
-    )
-    up.persistent_load = persistent_load
     tls = getattr(torch.serialization, "_serialization_tls", None)
     if tls is not None:
         tls.map_location = opts["map_location"]
     try:
-        result = up.load()
+        result = _pickle.fast_weights_only(data_pkl, persistent_load) if opts["weights_only"] else None
+        if result is None:
+            up = _pickle.unpickler(
+                data_pkl,
+                weights_only=opts["weights_only"],
+                pickle_module=opts["pickle_module"],
+                encoding=opts["encoding"],
+                **opts["pickle_load_args"],
+            )
+            up.persistent_load = persistent_load
+            result = up.load()
     except pickle.UnpicklingError as e:
         if opts["weights_only"]:
             raise UnsafeObjectError(

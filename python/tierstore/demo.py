@@ -47,6 +47,7 @@ class TinyGPT(nn.Module):
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.tok.weight  # tied: one storage, two names
+        nn.init.normal_(self.tok.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))

@@ -15,6 +15,7 @@ mod buffer;
 mod engine;
 mod errors;
 mod reader;
+mod unpickle;
 mod wait;
 mod writer;
 
@@ -25,5 +26,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     engine::register(m)?;
     reader::register(m)?;
     writer::register(m)?;
+    unpickle::register(m)?;
     Ok(())
 }
