@@ -16,6 +16,7 @@ __all__ = [
     "create_writer",
     "data_offsets",
     "data_offsets_bytes",
+    "fast_dumps",
     "fast_weights_only_load",
     "io_uring_status",
     "probe_path",
@@ -129,4 +130,7 @@ def fast_weights_only_load(
     deferred_callables: list[Any],
     persistent_load: Callable[[Any], Any],
 ) -> Any: ...
+def fast_dumps(
+    obj: object, tensor_type: type, ordered_dict: type, tensor_args: Callable[[Any], tuple[Any, ...] | None]
+) -> bytes | None: ...
 def crc32_regions(regions: list[tuple[int, int]], threads: int = 2) -> list[int]: ...

@@ -19,6 +19,24 @@ import torch
 
 DEFAULT_PROTOCOL = 2
 _UNTYPED_DTYPES = frozenset(torch.storage._new_dtypes())
+_NO_STORAGE_DEVICES = frozenset({"meta", "xla", "maia", "mtia"})
+_STORAGE_TYPES: dict[torch.dtype, Any] = {}
+
+
+def _storage_type(dtype: torch.dtype) -> Any:
+    """The legacy storage class torch pickles for ``dtype`` (torch.FloatStorage, ...)."""
+    st = _STORAGE_TYPES.get(dtype)
+    if st is None:
+        st = getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+        _STORAGE_TYPES[dtype] = st
+    return st
+
+
+def _dtype_attr(dtype: torch.dtype) -> str:
+    """The name under which ``dtype`` pickles (``torch.<name>``)."""
+    name = dtype.__reduce__()
+    assert isinstance(name, str)
+    return name
 
 
 @dataclass
@@ -79,6 +97,35 @@ class StorageCollector:
             location = "cpu" if dev.type == "cpu" else torch.serialization.location_tag(storage)
             self._register(storage, dtype, storage.nbytes() // dtype.itemsize, location)
 
+    def tensor_args(self, t: torch.Tensor) -> tuple[Any, ...] | None:
+        """What ``Tensor.__reduce_ex__`` puts in ``_rebuild_tensor_v2``/``_v3``'s
+        arguments, for the fast pickler: ``(v3, persistent_id, storage_offset,
+        size, stride, requires_grad, dtype_name)``; ``None`` when the tensor
+        needs torch's own reduction."""
+        if (
+            type(t) is not torch.Tensor
+            or t.layout != torch.strided
+            or t.is_quantized
+            or t.is_nested
+            or t.device.type in _NO_STORAGE_DEVICES
+            or t.__dict__
+            or t._backward_hooks
+            or torch._utils.get_tensor_metadata(t)
+        ):
+            return None
+        storage = t.untyped_storage()
+        dev = storage.device
+        location = "cpu" if dev.type == "cpu" else torch.serialization.location_tag(storage)
+        dtype = t.dtype
+        if dtype in _UNTYPED_DTYPES:
+            key = self._register(storage, torch.uint8, storage.nbytes(), location)
+            pid = ("storage", torch.UntypedStorage, key, location, storage.nbytes())
+            return (True, pid, t.storage_offset(), tuple(t.size()), t.stride(), t.requires_grad, _dtype_attr(dtype))
+        numel = storage.nbytes() // dtype.itemsize
+        key = self._register(storage, dtype, numel, location)
+        pid = ("storage", _storage_type(dtype), key, location, numel)
+        return (False, pid, t.storage_offset(), tuple(t.size()), t.stride(), t.requires_grad, None)
+
     def persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
         storage: torch.UntypedStorage
         if isinstance(obj, torch.storage.TypedStorage):
@@ -112,8 +159,16 @@ def dumps(
     obj: Any, pickle_module: ModuleType | None, protocol: int, collector: StorageCollector | None = None
 ) -> tuple[bytes, StorageCollector]:
     """Pickles ``obj``; returns ``data.pkl`` and the storages it refers to."""
-    buf = io.BytesIO()
     col = collector if collector is not None else StorageCollector()
+    if (pickle_module is None or pickle_module is pickle) and protocol == DEFAULT_PROTOCOL:
+        from collections import OrderedDict
+
+        from tierstore import _core
+
+        fast = _core.fast_dumps(obj, torch.Tensor, OrderedDict, col.tensor_args)
+        if fast is not None:
+            return fast, col
+    buf = io.BytesIO()
     if pickle_module is None or pickle_module is pickle:
         _Pickler(buf, protocol, col).dump(obj)
     else:

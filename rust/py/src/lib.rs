@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 mod buffer;
 mod engine;
 mod errors;
+mod pickler;
 mod reader;
 mod unpickle;
 mod wait;
@@ -27,5 +28,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     reader::register(m)?;
     writer::register(m)?;
     unpickle::register(m)?;
+    pickler::register(m)?;
     Ok(())
 }
