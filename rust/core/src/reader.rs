@@ -298,6 +298,8 @@ fn run(
     } else {
         1
     };
+    let populated = AtomicUsize::new(0);
+    let stop_populate = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|sc| -> Result<()> {
         // Helper verifiers (the driver below verifies too).
         let (vtx, vrx) = crossbeam_channel::unbounded::<Piece>();
@@ -309,6 +311,27 @@ fn run(
             })
             .collect();
         drop(vrx);
+        // Fresh anonymous memory is zeroed by the kernel when first touched.
+        // Left to the reads, that happens inside io_uring submission on the
+        // I/O thread and serialises the whole load behind page zeroing; a
+        // helper populates the buffers ahead of the reads instead, and the
+        // loop below submits only what is already populated.
+        {
+            let work = &work;
+            let ptrs = &ptrs;
+            let populated = &populated;
+            let stop_populate = &stop_populate;
+            sc.spawn(move || {
+                for (i, &(ai, off, len, _)) in work.iter().enumerate() {
+                    if stop_populate.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    populate(ptrs[ai].0.wrapping_add(off), len);
+                    populated.store(i + 1, Ordering::Release);
+                }
+                populated.store(work.len(), Ordering::Release);
+            });
+        }
         let handle = |p: Piece, pieces: &mut Vec<CrcPiece>| {
             let ar = &arenas[p.arena];
             // Bytes of this transfer that hold record data (the rest is gap).
@@ -357,7 +380,16 @@ fn run(
             }
         };
         while completed < work.len() {
-            while submitted < work.len() && submitted - completed < window && !st.should_stop() {
+            let ready = populated.load(Ordering::Acquire);
+            if submitted == completed && submitted < work.len() && submitted >= ready {
+                // Nothing in flight and nothing populated yet: let the helper run.
+                std::thread::yield_now();
+                continue;
+            }
+            while submitted < work.len().min(ready)
+                && submitted - completed < window
+                && !st.should_stop()
+            {
                 let (ai, off, len, foff) = work[submitted];
                 let tx = tx.clone();
                 let done = Box::new(move |got: std::io::Result<usize>| {
@@ -400,6 +432,7 @@ fn run(
                 Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
             }
         }
+        stop_populate.store(true, Ordering::Relaxed);
         drop(vtx);
         for h in helpers {
             pieces.extend(h.join().expect("verifier thread"));
@@ -411,6 +444,32 @@ fn run(
         check_crcs(file, specs, pieces)?;
     }
     Ok(())
+}
+
+/// Makes the kernel allocate (and zero) the pages of `[ptr, ptr + len)` now.
+fn populate(ptr: *mut u8, len: usize) {
+    const PAGE: usize = 4096;
+    let start = (ptr as usize) & !(PAGE - 1);
+    let end = (ptr as usize + len).div_ceil(PAGE) * PAGE;
+    // SAFETY: the range lies in a buffer owned by the read task; MADV_POPULATE_WRITE
+    // only faults pages in (it neither changes contents nor mappings).
+    let rc = unsafe {
+        libc::madvise(
+            start as *mut libc::c_void,
+            end - start,
+            libc::MADV_POPULATE_WRITE,
+        )
+    };
+    if rc != 0 {
+        // Older kernels: touch one byte per page. Writing zero over memory
+        // that no read has reached yet is harmless (it is about to be filled).
+        let mut p = ptr as usize;
+        while p < ptr as usize + len {
+            // SAFETY: inside the buffer, see above; volatile so it is not elided.
+            unsafe { std::ptr::write_volatile(p as *mut u8, 0) };
+            p = (p & !(PAGE - 1)) + PAGE;
+        }
+    }
 }
 
 /// Finds the data offset of every entry by reading its local header (for

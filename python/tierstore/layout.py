@@ -1,0 +1,396 @@
+"""The sharding description: where each local tensor's elements sit in the
+logical (global) tensors of a model.
+
+A :class:`Layout` is plain data attached to a local tensor. It lists
+:class:`Piece` s; each piece says "this part of the local tensor holds that
+box of global tensor *T*". One description covers every parallel layout:
+
+- n-D blocks (tensor-parallel rows or columns, expert slices, pipeline stages):
+  one piece, a box of the local tensor equal to a box of the global one;
+- flat ranges of a flattened tensor (FSDP, ZeRO-3) and of a flat buffer that
+  concatenates many parameters with alignment padding (ZeRO-1/2): the local
+  side of a piece is a start offset in the local tensor's flat order, and the
+  global side a box whose C-order elements follow one another;
+- fused and stacked groups (QKV with grouped-query attention, SwiGLU
+  gate/up, BOOST's `[3r, d/tp]` and `[g, out/tp, r]` factors): several pieces,
+  each mapping a part of the local tensor to a different global tensor;
+- padded dimensions (a vocabulary padded to a multiple of the TP degree): the
+  global shape is the logical one; local elements no piece covers are padding,
+  written as zeros on load;
+- replicated tensors: ``replicated=True`` (every rank holds the same pieces;
+  one of them writes them).
+
+Global boxes are ``(offsets, lengths)`` in the global tensor's coordinates; a
+local box must have the same shape as its global box once dimensions of
+length 1 are dropped (so stacking adds or removes unit dimensions freely).
+Layouts serialise to JSON (``to_json``/``from_json``) and are stored in the
+checkpoint's manifest; docs/FORMAT.md describes the form.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Box",
+    "Layout",
+    "LayoutError",
+    "Piece",
+    "attach",
+    "flat_range_boxes",
+    "layout_of",
+]
+
+
+class LayoutError(ValueError):
+    """A layout that does not describe a valid placement."""
+
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Box:
+    """An n-D box: ``offsets`` and ``lengths`` per dimension."""
+
+    offsets: Shape
+    lengths: Shape
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.lengths):
+            raise LayoutError(f"box offsets {self.offsets} and lengths {self.lengths} differ in rank")
+        if any(o < 0 for o in self.offsets) or any(n < 0 for n in self.lengths):
+            raise LayoutError(f"box {self} has negative offsets or lengths")
+
+    @staticmethod
+    def whole(shape: Sequence[int]) -> Box:
+        return Box(tuple(0 for _ in shape), tuple(shape))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.lengths)
+
+    @property
+    def ends(self) -> Shape:
+        return tuple(o + n for o, n in zip(self.offsets, self.lengths, strict=True))
+
+    def intersect(self, other: Box) -> Box | None:
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True))
+        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends, strict=True))
+        if any(h <= low for low, h in zip(lo, hi, strict=True)):
+            return None
+        return Box(lo, tuple(h - low for low, h in zip(lo, hi, strict=True)))
+
+    def within(self, shape: Sequence[int]) -> bool:
+        return len(shape) == len(self.offsets) and all(e <= s for e, s in zip(self.ends, shape, strict=True))
+
+    def to_json(self) -> list[list[int]]:
+        return [list(self.offsets), list(self.lengths)]
+
+    @staticmethod
+    def from_json(v: Any) -> Box:
+        return Box(tuple(int(x) for x in v[0]), tuple(int(x) for x in v[1]))
+
+
+def _squeezed(lengths: Sequence[int]) -> tuple[int, ...]:
+    return tuple(n for n in lengths if n != 1)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a local tensor holding a box of the global tensor ``tensor``.
+
+    ``local`` is either a :class:`Box` of the local tensor (same shape as
+    ``box`` up to unit dimensions), or an ``int``: the flat (C-order) offset
+    in the local tensor where the box's elements start, one after another in
+    the box's C order (flat shards). A flat piece's box must be contiguous in
+    the global tensor's C order: full in every dimension after its first
+    non-unit one (``flat_range_boxes`` produces such boxes).
+    """
+
+    tensor: str
+    box: Box
+    local: Box | int
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"tensor": self.tensor, "box": self.box.to_json()}
+        if isinstance(self.local, Box):
+            d["local_box"] = self.local.to_json()
+        else:
+            d["local_flat"] = self.local
+        return d
+
+    @staticmethod
+    def from_json(v: Mapping[str, Any]) -> Piece:
+        local: Box | int = Box.from_json(v["local_box"]) if "local_box" in v else int(v["local_flat"])
+        return Piece(str(v["tensor"]), Box.from_json(v["box"]), local)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the elements of one local tensor sit in global tensors.
+
+    ``global_shapes`` gives the logical shape of every global tensor the pieces
+    name. ``replicated`` marks pieces that other ranks hold identically (only
+    one copy is written). Elements of the local tensor that no piece covers are
+    padding.
+    """
+
+    local_shape: Shape
+    pieces: tuple[Piece, ...]
+    global_shapes: Mapping[str, Shape] = field(default_factory=dict)
+    replicated: bool = False
+
+    def validate(self, what: str = "layout") -> None:
+        local_numel = math.prod(self.local_shape)
+        covered = 0
+        for p in self.pieces:
+            if p.tensor not in self.global_shapes:
+                raise LayoutError(f"{what}: piece names tensor {p.tensor!r} without a global shape")
+            g = self.global_shapes[p.tensor]
+            if not p.box.within(g):
+                raise LayoutError(f"{what}: box {p.box} lies outside {p.tensor!r} of shape {g}")
+            if isinstance(p.local, Box):
+                if not p.local.within(self.local_shape):
+                    raise LayoutError(f"{what}: local box {p.local} lies outside the local shape {self.local_shape}")
+                if _squeezed(p.local.lengths) != _squeezed(p.box.lengths):
+                    raise LayoutError(
+                        f"{what}: local box {p.local.lengths} and global box {p.box.lengths} of {p.tensor!r} "
+                        "differ in shape"
+                    )
+            else:
+                if p.local < 0 or p.local + p.box.numel > local_numel:
+                    raise LayoutError(
+                        f"{what}: flat piece [{p.local}, +{p.box.numel}) lies outside the local tensor "
+                        f"({local_numel} elements)"
+                    )
+                if not _c_contiguous_box(p.box, g):
+                    raise LayoutError(f"{what}: flat piece box {p.box} is not contiguous in {p.tensor!r}")
+            covered += p.box.numel
+        if covered > local_numel:
+            raise LayoutError(f"{what}: pieces cover {covered} elements of a local tensor of {local_numel}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "local_shape": list(self.local_shape),
+            "global_shapes": {k: list(v) for k, v in self.global_shapes.items()},
+            "pieces": [p.to_json() for p in self.pieces],
+            "replicated": self.replicated,
+        }
+
+    @staticmethod
+    def from_json(v: Mapping[str, Any]) -> Layout:
+        return Layout(
+            local_shape=tuple(int(x) for x in v["local_shape"]),
+            pieces=tuple(Piece.from_json(p) for p in v["pieces"]),
+            global_shapes={k: tuple(int(x) for x in s) for k, s in v["global_shapes"].items()},
+            replicated=bool(v.get("replicated", False)),
+        )
+
+    # -- constructors for the common cases ------------------------------------------------------
+
+    @staticmethod
+    def full(name: str, shape: Sequence[int], *, replicated: bool = True) -> Layout:
+        """The whole global tensor (replicated on every rank by default)."""
+        s = tuple(shape)
+        return Layout(s, (Piece(name, Box.whole(s), Box.whole(s)),), {name: s}, replicated)
+
+    @staticmethod
+    def block(
+        name: str, global_shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int], *,
+        replicated: bool = False,
+    ) -> Layout:  # fmt: skip
+        """An n-D block: the local tensor is ``global[offsets : offsets + lengths]``."""
+        b = Box(tuple(offsets), tuple(lengths))
+        return Layout(tuple(lengths), (Piece(name, b, Box.whole(b.lengths)),), {name: tuple(global_shape)}, replicated)
+
+    @staticmethod
+    def shard(
+        name: str,
+        global_shape: Sequence[int],
+        dim: int,
+        rank: int,
+        world: int,
+        *,
+        padded_size: int | None = None,
+        replicated: bool = False,
+    ) -> Layout:
+        """Even split of ``dim`` over ``world`` ranks (tensor parallelism).
+
+        With ``padded_size`` (e.g. a vocabulary padded to a multiple of the TP
+        degree), each rank holds ``padded_size / world`` rows of which those
+        beyond the logical size are padding.
+        """
+        g = tuple(global_shape)
+        size = padded_size if padded_size is not None else g[dim]
+        if size % world:
+            raise LayoutError(f"{name}: dimension {dim} of size {size} does not split evenly over {world} ranks")
+        if padded_size is not None and padded_size < g[dim]:
+            raise LayoutError(f"{name}: padded size {padded_size} is smaller than the logical size {g[dim]}")
+        per = size // world
+        start = rank * per
+        local = g[:dim] + (per,) + g[dim + 1 :]
+        n = max(0, min(per, g[dim] - start))
+        if n == 0:
+            return Layout(local, (), {name: g}, replicated)
+        box = Box(tuple(start if i == dim else 0 for i in range(len(g))), g[:dim] + (n,) + g[dim + 1 :])
+        lbox = Box(tuple(0 for _ in g), box.lengths)
+        return Layout(local, (Piece(name, box, lbox),), {name: g}, replicated)
+
+    @staticmethod
+    def flat(name: str, global_shape: Sequence[int], start: int, length: int, *, local_numel: int | None = None) -> Layout:
+        """Elements ``[start, start + length)`` of the flattened global tensor,
+        held by a 1-D local tensor (FSDP / ZeRO-3 shards). ``local_numel`` may
+        exceed ``length`` (padding at the end)."""
+        g = tuple(global_shape)
+        total = math.prod(g)
+        end = min(start + length, total)
+        pieces = []
+        if end > start:
+            for box, off in flat_range_boxes(g, start, end):
+                pieces.append(Piece(name, box, off - start))
+        return Layout((local_numel if local_numel is not None else length,), tuple(pieces), {name: g})
+
+    @staticmethod
+    def concat(parts: Sequence[tuple[Layout, int]], dim: int) -> Layout:
+        """Local tensors of ``parts`` concatenated along ``dim`` of the local tensor
+        (fused QKV, fused gate/up). Each part is ``(layout, length along dim)``."""
+        if not parts:
+            raise LayoutError("concat of no parts")
+        base = parts[0][0].local_shape
+        pieces: list[Piece] = []
+        shapes: dict[str, Shape] = {}
+        at = 0
+        for lay, n in parts:
+            if lay.local_shape[:dim] + lay.local_shape[dim + 1 :] != base[:dim] + base[dim + 1 :]:
+                raise LayoutError(f"concat: part shapes {lay.local_shape} and {base} differ outside dim {dim}")
+            for p in lay.pieces:
+                if not isinstance(p.local, Box):
+                    raise LayoutError("concat of flat pieces is not supported; concatenate n-D parts")
+                off = tuple(o + at if i == dim else o for i, o in enumerate(p.local.offsets))
+                pieces.append(Piece(p.tensor, p.box, Box(off, p.local.lengths)))
+            shapes.update(lay.global_shapes)
+            at += n
+        local = base[:dim] + (at,) + base[dim + 1 :]
+        return Layout(local, tuple(pieces), shapes, all(lay.replicated for lay, _ in parts))
+
+    @staticmethod
+    def stack(parts: Sequence[Layout]) -> Layout:
+        """Local tensors of ``parts`` stacked on a new leading dimension (BOOST's
+        stacked up factors ``[g, out/tp, r]``)."""
+        if not parts:
+            raise LayoutError("stack of no parts")
+        base = parts[0].local_shape
+        pieces: list[Piece] = []
+        shapes: dict[str, Shape] = {}
+        for i, lay in enumerate(parts):
+            if lay.local_shape != base:
+                raise LayoutError(f"stack: part shapes {lay.local_shape} and {base} differ")
+            for p in lay.pieces:
+                if not isinstance(p.local, Box):
+                    raise LayoutError("stack of flat pieces is not supported")
+                pieces.append(Piece(p.tensor, p.box, Box((i, *p.local.offsets), (1, *p.local.lengths))))
+            shapes.update(lay.global_shapes)
+        return Layout((len(parts), *base), tuple(pieces), shapes, all(lay.replicated for lay in parts))
+
+    @staticmethod
+    def flat_buffer(
+        params: Sequence[tuple[str, Sequence[int]]], start: int, length: int, *, local_numel: int | None = None
+    ) -> Layout:
+        """``[start, start + length)`` of a flat buffer that concatenates the
+        flattened ``params`` in order (ZeRO-1/2 partitions, FSDP flat
+        parameters); anything past the last parameter is padding."""
+        pieces: list[Piece] = []
+        shapes: dict[str, Shape] = {}
+        pos = 0
+        end = start + length
+        for name, shape in params:
+            g = tuple(shape)
+            shapes[name] = g
+            n = math.prod(g)
+            lo, hi = max(start, pos), min(end, pos + n)
+            if lo < hi:
+                for box, off in flat_range_boxes(g, lo - pos, hi - pos):
+                    pieces.append(Piece(name, box, pos + off - start))
+            pos += n
+        return Layout((local_numel if local_numel is not None else length,), tuple(pieces), shapes)
+
+    def renamed(self, fn: Any) -> Layout:
+        """The same layout with every global tensor name passed through ``fn``."""
+        return Layout(
+            self.local_shape,
+            tuple(Piece(fn(p.tensor), p.box, p.local) for p in self.pieces),
+            {fn(k): v for k, v in self.global_shapes.items()},
+            self.replicated,
+        )
+
+
+def _c_contiguous_box(box: Box, shape: Sequence[int]) -> bool:
+    """True when the box's C-order elements are consecutive in the tensor:
+    every dimension after its first non-unit one is taken whole."""
+    first = next((i for i, n in enumerate(box.lengths) if n != 1), None)
+    if first is None:
+        return True
+    return all(box.lengths[j] == shape[j] and box.offsets[j] == 0 for j in range(first + 1, len(shape)))
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[tuple[Box, int]]:
+    """Decomposes the flat (C-order) range ``[start, end)`` of a tensor of
+    ``shape`` into boxes whose elements are consecutive; returns each box with
+    its first flat index. At most ``2 * ndim - 1`` boxes."""
+    shape = tuple(shape)
+    nd = len(shape)
+    if nd == 0:
+        return [(Box((), ()), 0)] if start < end else []
+    strides = [math.prod(shape[i + 1 :]) for i in range(nd)]
+    out: list[tuple[Box, int]] = []
+    pos = start
+    while pos < end:
+        idx = []
+        rem = pos
+        for st in strides:
+            idx.append(rem // st)
+            rem %= st
+        # The outermost dimension whose whole steps start at pos and fit.
+        k = next(d for d in range(nd) if pos % strides[d] == 0 and pos + strides[d] <= end or d == nd - 1)
+        if k == nd - 1:
+            steps = min(end - pos, shape[-1] - idx[-1])
+        else:
+            steps = min((end - pos) // strides[k], shape[k] - idx[k])
+        lengths = [1] * k + [steps] + list(shape[k + 1 :])
+        offsets = idx[: k + 1] + [0] * (nd - k - 1)
+        out.append((Box(tuple(offsets), tuple(lengths)), pos))
+        pos += steps * strides[k]
+    return out
+
+
+_ATTR = "_tierstore_layout"
+
+
+def attach(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Attaches ``layout`` to the local tensor ``t`` (returns ``t``)."""
+    if tuple(t.shape) != layout.local_shape:
+        raise LayoutError(f"layout for a local tensor of shape {layout.local_shape} attached to one of {tuple(t.shape)}")
+    layout.validate()
+    setattr(t, _ATTR, layout)
+    return t
+
+
+def layout_of(t: torch.Tensor) -> Layout | None:
+    """The layout attached to ``t``, if any."""
+    return getattr(t, _ATTR, None)
+
+
+def boxes_disjoint(boxes: Iterable[Box]) -> bool:
+    """True when no two boxes overlap (quadratic; used on small sets)."""
+    bs = list(boxes)
+    for i in range(len(bs)):
+        for j in range(i + 1, len(bs)):
+            if bs[i].intersect(bs[j]) is not None:
+                return False
+    return True
