@@ -13,6 +13,8 @@ from __future__ import annotations
 from tierstore._core import __version__
 from tierstore._engine import configure, get_engine, info
 from tierstore.api import load, save
+from tierstore.layout import Layout, attach, layout_of
+from tierstore.sharded import PerRank, load_sharded, save_sharded
 from tierstore.errors import (
     ChecksumError,
     CorruptFileError,
@@ -35,20 +37,26 @@ __all__ = [
     "CorruptFileError",
     "DirectoryError",
     "FormatError",
+    "Layout",
     "ManifestError",
     "MissingRecordError",
     "NoSpaceError",
     "NotAContainerError",
     "NotFoundError",
+    "PerRank",
     "PermissionDeniedError",
     "StorageIOError",
     "TierstoreError",
     "TruncatedFileError",
     "UnsafeObjectError",
     "__version__",
+    "attach",
     "configure",
     "get_engine",
     "info",
+    "layout_of",
     "load",
+    "load_sharded",
     "save",
+    "save_sharded",
 ]

@@ -22,6 +22,7 @@ __all__ = [
     "probe_path",
     "read_directory",
     "read_directory_bytes",
+    "read_ranges",
     "read_records",
     "read_small",
     "start_read",
@@ -133,4 +134,13 @@ def fast_weights_only_load(
 def fast_dumps(
     obj: object, tensor_type: type, ordered_dict: type, tensor_args: Callable[[Any], tuple[Any, ...] | None]
 ) -> bytes | None: ...
+def read_ranges(
+    engine: Engine,
+    path: _Path,
+    offsets: list[int],
+    lengths: list[int],
+    dests: list[int],
+    *,
+    background: bool = False,
+) -> int: ...
 def crc32_regions(regions: list[tuple[int, int]], threads: int = 2) -> list[int]: ...

@@ -42,8 +42,18 @@ __all__ = [
     "LayoutError",
     "Piece",
     "attach",
+    "boost_fused_down",
+    "boost_stacked_up",
+    "expert_slice",
     "flat_range_boxes",
     "layout_of",
+    "pipeline_layers",
+    "tp_column",
+    "tp_fused_qkv",
+    "tp_fused_swiglu",
+    "tp_row",
+    "tp_vocab",
+    "zero_partition",
 ]
 
 
@@ -108,9 +118,7 @@ class Piece:
     ``local`` is either a :class:`Box` of the local tensor (same shape as
     ``box`` up to unit dimensions), or an ``int``: the flat (C-order) offset
     in the local tensor where the box's elements start, one after another in
-    the box's C order (flat shards). A flat piece's box must be contiguous in
-    the global tensor's C order: full in every dimension after its first
-    non-unit one (``flat_range_boxes`` produces such boxes).
+    the box's C order (flat shards).
     """
 
     tensor: str
@@ -169,8 +177,6 @@ class Layout:
                         f"{what}: flat piece [{p.local}, +{p.box.numel}) lies outside the local tensor "
                         f"({local_numel} elements)"
                     )
-                if not _c_contiguous_box(p.box, g):
-                    raise LayoutError(f"{what}: flat piece box {p.box} is not contiguous in {p.tensor!r}")
             covered += p.box.numel
         if covered > local_numel:
             raise LayoutError(f"{what}: pieces cover {covered} elements of a local tensor of {local_numel}")
@@ -243,7 +249,9 @@ class Layout:
         return Layout(local, (Piece(name, box, lbox),), {name: g}, replicated)
 
     @staticmethod
-    def flat(name: str, global_shape: Sequence[int], start: int, length: int, *, local_numel: int | None = None) -> Layout:
+    def flat(
+        name: str, global_shape: Sequence[int], start: int, length: int, *, local_numel: int | None = None
+    ) -> Layout:
         """Elements ``[start, start + length)`` of the flattened global tensor,
         held by a 1-D local tensor (FSDP / ZeRO-3 shards). ``local_numel`` may
         exceed ``length`` (padding at the end)."""
@@ -300,23 +308,34 @@ class Layout:
 
     @staticmethod
     def flat_buffer(
-        params: Sequence[tuple[str, Sequence[int]]], start: int, length: int, *, local_numel: int | None = None
+        params: Sequence[tuple[str, Sequence[int]] | tuple[str, Sequence[int], Box]],
+        start: int,
+        length: int,
+        *,
+        local_numel: int | None = None,
     ) -> Layout:
         """``[start, start + length)`` of a flat buffer that concatenates the
         flattened ``params`` in order (ZeRO-1/2 partitions, FSDP flat
-        parameters); anything past the last parameter is padding."""
+        parameters); anything past the last parameter is padding.
+
+        Each param is ``(global name, global shape)`` or ``(global name, global
+        shape, box)`` when this rank's parameter is itself only a box of the
+        global tensor (a tensor-parallel shard flattened into the buffer).
+        """
         pieces: list[Piece] = []
         shapes: dict[str, Shape] = {}
         pos = 0
         end = start + length
-        for name, shape in params:
-            g = tuple(shape)
-            shapes[name] = g
-            n = math.prod(g)
+        for param in params:
+            name, shape = param[0], tuple(param[1])
+            region = param[2] if len(param) > 2 else Box.whole(shape)  # type: ignore[misc]
+            shapes[name] = shape
+            n = region.numel
             lo, hi = max(start, pos), min(end, pos + n)
             if lo < hi:
-                for box, off in flat_range_boxes(g, lo - pos, hi - pos):
-                    pieces.append(Piece(name, box, pos + off - start))
+                for box, off in flat_range_boxes(region.lengths, lo - pos, hi - pos):
+                    moved = Box(tuple(a + b for a, b in zip(box.offsets, region.offsets, strict=True)), box.lengths)
+                    pieces.append(Piece(name, moved, pos + off - start))
             pos += n
         return Layout((local_numel if local_numel is not None else length,), tuple(pieces), shapes)
 
@@ -369,13 +388,145 @@ def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[tuple[B
     return out
 
 
+# -- layouts of common parallel schemes -------------------------------------------------------
+
+
+def zero_partition(
+    params: Sequence[tuple[str, Sequence[int]] | tuple[str, Sequence[int], Box]],
+    dp_rank: int,
+    dp_size: int,
+    *,
+    stage: int,
+    alignment_factor: int = 2,
+) -> Layout:
+    """The layout of this data-parallel rank's flat optimizer partition,
+    partitioned exactly as DeepSpeed does.
+
+    - ZeRO-1/2: the params are flattened into one buffer padded to a multiple
+      of ``alignment_factor * dp_size`` (DeepSpeed's NCCL start alignment),
+      then split into ``dp_size`` equal partitions.
+    - ZeRO-3: each param is partitioned on its own into ``ceil(numel / dp)``
+      elements per rank (padding at the end of the last ranks' parts), and a
+      rank's partitions are concatenated.
+
+    ``params`` are ``(global name, global shape[, box of it held locally])``.
+    """
+    regions = [Box.whole(tuple(p[1])) if len(p) < 3 else p[2] for p in params]  # type: ignore[misc]
+    if stage in (1, 2):
+        total = sum(r.numel for r in regions)
+        align = alignment_factor * dp_size
+        padded = -(-total // align) * align
+        part = padded // dp_size
+        return Layout.flat_buffer(params, dp_rank * part, part)
+    if stage == 3:
+        pieces: list[Piece] = []
+        shapes: dict[str, Shape] = {}
+        at = 0
+        for param, region in zip(params, regions, strict=True):
+            n = region.numel
+            ps = -(-n // dp_size)
+            sub = Layout.flat_buffer([param], dp_rank * ps, ps)
+            for p in sub.pieces:
+                assert isinstance(p.local, int)
+                pieces.append(Piece(p.tensor, p.box, p.local + at))
+            shapes.update(sub.global_shapes)
+            at += ps
+        return Layout((at,), tuple(pieces), shapes)
+    raise LayoutError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
+
+
+def tp_column(name: str, shape: Sequence[int], tp_rank: int, tp: int) -> Layout:
+    """Megatron column-parallel weight or bias: split on dimension 0."""
+    return Layout.shard(name, shape, 0, tp_rank, tp)
+
+
+def tp_row(name: str, shape: Sequence[int], tp_rank: int, tp: int) -> Layout:
+    """Megatron row-parallel weight: split on dimension 1."""
+    return Layout.shard(name, shape, 1, tp_rank, tp)
+
+
+def tp_vocab(name: str, shape: Sequence[int], tp_rank: int, tp: int, *, divisible_by: int = 1) -> Layout:
+    """Vocabulary-parallel embedding or output layer: the vocabulary (dim 0) is
+    padded to a multiple of ``divisible_by * tp`` and split; the padding rows
+    are not part of the logical tensor."""
+    v = shape[0]
+    mult = divisible_by * tp
+    return Layout.shard(name, shape, 0, tp_rank, tp, padded_size=-(-v // mult) * mult)
+
+
+def tp_fused_qkv(
+    prefix: str, n_heads: int, n_kv_heads: int, head_dim: int, hidden: int, tp_rank: int, tp: int
+) -> Layout:
+    """Megatron's fused QKV weight with grouped-query attention on one TP rank.
+
+    The fused tensor interleaves, per KV group, the group's query heads, then
+    its key head, then its value head; TP ranks hold whole groups. The pieces
+    point at the logical ``{prefix}.q.weight`` ``[n_heads*hd, d]``,
+    ``{prefix}.k.weight`` and ``{prefix}.v.weight`` ``[n_kv_heads*hd, d]``.
+    """
+    if n_heads % n_kv_heads or n_kv_heads % tp:
+        raise LayoutError("n_heads must be a multiple of n_kv_heads, and n_kv_heads of the TP degree")
+    qpg = n_heads // n_kv_heads
+    groups = n_kv_heads // tp
+    rows = (qpg + 2) * head_dim
+    q, k, v = f"{prefix}.q.weight", f"{prefix}.k.weight", f"{prefix}.v.weight"
+    shapes = {q: (n_heads * head_dim, hidden), k: (n_kv_heads * head_dim, hidden), v: (n_kv_heads * head_dim, hidden)}
+    pieces = []
+    for j in range(groups):
+        g = tp_rank * groups + j
+        base = j * rows
+        qrows = qpg * head_dim
+        pieces.append(Piece(q, Box((g * qrows, 0), (qrows, hidden)), Box((base, 0), (qrows, hidden))))
+        pieces.append(Piece(k, Box((g * head_dim, 0), (head_dim, hidden)), Box((base + qrows, 0), (head_dim, hidden))))
+        pieces.append(
+            Piece(v, Box((g * head_dim, 0), (head_dim, hidden)), Box((base + qrows + head_dim, 0), (head_dim, hidden)))
+        )
+    return Layout((groups * rows, hidden), tuple(pieces), shapes)
+
+
+def tp_fused_swiglu(prefix: str, ffn: int, hidden: int, tp_rank: int, tp: int) -> Layout:
+    """Megatron's fused gate/up (``linear_fc1``) weight on one TP rank: this
+    rank's gate rows, then its up rows, of ``{prefix}.gate.weight`` and
+    ``{prefix}.up.weight`` ``[ffn, d]``."""
+    per = ffn // tp
+    gate = tp_column(f"{prefix}.gate.weight", (ffn, hidden), tp_rank, tp)
+    up = tp_column(f"{prefix}.up.weight", (ffn, hidden), tp_rank, tp)
+    return Layout.concat([(gate, per), (up, per)], 0)
+
+
+def boost_fused_down(names: Sequence[str], rank_dim: int, hidden: int, tp_rank: int, tp: int) -> Layout:
+    """BOOST's fused down factors ``[g*r, d/tp]``: the ``[r, d]`` factors
+    ``names`` sharded on the hidden dimension, stacked on the rank dimension."""
+    parts = [(Layout.shard(n, (rank_dim, hidden), 1, tp_rank, tp), rank_dim) for n in names]
+    return Layout.concat(parts, 0)
+
+
+def boost_stacked_up(names: Sequence[str], out: int, rank_dim: int, tp_rank: int, tp: int) -> Layout:
+    """BOOST's stacked up factors ``[g, out/tp, r]``: the ``[out, r]`` factors
+    ``names`` sharded on the output dimension (the rank is never split)."""
+    return Layout.stack([Layout.shard(n, (out, rank_dim), 0, tp_rank, tp) for n in names])
+
+
+def expert_slice(name: str, shape: Sequence[int], ep_rank: int, ep: int) -> Layout:
+    """Expert parallelism: the experts (dimension 0) split over EP ranks."""
+    return Layout.shard(name, shape, 0, ep_rank, ep)
+
+
+def pipeline_layers(stage: int, pp: int, n_layers: int) -> range:
+    """Global layer numbers held by a pipeline stage (even split)."""
+    per = n_layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
 _ATTR = "_tierstore_layout"
 
 
 def attach(t: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Attaches ``layout`` to the local tensor ``t`` (returns ``t``)."""
     if tuple(t.shape) != layout.local_shape:
-        raise LayoutError(f"layout for a local tensor of shape {layout.local_shape} attached to one of {tuple(t.shape)}")
+        raise LayoutError(
+            f"layout for a local tensor of shape {layout.local_shape} attached to one of {tuple(t.shape)}"
+        )
     layout.validate()
     setattr(t, _ATTR, layout)
     return t

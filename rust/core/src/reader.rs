@@ -541,3 +541,109 @@ fn check_crcs(file: &EngineFile, specs: &[ReadSpec], mut pieces: Vec<CrcPiece>) 
     }
     Ok(())
 }
+
+/// One transfer of `len` bytes at file `offset` into caller memory at `dest`.
+#[derive(Clone, Copy, Debug)]
+pub struct RangeRead {
+    pub offset: u64,
+    pub len: usize,
+    pub dest: *mut u8,
+}
+
+// SAFETY: `read_ranges`'s contract makes the caller keep `dest` valid and
+// unaliased until the task ends.
+unsafe impl Send for RangeRead {}
+
+/// Reads byte ranges of `file` straight into caller memory (resharding loads:
+/// many exact ranges, no alignment, so the file is read through the page
+/// cache). The task returns the number of bytes read.
+///
+/// # Safety
+///
+/// Every `dest` must be valid for writes of `len` bytes, the ranges must not
+/// overlap in memory, and nothing else may access that memory until the task
+/// has ended (joined or dropped).
+pub unsafe fn read_ranges(
+    engine: &Arc<Engine>,
+    file: Arc<EngineFile>,
+    ranges: Vec<RangeRead>,
+    class: Class,
+    state: Arc<TaskState>,
+) -> Result<Task<u64>> {
+    for r in &ranges {
+        if r.offset.checked_add(r.len as u64).is_none_or(|e| e > file.len) {
+            return Err(Error::truncated(
+                &file.path,
+                format!(
+                    "range [{}, +{}) lies beyond the end of the file ({} bytes)",
+                    r.offset, r.len, file.len
+                ),
+            ));
+        }
+    }
+    let engine = Arc::clone(engine);
+    Task::spawn("tierstore-ranges", state, move |st| {
+        let slot = engine.path_slot(file.dev);
+        let window = (engine.config().queue_depth * 2).max(8);
+        let chunk = engine.config().chunk_size;
+        // Split long ranges so that many requests are in flight.
+        let mut work: Vec<RangeRead> = Vec::with_capacity(ranges.len());
+        for r in ranges {
+            let mut o = 0;
+            while o < r.len {
+                let n = chunk.min(r.len - o);
+                // SAFETY: within the caller's range (contract above).
+                let dest = unsafe { r.dest.add(o) };
+                work.push(RangeRead {
+                    offset: r.offset + o as u64,
+                    len: n,
+                    dest,
+                });
+                o += n;
+            }
+        }
+        let total: u64 = work.iter().map(|r| r.len as u64).sum();
+        st.bytes_total.fetch_add(total, Ordering::Relaxed);
+        let (tx, rx) = crossbeam_channel::unbounded::<(usize, std::io::Result<usize>)>();
+        let mut submitted = 0usize;
+        let mut completed = 0usize;
+        while completed < work.len() {
+            while submitted < work.len() && submitted - completed < window && !st.should_stop() {
+                let r = work[submitted];
+                let tx = tx.clone();
+                let i = submitted;
+                let done = Box::new(move |got: std::io::Result<usize>| {
+                    let _ = tx.send((i, got));
+                });
+                // SAFETY: `dest` is valid for `len` bytes until the task ends
+                // (contract of `read_ranges`), and this loop waits for every
+                // submitted request before returning.
+                let req = unsafe { Request::new(Op::Read, file.fd(), r.dest, r.len, r.offset, class, Arc::clone(&slot), done) };
+                engine.submit(req);
+                submitted += 1;
+            }
+            if st.should_stop() && submitted == completed {
+                break;
+            }
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok((i, got)) => {
+                    completed += 1;
+                    match got {
+                        Ok(n) if n == work[i].len => {
+                            st.bytes_done.fetch_add(n as u64, Ordering::Relaxed);
+                        }
+                        Ok(_) => st.fail(Error::truncated(
+                            &file.path,
+                            format!("range at offset {} is cut short by the end of the file", work[i].offset),
+                        )),
+                        Err(e) => st.fail(Error::io(&file.path, "read", e)),
+                    }
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        st.outcome()?;
+        Ok(total)
+    })
+}

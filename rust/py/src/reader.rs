@@ -320,6 +320,41 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_records, m)?)?;
     m.add_function(wrap_pyfunction!(crc32_regions, m)?)?;
     m.add_function(wrap_pyfunction!(start_read, m)?)?;
+    m.add_function(wrap_pyfunction!(read_ranges, m)?)?;
     m.add_class::<PendingRead>()?;
     Ok(())
+}
+
+/// Reads byte ranges of `path` straight into memory: range `i` is
+/// `lengths[i]` bytes at file offset `offsets[i]`, written to address
+/// `dests[i]`. Returns the bytes read.
+///
+/// The caller keeps the destination memory (tensors) alive and untouched
+/// during the call, and the ranges must not overlap in memory.
+#[pyfunction]
+#[pyo3(signature = (engine, path, offsets, lengths, dests, *, background=false))]
+pub fn read_ranges(
+    py: Python<'_>,
+    engine: &PyEngine,
+    path: PathBuf,
+    offsets: Vec<u64>,
+    lengths: Vec<usize>,
+    dests: Vec<usize>,
+    background: bool,
+) -> PyResult<u64> {
+    if offsets.len() != lengths.len() || offsets.len() != dests.len() {
+        return Err(pyo3::exceptions::PyValueError::new_err("offsets, lengths and dests differ in length"));
+    }
+    let file = py.detach(|| EngineFile::open_read(&path, false)).py_err(py)?;
+    let ranges = offsets
+        .iter()
+        .zip(&lengths)
+        .zip(&dests)
+        .map(|((&offset, &len), &dest)| reader::RangeRead { offset, len, dest: dest as *mut u8 })
+        .collect();
+    let class = if background { Class::Background } else { Class::Foreground };
+    // SAFETY: the caller's contract above (the Python side passes the data
+    // pointers of tensors it holds for the duration of this call).
+    let task = unsafe { reader::read_ranges(&engine.inner, Arc::new(file), ranges, class, TaskState::new()) }.py_err(py)?;
+    wait_task(py, task, None)
 }

@@ -1,0 +1,189 @@
+"""The reshard planner: (saved pieces, target layout) -> byte ranges to read.
+
+Planning uses metadata alone (the checkpoint manifest and the target layouts)
+and no collectives. For each target piece it intersects the saved pieces of
+the same global tensor (vectorised with NumPy), then turns each intersection
+into runs of bytes that are contiguous both in the source file and in the
+destination tensor, merging neighbouring runs.
+
+Before the data is used, :func:`prove_coverage` shows that every element of
+the target came from exactly one saved element: saved pieces are checked to be
+disjoint when the checkpoint is committed, so it is enough that the target's
+intersections add up to its volume and do not overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierstore.layout import Box, Layout, Piece
+
+
+class CoverageError(ValueError):
+    """A target tensor would not be fully (or would be doubly) covered."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A saved piece: where its local tensor lives and how it maps to global."""
+
+    file: int
+    offset: int  # byte offset of the local tensor's element 0 in the file
+    local_shape: tuple[int, ...]
+    itemsize: int
+    piece: Piece
+
+
+@dataclass
+class GlobalIndex:
+    """The saved pieces of one global tensor, with their boxes as arrays."""
+
+    shape: tuple[int, ...]
+    sources: list[Source]
+    lo: np.ndarray  # (k, nd) box offsets
+    hi: np.ndarray  # (k, nd) box ends
+
+    @staticmethod
+    def build(shape: Sequence[int], sources: list[Source]) -> GlobalIndex:
+        nd = len(shape)
+        lo = np.array([s.piece.box.offsets for s in sources], dtype=np.int64).reshape(len(sources), nd)
+        hi = np.array([s.piece.box.ends for s in sources], dtype=np.int64).reshape(len(sources), nd)
+        return GlobalIndex(tuple(shape), sources, lo, hi)
+
+    def overlapping(self, box: Box) -> list[tuple[Source, Box]]:
+        if not self.sources:
+            return []
+        if not box.offsets:  # 0-dim tensors
+            return [(s, box) for s in self.sources]
+        blo = np.array(box.offsets, dtype=np.int64)
+        bhi = np.array(box.ends, dtype=np.int64)
+        ilo = np.maximum(self.lo, blo)
+        ihi = np.minimum(self.hi, bhi)
+        hit = np.nonzero(np.all(ihi > ilo, axis=1))[0]
+        return [
+            (self.sources[i], Box(tuple(int(x) for x in ilo[i]), tuple(int(x) for x in ihi[i] - ilo[i]))) for i in hit
+        ]
+
+
+def _c_strides(shape: Sequence[int]) -> list[int]:
+    return [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+
+
+def _affine(piece: Piece, local_shape: Sequence[int], nd: int) -> tuple[int, list[int]]:
+    """``(base, strides)`` such that the local flat index of global element x
+    (inside the piece's box) is ``base + sum(strides[d] * (x[d] - box.offsets[d]))``."""
+    box = piece.box
+    if isinstance(piece.local, int):
+        return piece.local, _c_strides(box.lengths)
+    lbox = piece.local
+    lstr = _c_strides(local_shape)
+    base = sum(o * s for o, s in zip(lbox.offsets, lstr, strict=True))
+    gdims = [d for d in range(nd) if box.lengths[d] != 1]
+    ldims = [d for d in range(len(local_shape)) if lbox.lengths[d] != 1]
+    strides = [0] * nd
+    for g, ld in zip(gdims, ldims, strict=True):
+        strides[g] = lstr[ld]
+    return base, strides
+
+
+@dataclass
+class Runs:
+    """Byte runs: ``src`` (file offsets), ``dst`` (offsets in the destination
+    tensor, in elements), ``length`` (elements)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+
+
+def runs_for(
+    inter: Box, src: Source, dst_piece: Piece, dst_shape: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Element runs (source local flat, destination local flat, length) that
+    copy ``inter`` from the saved piece to the target piece."""
+    nd = len(inter.offsets)
+    sbase, sstr = _affine(src.piece, src.local_shape, nd)
+    dbase, dstr = _affine(dst_piece, dst_shape, nd)
+    srel = [inter.offsets[d] - src.piece.box.offsets[d] for d in range(nd)]
+    drel = [inter.offsets[d] - dst_piece.box.offsets[d] for d in range(nd)]
+    s0 = sbase + sum(a * b for a, b in zip(srel, sstr, strict=True))
+    d0 = dbase + sum(a * b for a, b in zip(drel, dstr, strict=True))
+    nonunit = [d for d in range(nd) if inter.lengths[d] != 1]
+    if not nonunit:
+        return np.array([s0]), np.array([d0]), np.array([1])
+    k = nonunit[-1]
+    if sstr[k] == 1 and dstr[k] == 1:
+        run = inter.lengths[k]
+        outer = nonunit[:-1]
+    else:
+        run = 1
+        outer = nonunit
+    if not outer:
+        return np.array([s0]), np.array([d0]), np.array([run])
+    grids = np.indices([inter.lengths[d] for d in outer]).reshape(len(outer), -1)
+    so = s0 + sum(grids[i] * sstr[d] for i, d in enumerate(outer))
+    do = d0 + sum(grids[i] * dstr[d] for i, d in enumerate(outer))
+    ln = np.full(so.shape, run, dtype=np.int64)
+    return np.asarray(so, dtype=np.int64), np.asarray(do, dtype=np.int64), ln
+
+
+def merge_runs(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Runs:
+    """Joins runs that continue one another in both the file and memory."""
+    if len(src) <= 1:
+        return Runs(src, dst, length)
+    order = np.argsort(dst, kind="stable")
+    src, dst, length = src[order], dst[order], length[order]
+    cont = (src[1:] == src[:-1] + length[:-1]) & (dst[1:] == dst[:-1] + length[:-1])
+    starts = np.concatenate(([True], ~cont))
+    group = np.cumsum(starts) - 1
+    out_len = np.bincount(group, weights=length).astype(np.int64)
+    return Runs(src[starts], dst[starts], out_len)
+
+
+def prove_coverage(name: str, target: Layout, inters: list[list[Box]]) -> None:
+    """Raises :class:`CoverageError` unless the intersections found for each
+    target piece cover it exactly once."""
+    for piece, boxes in zip(target.pieces, inters, strict=True):
+        got = sum(b.numel for b in boxes)
+        want = piece.box.numel
+        if got == want and (len(boxes) > 256 or _disjoint(boxes)):
+            continue
+        if got > want or not _disjoint(boxes):
+            raise CoverageError(
+                f"tensor {name!r}: region {piece.box.offsets}+{piece.box.lengths} of {piece.tensor!r} would be "
+                "read from overlapping saved pieces"
+            )
+        where = _uncovered_point(piece.box, boxes)
+        raise CoverageError(
+            f"tensor {name!r}: {want - got} of {want} elements of {piece.tensor!r} in region "
+            f"{piece.box.offsets}+{piece.box.lengths} are not in the checkpoint (e.g. element {where})"
+        )
+
+
+def _disjoint(boxes: list[Box]) -> bool:
+    if len(boxes) < 2:
+        return True
+    lo = np.array([b.offsets for b in boxes], dtype=np.int64)
+    hi = np.array([b.ends for b in boxes], dtype=np.int64)
+    ilo = np.maximum(lo[:, None, :], lo[None, :, :])
+    ihi = np.minimum(hi[:, None, :], hi[None, :, :])
+    overlap = np.all(ihi > ilo, axis=2)
+    np.fill_diagonal(overlap, False)
+    return not bool(overlap.any())
+
+
+def _uncovered_point(box: Box, boxes: list[Box]) -> tuple[int, ...]:
+    """One element of ``box`` outside every one of ``boxes`` (by sampling the
+    box's corners and then its elements in steps)."""
+    rng = np.random.default_rng(0)
+    lo = np.array(box.offsets)
+    n = np.array(box.lengths)
+    candidates = [lo, lo + n - 1] + [lo + (rng.random(len(n)) * n).astype(np.int64) for _ in range(4096)]
+    for c in candidates:
+        if not any(all(b.offsets[d] <= c[d] < b.ends[d] for d in range(len(c))) for b in boxes):
+            return tuple(int(x) for x in c)
+    return tuple(int(x) for x in lo)

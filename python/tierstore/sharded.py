@@ -1,0 +1,612 @@
+"""Sharded checkpoints with load-time resharding.
+
+``save_sharded(state_dict, path)`` is called by every rank with its local
+state; ``load_sharded(path, state_dict)`` by every rank of any other layout
+fills its state dict in place, reading only the bytes it needs. Values may be
+tensors with a :class:`~tierstore.layout.Layout` attached
+(:func:`~tierstore.layout.attach`), DTensors (their placements are read
+automatically), plain tensors (the whole logical tensor, replicated across
+the group) or other objects (replicated, written once; wrap per-rank objects
+such as RNG states in :class:`PerRank`).
+
+A checkpoint is a directory::
+
+    manifest.json                 written last: the commit point
+    rank-00000.<save id>.pt       one tierstore file per writing rank; torch.load opens it
+    objects-00000.<save id>.pt    non-tensor state of that rank, if any
+
+Saving is two-phase: every rank writes and fsyncs its files under a new save
+id, the ranks' metadata is gathered once, and rank 0 checks that the saved
+pieces of every global tensor are disjoint and cover it, then atomically
+replaces ``manifest.json``. A rank that fails before that leaves the previous
+checkpoint in place and loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tierstore import _archive, _core
+from tierstore._engine import get_engine
+from tierstore.errors import ChecksumError, FormatError, ManifestError, NotFoundError, TierstoreError
+from tierstore.layout import Box, Layout, LayoutError, Piece, layout_of
+from tierstore.reshard import CoverageError, GlobalIndex, Source, merge_runs, prove_coverage, runs_for
+
+__all__ = ["PerRank", "load_sharded", "save_sharded"]
+
+MANIFEST = "manifest.json"
+FORMAT = "tierstore-sharded"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class PerRank:
+    """A non-tensor value that differs per rank (RNG state, data-loader
+    position): each rank saves its own, and a load gets its rank's value."""
+
+    value: Any
+
+
+# ----------------------------------------------------------------------------------------------
+# process groups
+
+
+def _group_info(pg: Any) -> tuple[int, int, Any]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(pg), dist.get_world_size(pg), pg
+    if pg is not None:
+        raise TierstoreError("a process group was given but torch.distributed is not initialised")
+    return 0, 1, None
+
+
+def _all_gather(obj: Any, world: int, pg: Any) -> list[Any]:
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=pg)
+    return out
+
+
+def _barrier(world: int, pg: Any) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier(group=pg)
+
+
+# ----------------------------------------------------------------------------------------------
+# state dict flattening
+
+
+def _flatten(sd: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any, MutableMapping[str, Any], str]]:
+    """(flat key, value, containing dict, key in it) for every leaf of nested dicts."""
+    for k, v in sd.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and not isinstance(v, PerRank) and v and all(isinstance(x, str) for x in v):
+            yield from _flatten(v, key + ".")
+        else:
+            yield key, v, sd, k  # type: ignore[misc]
+
+
+def _dtensor_layout(key: str, t: Any) -> tuple[torch.Tensor, Layout]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = t.to_local()
+    gshape = tuple(t.shape)
+    for p in t.placements:
+        if not isinstance(p, (Shard, Replicate)):
+            raise LayoutError(f"{key}: DTensor placement {p} cannot be checkpointed (only Shard and Replicate)")
+    shape, offset = compute_local_shape_and_global_offset(gshape, t.device_mesh, t.placements)
+    if tuple(shape) != tuple(local.shape):
+        raise LayoutError(f"{key}: DTensor local shape {tuple(local.shape)} differs from the computed {shape}")
+    replicated = any(isinstance(p, Replicate) for p in t.placements)
+    lay = Layout.block(key, gshape, tuple(offset), tuple(shape), replicated=replicated)
+    if math.prod(shape) == 0:
+        lay = Layout(tuple(shape), (), {key: gshape}, replicated)
+    return local, lay
+
+
+def _is_dtensor(v: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(v, DTensor)
+
+
+def _tensor_and_layout(key: str, v: torch.Tensor, world: int) -> tuple[torch.Tensor, Layout]:
+    if _is_dtensor(v):
+        return _dtensor_layout(key, v)
+    lay = layout_of(v)
+    if lay is None:
+        lay = Layout.full(key, tuple(v.shape), replicated=world > 1)
+    return v, lay
+
+
+# ----------------------------------------------------------------------------------------------
+# save
+
+
+def _replica_id(lay: Layout) -> str:
+    return json.dumps([[p.tensor, p.box.to_json()] for p in lay.pieces])
+
+
+def _assign_writers(metas: list[dict[str, Any]]) -> dict[tuple[int, str], bool]:
+    """For replicated tensors held by several ranks, one holder writes: the
+    one with the fewest bytes assigned so far (largest tensors first), so that
+    writes are balanced. Returns {(rank, key): writes?}."""
+    load = [0] * len(metas)
+    groups: dict[str, list[tuple[int, str, int]]] = {}
+    decide: dict[tuple[int, str], bool] = {}
+    for rank, m in enumerate(metas):
+        for key, info in m["tensors"].items():
+            if info["replicated"]:
+                groups.setdefault(info["replica_id"], []).append((rank, key, info["nbytes"]))
+            else:
+                decide[(rank, key)] = True
+                load[rank] += info["nbytes"]
+    for _rid, holders in sorted(groups.items(), key=lambda kv: -kv[1][0][2]):
+        best = min(holders, key=lambda h: (load[h[0]], h[0]))
+        for h in holders:
+            decide[(h[0], h[1])] = h is best
+        load[best[0]] += best[2]
+    return decide
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(data, f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def save_sharded(
+    state_dict: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: Any = None,
+    durable: bool = True,
+) -> None:
+    """Saves this rank's part of a sharded checkpoint (every rank calls it).
+
+    See the module documentation for what the values may be. Returns after
+    the checkpoint is committed (``manifest.json`` written by rank 0).
+    """
+    rank, world, pg = _group_info(process_group)
+    d = Path(path)
+    if rank == 0:
+        d.mkdir(parents=True, exist_ok=True)
+    _barrier(world, pg)
+    if not d.is_dir():
+        raise NotFoundError(f"{d}: checkpoint directory does not exist", path=str(d))
+    tensors: dict[str, torch.Tensor] = {}
+    layouts: dict[str, Layout] = {}
+    objects: dict[str, Any] = {}
+    per_rank: dict[str, Any] = {}
+    for key, v, _parent, _k in _flatten(state_dict):
+        if isinstance(v, torch.Tensor):
+            local, lay = _tensor_and_layout(key, v, world)
+            lay.validate(f"{key}")
+            tensors[key] = local.detach()
+            layouts[key] = lay
+        elif isinstance(v, PerRank):
+            per_rank[key] = v.value
+        else:
+            objects[key] = v
+    save_id = secrets.token_hex(6)
+    meta = {
+        "save_id": save_id,
+        "tensors": {
+            k: {
+                "replicated": layouts[k].replicated,
+                "replica_id": _replica_id(layouts[k]),
+                "nbytes": t.numel() * t.element_size(),
+            }
+            for k, t in tensors.items()
+        },
+    }
+    metas = _all_gather(meta, world, pg)
+    save_id = metas[0]["save_id"]
+    writes = _assign_writers(metas)
+    mine = {k: t for k, t in tensors.items() if writes[(rank, k)]}
+    file_info: dict[str, Any] = {"rank": rank, "tensors": {}, "objects_file": None}
+    fname = f"rank-{rank:05d}.{save_id}.pt"
+    if mine:
+        from tierstore.api import save as ts_save
+
+        contiguous = {k: (t if t.is_contiguous() else t.contiguous()) for k, t in mine.items()}
+        ts_save({"tensors": contiguous}, d / fname, durable=durable)
+        _arch, m, _offsets = _archive.open_archive(str(d / fname))
+        assert m is not None
+        recs = {r["name"]: r for r in m["records"]}
+        for t in m["tensors"]:
+            if len(t["path"]) != 2 or t["path"][0] != "tensors":
+                continue
+            key = t["path"][1]
+            rec = recs[t["record"]]
+            item = torch.empty((), dtype=contiguous[key].dtype).element_size()
+            file_info["tensors"][key] = {
+                "offset": rec["offset"] + t["storage_offset"] * item,
+                "dtype": t["dtype"],
+                "shape": t["shape"],
+                "record": t["record"],
+                "record_offset": rec["offset"],
+                "record_size": rec["size"],
+                "crc32": rec["crc32"],
+                "layout": layouts[key].to_json(),
+            }
+        file_info["file"] = fname
+        file_info["bytes"] = os.path.getsize(d / fname)
+    keep_objects = dict(per_rank)
+    if rank == 0:
+        keep_objects.update(objects)
+    if keep_objects:
+        from tierstore.api import save as ts_save
+
+        oname = f"objects-{rank:05d}.{save_id}.pt"
+        ts_save({"objects": keep_objects}, d / oname, durable=durable)
+        file_info["objects_file"] = oname
+        file_info["object_keys"] = sorted(keep_objects)
+        file_info["per_rank_keys"] = sorted(per_rank)
+    infos = _all_gather(file_info, world, pg)
+    if rank == 0:
+        manifest = _build_manifest(d, save_id, world, infos)
+        _write_json_atomic(d / MANIFEST, manifest)
+        _collect_garbage(d, save_id)
+    _barrier(world, pg)
+
+
+def _build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any]]) -> dict[str, Any]:
+    from tierstore import __version__
+
+    files = []
+    stored = []
+    globals_: dict[str, dict[str, Any]] = {}
+    for info in infos:
+        if not info.get("file"):
+            continue
+        fidx = len(files)
+        files.append({"rank": info["rank"], "name": info["file"], "bytes": info["bytes"]})
+        for key, t in sorted(info["tensors"].items()):
+            sidx = len(stored)
+            stored.append({"file": fidx, "key": key, **{k: v for k, v in t.items() if k != "layout"}})
+            lay = Layout.from_json(t["layout"])
+            for p in lay.pieces:
+                g = globals_.setdefault(
+                    p.tensor, {"shape": list(lay.global_shapes[p.tensor]), "dtype": t["dtype"], "pieces": []}
+                )
+                if list(lay.global_shapes[p.tensor]) != g["shape"]:
+                    raise LayoutError(
+                        f"global tensor {p.tensor!r} has shape {g['shape']} on one rank and "
+                        f"{list(lay.global_shapes[p.tensor])} on another"
+                    )
+                pj = p.to_json()
+                g["pieces"].append([sidx, pj["box"], pj.get("local_box", pj.get("local_flat"))])
+            for name, shape in lay.global_shapes.items():
+                globals_.setdefault(name, {"shape": list(shape), "dtype": t["dtype"], "pieces": []})
+    # Every global tensor must be covered exactly once by what was written.
+    for name, g in globals_.items():
+        boxes = [Box.from_json(p[1]) for p in g["pieces"]]
+        total = sum(b.numel for b in boxes)
+        want = math.prod(g["shape"])
+        if total != want or not _disjoint_sorted(boxes):
+            raise CoverageError(
+                f"save: global tensor {name!r} of shape {tuple(g['shape'])}: the ranks' pieces cover {total} of "
+                f"{want} elements{' and overlap' if total > want else ''}; check the layouts"
+            )
+    objects = {}
+    per_rank: dict[str, dict[str, str]] = {}
+    for info in infos:
+        if info.get("objects_file"):
+            for k in info["object_keys"]:
+                if k in info.get("per_rank_keys", []):
+                    per_rank.setdefault(k, {})[str(info["rank"])] = info["objects_file"]
+                else:
+                    objects[k] = info["objects_file"]
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "writer": f"tierstore {__version__}",
+        "created_unix": round(time.time(), 3),
+        "save_id": save_id,
+        "world_size": world,
+        "files": files,
+        "stored": stored,
+        "tensors": globals_,
+        "objects": objects,
+        "per_rank_objects": per_rank,
+    }
+
+
+def _disjoint_sorted(boxes: list[Box]) -> bool:
+    from tierstore.reshard import _disjoint
+
+    if len(boxes) <= 512:
+        return _disjoint(boxes)
+    # Large sets: sweep along dimension 0, checking only boxes whose ranges meet.
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i].offsets[0] if boxes[i].offsets else 0)
+    active: list[Box] = []
+    for i in order:
+        b = boxes[i]
+        start = b.offsets[0] if b.offsets else 0
+        active = [a for a in active if (a.ends[0] if a.ends else 1) > start]
+        if any(a.intersect(b) is not None for a in active):
+            return False
+        active.append(b)
+    return True
+
+
+def _collect_garbage(d: Path, save_id: str) -> None:
+    for f in d.iterdir():
+        n = f.name
+        if (n.startswith(("rank-", "objects-"))) and n.endswith(".pt") and f".{save_id}." not in n:
+            f.unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# load
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    d = Path(path)
+    mp = d / MANIFEST
+    if not d.exists():
+        raise NotFoundError(f"{d}: no such checkpoint directory", path=str(d))
+    if not mp.exists():
+        raise NotFoundError(
+            f"{d}: no committed checkpoint (manifest.json is missing; a save may have been interrupted)",
+            path=str(mp),
+        )
+    try:
+        m: dict[str, Any] = json.loads(mp.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{mp}: not valid JSON ({e})", path=str(mp)) from None
+    if m.get("format") != FORMAT:
+        raise ManifestError(f"{mp}: not a tierstore sharded checkpoint manifest", path=str(mp))
+    if int(m.get("format_version", 0)) > FORMAT_VERSION:
+        raise ManifestError(f"{mp}: format_version {m['format_version']} is newer than this tierstore", path=str(mp))
+    return m
+
+
+class Checkpoint:
+    """A committed sharded checkpoint, indexed for planning."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.dir = Path(path)
+        self.manifest = read_manifest(path)
+        m = self.manifest
+        self.files = [self.dir / f["name"] for f in m["files"]]
+        stored = m["stored"]
+        self.stored = stored
+        self.index: dict[str, GlobalIndex] = {}
+        for name, g in m["tensors"].items():
+            sources = []
+            for sidx, box, local in g["pieces"]:
+                s = stored[sidx]
+                piece_local: Box | int = Box.from_json(local) if isinstance(local, list) else int(local)
+                sources.append(
+                    Source(
+                        file=s["file"],
+                        offset=s["offset"],
+                        local_shape=tuple(s["shape"]),
+                        itemsize=torch.empty((), dtype=_dtype(s["dtype"])).element_size(),
+                        piece=Piece(name, Box.from_json(box), piece_local),
+                    )
+                )
+            self.index[name] = GlobalIndex.build(g["shape"], sources)
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return _dtype(self.manifest["tensors"][name]["dtype"])
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ManifestError(f"unknown dtype {name!r} in the checkpoint manifest")
+    return dt
+
+
+@dataclass
+class _Target:
+    key: str
+    dest: torch.Tensor  # where the bytes land (contiguous; may be a temporary)
+    final: torch.Tensor  # the user's tensor
+    layout: Layout
+
+
+def plan_reads(
+    ck: Checkpoint, targets: list[_Target]
+) -> tuple[dict[int, tuple[list[int], list[int], list[int]]], dict[str, int]]:
+    """Byte ranges per file for all targets, and bytes needed per target."""
+    per_file: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+    needed: dict[str, int] = {}
+    for t in targets:
+        inters_all: list[list[Box]] = []
+        item = t.dest.element_size()
+        base = t.dest.data_ptr()
+        for piece in t.layout.pieces:
+            idx = ck.index.get(piece.tensor)
+            if idx is None:
+                raise CoverageError(f"tensor {t.key!r}: global tensor {piece.tensor!r} is not in the checkpoint")
+            if tuple(idx.shape) != tuple(t.layout.global_shapes[piece.tensor]):
+                raise CoverageError(
+                    f"tensor {t.key!r}: global tensor {piece.tensor!r} has shape {idx.shape} in the checkpoint, "
+                    f"but the target layout says {t.layout.global_shapes[piece.tensor]}"
+                )
+            hits = idx.overlapping(piece.box)
+            inters_all.append([b for _s, b in hits])
+            for src, inter in hits:
+                s_el, d_el, n_el = runs_for(inter, src, piece, t.layout.local_shape)
+                if src.itemsize != item:
+                    raise CoverageError(f"tensor {t.key!r}: element sizes differ between checkpoint and target")
+                per_file.setdefault(src.file, []).append((src.offset + s_el * item, base + d_el * item, n_el * item))
+        prove_coverage(t.key, t.layout, inters_all)
+        needed[t.key] = sum(p.box.numel for p in t.layout.pieces) * item
+    out: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    for f, parts in per_file.items():
+        src = np.concatenate([p[0] for p in parts])
+        dst = np.concatenate([p[1] for p in parts])
+        ln = np.concatenate([p[2] for p in parts])
+        r = merge_runs(src, dst, ln)
+        out[f] = (r.src.tolist(), r.length.tolist(), r.dst.tolist())
+    return out, needed
+
+
+def load_sharded(
+    path: str | os.PathLike[str],
+    state_dict: MutableMapping[str, Any],
+    *,
+    process_group: Any = None,
+    per_rank_policy: str | Callable[[dict[int, Any]], Any] | None = None,
+    weights_only: bool = True,
+    stats: dict[str, Any] | None = None,
+) -> MutableMapping[str, Any]:
+    """Fills ``state_dict`` in place from the checkpoint at ``path``.
+
+    Tensors receive exactly their local pieces (any layout: attached
+    :class:`Layout`, DTensor placements, or plain tensors standing for the
+    whole logical tensor); only the bytes each needs are read. Non-tensor
+    values are replaced by the saved ones. Per-rank objects saved by a
+    different number of ranks need ``per_rank_policy``: ``"rank0"`` (take rank
+    0's) or a function of ``{rank: value}``. ``stats``, if given, receives the
+    bytes read and needed. Returns ``state_dict``.
+    """
+    rank, world, _pg = _group_info(process_group)
+    ck = Checkpoint(path)
+    targets: list[_Target] = []
+    objects_wanted: list[tuple[str, MutableMapping[str, Any], str]] = []
+    for key, v, parent, k in _flatten(state_dict):
+        if isinstance(v, torch.Tensor):
+            local, lay = _tensor_and_layout(key, v, world if _is_dtensor(v) or layout_of(v) else 1)
+            if tuple(local.shape) != lay.local_shape:
+                raise LayoutError(f"{key}: local tensor of shape {tuple(local.shape)} but layout for {lay.local_shape}")
+            src_dtype = None
+            for p in lay.pieces:
+                if p.tensor in ck.manifest["tensors"]:
+                    src_dtype = ck.dtype_of(p.tensor)
+                    break
+            dest = local
+            if not local.is_contiguous() or (src_dtype is not None and src_dtype != local.dtype):
+                dest = torch.empty(local.shape, dtype=src_dtype or local.dtype)
+            elif local.device.type != "cpu":
+                dest = torch.empty(local.shape, dtype=local.dtype)
+            if sum(p.box.numel for p in lay.pieces) < local.numel():
+                dest.zero_()  # padding is recreated as zeros
+            targets.append(_Target(key, dest, local, lay))
+        else:
+            objects_wanted.append((key, parent, k))
+    plan, needed = plan_reads(ck, targets)
+    engine = get_engine()
+    read = 0
+    for f, (offs, lens, dests) in plan.items():
+        fp = ck.files[f]
+        if not fp.exists():
+            raise NotFoundError(f"{fp}: shard file of the checkpoint is missing", path=str(fp))
+        read += _core.read_ranges(engine, str(fp), offs, lens, dests)
+    _verify_whole_records(ck, targets, plan)
+    for t in targets:
+        if t.dest is not t.final:
+            t.final.copy_(t.dest)
+    _load_objects(ck, objects_wanted, rank, world, per_rank_policy, weights_only)
+    if stats is not None:
+        stats["bytes_read"] = read
+        stats["bytes_needed"] = sum(needed.values())
+        stats["manifest_bytes"] = (ck.dir / MANIFEST).stat().st_size
+    return state_dict
+
+
+def _verify_whole_records(
+    ck: Checkpoint, targets: list[_Target], plan: dict[int, tuple[list[int], list[int], list[int]]]
+) -> None:
+    """Checks the CRC-32 of every saved record this rank read entirely (a
+    partial read cannot be checked against a whole-record checksum)."""
+    ranges: dict[int, set[tuple[int, int]]] = {
+        f: set(zip(offs, lens, strict=True)) for f, (offs, lens, _d) in plan.items()
+    }
+    by_addr: dict[tuple[int, int], int] = {}
+    for f, (offs, lens, dests) in plan.items():
+        for o, n, a in zip(offs, lens, dests, strict=True):
+            by_addr[(f, o)] = a
+    for s in ck.stored:
+        f = s["file"]
+        if (s["record_offset"], s["record_size"]) not in ranges.get(f, ()):
+            continue
+        addr = by_addr[(f, s["record_offset"])]
+        (crc,) = _core.crc32_regions([(addr, s["record_size"])], 1)
+        if crc != s["crc32"]:
+            p = str(ck.files[f])
+            raise ChecksumError(
+                f"{p}: record '{s['record']}' (tensor {s['key']!r}): checksum mismatch (stored crc32 "
+                f"{s['crc32']:08x}, computed {crc:08x}); the shard is damaged",
+                path=p,
+                record=s["record"],
+            )
+    _ = targets
+
+
+def _load_objects(
+    ck: Checkpoint,
+    wanted: list[tuple[str, MutableMapping[str, Any], str]],
+    rank: int,
+    world: int,
+    policy: str | Callable[[dict[int, Any]], Any] | None,
+    weights_only: bool,
+) -> None:
+    if not wanted:
+        return
+    from tierstore.api import load as ts_load
+
+    cache: dict[str, dict[str, Any]] = {}
+
+    def objects_in(name: str) -> dict[str, Any]:
+        if name not in cache:
+            cache[name] = ts_load(ck.dir / name, weights_only=weights_only)["objects"]
+        return cache[name]
+
+    m = ck.manifest
+    saved_world = int(m["world_size"])
+    for key, parent, k in wanted:
+        if key in m["objects"]:
+            parent[k] = objects_in(m["objects"][key])[key]
+        elif key in m["per_rank_objects"]:
+            holders = {int(r): f for r, f in m["per_rank_objects"][key].items()}
+            if saved_world == world and rank in holders:
+                parent[k] = objects_in(holders[rank])[key]
+            elif policy == "rank0":
+                parent[k] = objects_in(holders[min(holders)])[key]
+            elif callable(policy):
+                parent[k] = policy({r: objects_in(f)[key] for r, f in holders.items()})
+            else:
+                raise FormatError(
+                    f"{ck.dir}: per-rank object {key!r} was saved by {saved_world} ranks and is loaded by {world}; "
+                    "pass per_rank_policy='rank0' or a function of {rank: value} to choose"
+                )
+        else:
+            raise FormatError(f"{ck.dir}: the checkpoint has no value for {key!r}")
