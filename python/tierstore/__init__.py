@@ -13,8 +13,6 @@ from __future__ import annotations
 from tierstore._core import __version__
 from tierstore._engine import configure, get_engine, info
 from tierstore.api import load, save
-from tierstore.layout import Layout, attach, layout_of
-from tierstore.sharded import PerRank, load_sharded, save_sharded
 from tierstore.errors import (
     ChecksumError,
     CorruptFileError,
@@ -31,6 +29,8 @@ from tierstore.errors import (
     TruncatedFileError,
     UnsafeObjectError,
 )
+from tierstore.layout import Layout, attach, layout_of
+from tierstore.sharded import PerRank, load_sharded, save_sharded
 
 __all__ = [
     "ChecksumError",

@@ -153,6 +153,13 @@ class Layout:
     pieces: tuple[Piece, ...]
     global_shapes: Mapping[str, Shape] = field(default_factory=dict)
     replicated: bool = False
+    #: Global tensors whose pieces here are replicas of pieces other ranks hold
+    #: too (e.g. a TP-replicated norm weight inside a ZeRO flat buffer): only
+    #: one copy is referenced by the checkpoint.
+    replicated_tensors: frozenset[str] = frozenset()
+
+    def is_replica(self, p: Piece) -> bool:
+        return self.replicated or p.tensor in self.replicated_tensors
 
     def validate(self, what: str = "layout") -> None:
         local_numel = math.prod(self.local_shape)
@@ -187,6 +194,7 @@ class Layout:
             "global_shapes": {k: list(v) for k, v in self.global_shapes.items()},
             "pieces": [p.to_json() for p in self.pieces],
             "replicated": self.replicated,
+            "replicated_tensors": sorted(self.replicated_tensors),
         }
 
     @staticmethod
@@ -196,6 +204,7 @@ class Layout:
             pieces=tuple(Piece.from_json(p) for p in v["pieces"]),
             global_shapes={k: tuple(int(x) for x in s) for k, s in v["global_shapes"].items()},
             replicated=bool(v.get("replicated", False)),
+            replicated_tensors=frozenset(v.get("replicated_tensors", ())),
         )
 
     # -- constructors for the common cases ------------------------------------------------------
@@ -240,11 +249,11 @@ class Layout:
             raise LayoutError(f"{name}: padded size {padded_size} is smaller than the logical size {g[dim]}")
         per = size // world
         start = rank * per
-        local = g[:dim] + (per,) + g[dim + 1 :]
+        local = (*g[:dim], per, *g[dim + 1 :])
         n = max(0, min(per, g[dim] - start))
         if n == 0:
             return Layout(local, (), {name: g}, replicated)
-        box = Box(tuple(start if i == dim else 0 for i in range(len(g))), g[:dim] + (n,) + g[dim + 1 :])
+        box = Box(tuple(start if i == dim else 0 for i in range(len(g))), (*g[:dim], n, *g[dim + 1 :]))
         lbox = Box(tuple(0 for _ in g), box.lengths)
         return Layout(local, (Piece(name, box, lbox),), {name: g}, replicated)
 
@@ -284,7 +293,7 @@ class Layout:
                 pieces.append(Piece(p.tensor, p.box, Box(off, p.local.lengths)))
             shapes.update(lay.global_shapes)
             at += n
-        local = base[:dim] + (at,) + base[dim + 1 :]
+        local = (*base[:dim], at, *base[dim + 1 :])
         return Layout(local, tuple(pieces), shapes, all(lay.replicated for lay, _ in parts))
 
     @staticmethod
@@ -308,7 +317,7 @@ class Layout:
 
     @staticmethod
     def flat_buffer(
-        params: Sequence[tuple[str, Sequence[int]] | tuple[str, Sequence[int], Box]],
+        params: Sequence[tuple[str, Sequence[int]] | tuple[str, Sequence[int], Box] | Layout],
         start: int,
         length: int,
         *,
@@ -318,26 +327,31 @@ class Layout:
         flattened ``params`` in order (ZeRO-1/2 partitions, FSDP flat
         parameters); anything past the last parameter is padding.
 
-        Each param is ``(global name, global shape)`` or ``(global name, global
-        shape, box)`` when this rank's parameter is itself only a box of the
-        global tensor (a tensor-parallel shard flattened into the buffer).
+        Each param is ``(global name, global shape)``, ``(global name, global
+        shape, box)`` when this rank holds only a box of the global tensor (a
+        tensor-parallel shard), or the :class:`Layout` of a local parameter
+        (e.g. a fused QKV weight), flattened in its local C order.
         """
         pieces: list[Piece] = []
         shapes: dict[str, Shape] = {}
+        reps: set[str] = set()
         pos = 0
         end = start + length
         for param in params:
-            name, shape = param[0], tuple(param[1])
-            region = param[2] if len(param) > 2 else Box.whole(shape)  # type: ignore[misc]
-            shapes[name] = shape
-            n = region.numel
+            lay = param if isinstance(param, Layout) else _box_layout(param)
+            shapes.update(lay.global_shapes)
+            reps.update(lay.global_shapes if lay.replicated else lay.replicated_tensors)
+            n = math.prod(lay.local_shape)
             lo, hi = max(start, pos), min(end, pos + n)
             if lo < hi:
-                for box, off in flat_range_boxes(region.lengths, lo - pos, hi - pos):
-                    moved = Box(tuple(a + b for a, b in zip(box.offsets, region.offsets, strict=True)), box.lengths)
-                    pieces.append(Piece(name, moved, pos + off - start))
+                pieces.extend(_flat_pieces(lay, lo - pos, hi - pos, pos - start))
             pos += n
-        return Layout((local_numel if local_numel is not None else length,), tuple(pieces), shapes)
+        return Layout(
+            (local_numel if local_numel is not None else length,),
+            tuple(pieces),
+            shapes,
+            replicated_tensors=frozenset(reps),
+        )
 
     def renamed(self, fn: Any) -> Layout:
         """The same layout with every global tensor name passed through ``fn``."""
@@ -346,7 +360,66 @@ class Layout:
             tuple(Piece(fn(p.tensor), p.box, p.local) for p in self.pieces),
             {fn(k): v for k, v in self.global_shapes.items()},
             self.replicated,
+            frozenset(fn(k) for k in self.replicated_tensors),
         )
+
+
+def _box_layout(param: tuple[str, Sequence[int]] | tuple[str, Sequence[int], Box]) -> Layout:
+    name, shape = param[0], tuple(param[1])
+    region = param[2] if len(param) > 2 else Box.whole(shape)
+    return Layout(region.lengths, (Piece(name, region, Box.whole(region.lengths)),), {name: shape})
+
+
+def _flat_pieces(lay: Layout, a: int, b: int, shift: int) -> list[Piece]:
+    """Flat pieces for elements ``[a, b)`` of ``lay``'s local tensor (C order),
+    placed at ``shift + position`` in a flat buffer."""
+    out: list[Piece] = []
+    lshape = lay.local_shape
+    lstr = [math.prod(lshape[i + 1 :]) for i in range(len(lshape))]
+    for p in lay.pieces:
+        if not isinstance(p.local, Box):
+            # A flat piece inside a flat local tensor: a plain interval shift.
+            lo, hi = max(a, p.local), min(b, p.local + p.box.numel)
+            if lo < hi:
+                for box, off in flat_range_boxes(p.box.lengths, lo - p.local, hi - p.local):
+                    moved = Box(tuple(x + y for x, y in zip(box.offsets, p.box.offsets, strict=True)), box.lengths)
+                    out.append(Piece(p.tensor, moved, shift + p.local + off))
+            continue
+        gdims = [d for d in range(len(p.box.lengths)) if p.box.lengths[d] != 1]
+        ldims = [d for d in range(len(lshape)) if p.local.lengths[d] != 1]
+        for cbox, _off in flat_range_boxes(lshape, a, b):
+            inter = cbox.intersect(p.local)
+            if inter is None:
+                continue
+            # Rows of the intersection are consecutive in the local C order;
+            # whole blocks are when the piece spans the trailing dimensions.
+            for row in _contiguous_rows(inter, p.local, lshape):
+                first = sum(o * st for o, st in zip(row.offsets, lstr, strict=True))
+                goff = list(p.box.offsets)
+                glen = list(p.box.lengths)
+                for g, ld in zip(gdims, ldims, strict=True):
+                    goff[g] = p.box.offsets[g] + row.offsets[ld] - p.local.offsets[ld]
+                    glen[g] = row.lengths[ld]
+                out.append(Piece(p.tensor, Box(tuple(goff), tuple(glen)), shift + first))
+    return out
+
+
+def _contiguous_rows(inter: Box, piece_local: Box, shape: Sequence[int]) -> list[Box]:
+    """Splits ``inter`` into boxes whose C-order elements are consecutive in a
+    tensor of ``shape`` (one box when it already is)."""
+    if _c_contiguous_box(inter, shape):
+        return [inter]
+    nd = len(shape)
+    # Split along the outer dimensions until each part is contiguous.
+    k = next(d for d in range(nd) if inter.lengths[d] != 1)
+    parts = []
+    for i in range(inter.lengths[k]):
+        off = list(inter.offsets)
+        ln = list(inter.lengths)
+        off[k] += i
+        ln[k] = 1
+        parts.extend(_contiguous_rows(Box(tuple(off), tuple(ln)), piece_local, shape))
+    return parts
 
 
 def _c_contiguous_box(box: Box, shape: Sequence[int]) -> bool:
@@ -376,7 +449,7 @@ def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[tuple[B
             idx.append(rem // st)
             rem %= st
         # The outermost dimension whose whole steps start at pos and fit.
-        k = next(d for d in range(nd) if pos % strides[d] == 0 and pos + strides[d] <= end or d == nd - 1)
+        k = next(d for d in range(nd) if (pos % strides[d] == 0 and pos + strides[d] <= end) or d == nd - 1)
         if k == nd - 1:
             steps = min(end - pos, shape[-1] - idx[-1])
         else:
@@ -392,7 +465,7 @@ def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[tuple[B
 
 
 def zero_partition(
-    params: Sequence[tuple[str, Sequence[int]] | tuple[str, Sequence[int], Box]],
+    params: Sequence[tuple[str, Sequence[int]] | tuple[str, Sequence[int], Box] | Layout],
     dp_rank: int,
     dp_size: int,
     *,
@@ -409,11 +482,12 @@ def zero_partition(
       elements per rank (padding at the end of the last ranks' parts), and a
       rank's partitions are concatenated.
 
-    ``params`` are ``(global name, global shape[, box of it held locally])``.
+    ``params`` are ``(global name, global shape[, box of it held locally])``
+    or the layouts of the local parameters, in the optimizer's order.
     """
-    regions = [Box.whole(tuple(p[1])) if len(p) < 3 else p[2] for p in params]  # type: ignore[misc]
+    sizes = [math.prod(p.local_shape) if isinstance(p, Layout) else _box_layout(p).pieces[0].box.numel for p in params]
     if stage in (1, 2):
-        total = sum(r.numel for r in regions)
+        total = sum(sizes)
         align = alignment_factor * dp_size
         padded = -(-total // align) * align
         part = padded // dp_size
@@ -421,17 +495,18 @@ def zero_partition(
     if stage == 3:
         pieces: list[Piece] = []
         shapes: dict[str, Shape] = {}
+        reps: set[str] = set()
         at = 0
-        for param, region in zip(params, regions, strict=True):
-            n = region.numel
+        for param, n in zip(params, sizes, strict=True):
             ps = -(-n // dp_size)
             sub = Layout.flat_buffer([param], dp_rank * ps, ps)
             for p in sub.pieces:
                 assert isinstance(p.local, int)
                 pieces.append(Piece(p.tensor, p.box, p.local + at))
             shapes.update(sub.global_shapes)
+            reps.update(sub.replicated_tensors)
             at += ps
-        return Layout((at,), tuple(pieces), shapes)
+        return Layout((at,), tuple(pieces), shapes, replicated_tensors=frozenset(reps))
     raise LayoutError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
 
 

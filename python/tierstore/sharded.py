@@ -286,8 +286,8 @@ def save_sharded(
 def _build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any]]) -> dict[str, Any]:
     from tierstore import __version__
 
-    files = []
-    stored = []
+    files: list[dict[str, Any]] = []
+    stored: list[dict[str, Any]] = []
     globals_: dict[str, dict[str, Any]] = {}
     for info in infos:
         if not info.get("file"):
@@ -308,9 +308,22 @@ def _build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any
                         f"{list(lay.global_shapes[p.tensor])} on another"
                     )
                 pj = p.to_json()
-                g["pieces"].append([sidx, pj["box"], pj.get("local_box", pj.get("local_flat"))])
+                g["pieces"].append([sidx, pj["box"], pj.get("local_box", pj.get("local_flat")), lay.is_replica(p)])
             for name, shape in lay.global_shapes.items():
                 globals_.setdefault(name, {"shape": list(shape), "dtype": t["dtype"], "pieces": []})
+    # Replicas of one box (held by several ranks) are referenced once.
+    for g in globals_.values():
+        kept: dict[str, list[Any]] = {}
+        pieces = []
+        for pc in g["pieces"]:
+            key = json.dumps(pc[1])
+            if key in kept:
+                if not (pc[3] and kept[key][3]):
+                    pieces.append(pc)  # a genuine overlap: reported below
+                continue
+            kept[key] = pc
+            pieces.append(pc)
+        g["pieces"] = [pc[:3] for pc in pieces]
     # Every global tensor must be covered exactly once by what was written.
     for name, g in globals_.items():
         boxes = [Box.from_json(p[1]) for p in g["pieces"]]
@@ -471,10 +484,10 @@ def plan_reads(
         needed[t.key] = sum(p.box.numel for p in t.layout.pieces) * item
     out: dict[int, tuple[list[int], list[int], list[int]]] = {}
     for f, parts in per_file.items():
-        src = np.concatenate([p[0] for p in parts])
-        dst = np.concatenate([p[1] for p in parts])
-        ln = np.concatenate([p[2] for p in parts])
-        r = merge_runs(src, dst, ln)
+        srcs = np.concatenate([p[0] for p in parts])
+        dsts = np.concatenate([p[1] for p in parts])
+        lns = np.concatenate([p[2] for p in parts])
+        r = merge_runs(srcs, dsts, lns)
         out[f] = (r.src.tolist(), r.length.tolist(), r.dst.tolist())
     return out, needed
 
@@ -552,7 +565,7 @@ def _verify_whole_records(
     }
     by_addr: dict[tuple[int, int], int] = {}
     for f, (offs, lens, dests) in plan.items():
-        for o, n, a in zip(offs, lens, dests, strict=True):
+        for o, _n, a in zip(offs, lens, dests, strict=True):
             by_addr[(f, o)] = a
     for s in ck.stored:
         f = s["file"]

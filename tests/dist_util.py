@@ -1,0 +1,62 @@
+"""Runs a function on N real processes joined by torch.distributed (gloo on
+loopback), the way users start ranks; failures come back with tracebacks."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, store: str, q: Any, args: tuple[Any, ...]) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        try:
+            out = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        q.put((rank, "ok", out))
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120) -> list[Any]:
+    """Runs ``fn(rank, world, *args)`` on ``world`` forked processes; returns
+    their results in rank order, or raises with the first failure."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as td:
+        store = os.path.join(td, "store")
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, q, args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        try:
+            for _ in range(world):
+                try:
+                    rank, status, out = q.get(timeout=timeout if not errors else 10)
+                except Exception:  # a rank died without reporting (killed), or all hung
+                    errors.append("some ranks did not report (killed or hung)")
+                    break
+                if status == "ok":
+                    results[rank] = out
+                else:
+                    errors.append(f"rank {rank}:\n{out}")
+        finally:
+            for p in procs:
+                p.join(timeout=5 if errors else timeout)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if errors:
+            # The root cause is usually the error that is not about a peer closing.
+            errors.sort(key=lambda e: "Connection closed by peer" in e)
+            raise AssertionError("\n".join(errors))
+        return [results[r] for r in range(world)]

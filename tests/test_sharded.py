@@ -1,0 +1,315 @@
+"""Sharded checkpoints: save under one parallel layout, load under another,
+with real multi-process torch.distributed (gloo on loopback)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import zlib
+from typing import Any
+
+import pytest
+import torch
+from dist_util import run_world
+
+import tierstore
+from tierstore.layout import (
+    Box,
+    Layout,
+    attach,
+    boost_fused_down,
+    boost_stacked_up,
+    expert_slice,
+    pipeline_layers,
+    tp_fused_qkv,
+    tp_fused_swiglu,
+    tp_row,
+    tp_vocab,
+    zero_partition,
+)
+from tierstore.reshard import CoverageError
+
+V, D, FFN, L, NQ, NKV, HD = 10, 8, 16, 4, 8, 4, 1
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=g)
+
+
+def materialize(lay: Layout) -> torch.Tensor:
+    """The local tensor a layout describes, built by plain indexing (an
+    implementation independent of the planner)."""
+    t = torch.zeros(lay.local_shape)
+    flat = t.view(-1)
+    for p in lay.pieces:
+        g = value(p.tensor, lay.global_shapes[p.tensor])[
+            tuple(slice(o, o + n) for o, n in zip(p.box.offsets, p.box.lengths, strict=True))
+        ]
+        if isinstance(p.local, Box):
+            t[tuple(slice(o, o + n) for o, n in zip(p.local.offsets, p.local.lengths, strict=True))] = g.reshape(
+                p.local.lengths
+            )
+        else:
+            flat[p.local : p.local + g.numel()] = g.reshape(-1)
+    return t
+
+
+def coords(rank: int, tp: int, pp: int) -> tuple[int, int, int]:
+    return rank % tp, (rank // tp) % pp, rank // (tp * pp)
+
+
+def model_layouts(tp: int, pp: int, tp_r: int, pp_r: int) -> dict[str, Layout]:
+    m: dict[str, Layout] = {}
+    if pp_r == 0:
+        m["embed.weight"] = tp_vocab("embed.weight", (V, D), tp_r, tp)
+    for i in pipeline_layers(pp_r, pp, L):
+        p = f"layers.{i}"
+        m[f"{p}.attn.qkv.weight"] = tp_fused_qkv(f"{p}.attn", NQ, NKV, HD, D, tp_r, tp)
+        m[f"{p}.attn.o.weight"] = tp_row(f"{p}.attn.o.weight", (D, NQ * HD), tp_r, tp)
+        m[f"{p}.mlp.fc1.weight"] = tp_fused_swiglu(f"{p}.mlp", FFN, D, tp_r, tp)
+        m[f"{p}.mlp.down.weight"] = tp_row(f"{p}.mlp.down.weight", (D, FFN), tp_r, tp)
+        m[f"{p}.ln.weight"] = Layout.full(f"{p}.ln.weight", (D,))
+    if pp_r == pp - 1:
+        m["final_ln.weight"] = Layout.full("final_ln.weight", (D,))
+    return m
+
+
+def layouts(tp: int, pp: int, dp: int, zero: int, rank: int) -> dict[str, Layout]:
+    """Every local tensor of one rank of a (TP, PP, DP + ZeRO) job."""
+    tp_r, pp_r, dp_r = coords(rank, tp, pp)
+    model = model_layouts(tp, pp, tp_r, pp_r)
+    out: dict[str, Layout] = {}
+    order = sorted(model)
+    if zero == 3:
+        for k in order:
+            out[f"model.{k}"] = zero_partition([model[k]], dp_r, dp, stage=3)
+    else:
+        for k in order:
+            out[f"model.{k}"] = dataclasses.replace(model[k], replicated=model[k].replicated or dp > 1)
+    for s in STATES:
+        named = [model[k].renamed(lambda n, s=s: f"optim.{s}.{n}") for k in order]
+        if zero:
+            out[f"optim.{s}"] = zero_partition(named, dp_r, dp, stage=zero)
+        else:
+            for k, lay in zip(order, named, strict=True):
+                out[f"optim.{s}.{k}"] = dataclasses.replace(lay, replicated=lay.replicated or dp > 1)
+    return out
+
+
+def state_for(lays: dict[str, Layout], fill: bool, rank: int) -> dict[str, Any]:
+    sd: dict[str, Any] = {}
+    for k, lay in lays.items():
+        t = materialize(lay) if fill else torch.full(lay.local_shape, float("nan"))
+        sd[k] = attach(t, lay)
+    sd["optim.step"] = 7 if fill else None
+    sd["rng"] = tierstore.PerRank(rank) if fill else None
+    return sd
+
+
+def check(sd: dict[str, Any], lays: dict[str, Layout]) -> None:
+    for k, lay in lays.items():
+        assert torch.equal(sd[k], materialize(lay)), f"{k} differs after resharding"
+
+
+def save_job(rank: int, world: int, path: str, cfg: tuple[int, int, int, int]) -> None:
+    tp, pp, dp, zero = cfg
+    tierstore.save_sharded(state_for(layouts(tp, pp, dp, zero, rank), True, rank), path)
+
+
+def load_job(rank: int, world: int, path: str, cfg: tuple[int, int, int, int]) -> dict[str, int]:
+    tp, pp, dp, zero = cfg
+    lays = layouts(tp, pp, dp, zero, rank)
+    sd = state_for(lays, False, rank)
+    stats: dict[str, int] = {}
+    tierstore.load_sharded(path, sd, per_rank_policy="rank0", stats=stats)
+    check(sd, lays)
+    assert sd["optim.step"] == 7
+    return stats
+
+
+@pytest.fixture(scope="module")
+def zero1_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("ck") / "tp2pp2dp2z1")
+    run_world(8, save_job, path, (2, 2, 2, 1))
+    return path
+
+
+def test_tp2pp2dp2_zero1_to_tp4dp2_zero2(zero1_checkpoint: str) -> None:
+    stats = run_world(8, load_job, zero1_checkpoint, (4, 1, 2, 2))
+    for s in stats:
+        assert s["bytes_read"] == s["bytes_needed"], "every rank reads exactly the bytes it needs"
+
+
+def test_tp2pp2dp2_zero1_to_single_process(zero1_checkpoint: str) -> None:
+    load_job(0, 1, zero1_checkpoint, (1, 1, 1, 0))
+
+
+def test_tp2pp2dp2_zero1_to_dp8_zero3(zero1_checkpoint: str) -> None:
+    run_world(8, load_job, zero1_checkpoint, (1, 1, 8, 3))
+
+
+def test_consolidate_with_plain_tensors(zero1_checkpoint: str) -> None:
+    """One process, plain tensors with no layout: whole logical tensors."""
+    m = json.loads(pathlib.Path(zero1_checkpoint, "manifest.json").read_text())
+    sd: dict[str, Any] = {name: torch.zeros(g["shape"]) for name, g in m["tensors"].items()}
+    tierstore.load_sharded(zero1_checkpoint, sd)
+    for name, t in sd.items():
+        assert torch.equal(t, value(name, tuple(t.shape))), name
+
+
+def test_per_rank_objects_need_a_policy_on_another_world_size(zero1_checkpoint: str) -> None:
+    sd = {"rng": None}
+    with pytest.raises(tierstore.FormatError, match="per_rank_policy"):
+        tierstore.load_sharded(zero1_checkpoint, sd)
+    tierstore.load_sharded(zero1_checkpoint, sd, per_rank_policy="rank0")
+    assert sd["rng"] == 0
+    tierstore.load_sharded(zero1_checkpoint, sd, per_rank_policy=lambda by_rank: sorted(by_rank.values()))
+    assert sd["rng"] == list(range(8))
+
+
+def vocab_job(rank: int, world: int, path: str, mode: str) -> None:
+    lay = tp_vocab("embed.weight", (V, D), rank, world)
+    if mode == "save":
+        tierstore.save_sharded({"embed": attach(materialize(lay), lay)}, path)
+    else:
+        t = attach(torch.full(lay.local_shape, float("nan")), lay)
+        tierstore.load_sharded(path, {"embed": t})
+        assert torch.equal(t, materialize(lay)), "logical rows loaded, padding rows zero"
+
+
+def test_vocab_padding_tp2_to_tp3(tmp_path: pathlib.Path) -> None:
+    path = str(tmp_path / "vocab")
+    run_world(2, vocab_job, path, "save")
+    run_world(3, vocab_job, path, "load")  # 10 rows padded to 12, 4 per rank
+
+
+def moe_job(rank: int, world: int, path: str, mode: str) -> None:
+    shape = (8, 4, 6)  # 8 experts
+    lay = expert_slice("experts.w1", shape, rank, world)
+    if mode == "save":
+        tierstore.save_sharded({"w1": attach(materialize(lay), lay)}, path)
+    else:
+        t = attach(torch.zeros(lay.local_shape), lay)
+        tierstore.load_sharded(path, {"w1": t})
+        assert torch.equal(t, materialize(lay))
+
+
+def test_moe_ep4_to_ep2(tmp_path: pathlib.Path) -> None:
+    run_world(4, moe_job, str(tmp_path / "moe"), "save")
+    run_world(2, moe_job, str(tmp_path / "moe"), "load")
+
+
+R, OUT = 3, 8
+DOWN = [f"attn.{x}.A" for x in "qkv"]
+UP = [f"attn.{x}.B" for x in "qkv"]
+
+
+def boost_layouts(rank: int, tp: int, boost: bool) -> dict[str, Layout]:
+    if boost:
+        return {
+            "down": boost_fused_down(DOWN, R, D, rank, tp),  # [3r, d/tp]
+            "up": boost_stacked_up(UP, OUT, R, rank, tp),  # [3, out/tp, r]
+        }
+    # Vanilla low-rank TP: shard the rank dimension of every factor.
+    out = {}
+    for a, b in zip(DOWN, UP, strict=True):
+        out[a] = Layout.shard(a, (R, D), 0, rank, tp) if R % tp == 0 else Layout.full(a, (R, D))
+        out[b] = Layout.shard(b, (OUT, R), 1, rank, tp) if R % tp == 0 else Layout.full(b, (OUT, R))
+    return out
+
+
+def boost_job(rank: int, world: int, path: str, boost: bool, mode: str) -> None:
+    lays = boost_layouts(rank, world, boost)
+    if mode == "save":
+        tierstore.save_sharded({k: attach(materialize(lay), lay) for k, lay in lays.items()}, path)
+    else:
+        sd = {k: attach(torch.zeros(lay.local_shape), lay) for k, lay in lays.items()}
+        tierstore.load_sharded(path, sd)
+        for k, lay in lays.items():
+            assert torch.equal(sd[k], materialize(lay)), k
+
+
+def test_boost_to_plain_tp_and_back(tmp_path: pathlib.Path) -> None:
+    run_world(2, boost_job, str(tmp_path / "boost"), True, "save")
+    run_world(3, boost_job, str(tmp_path / "boost"), False, "load")  # vanilla TP=3 on the rank dim
+    run_world(3, boost_job, str(tmp_path / "vanilla"), False, "save")
+    run_world(4, boost_job, str(tmp_path / "vanilla"), True, "load")
+
+
+def dtensor_job(rank: int, world: int, path: str, mode: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = value("w", (8, 12))
+    if mode == "save":  # FSDP2-style: Shard(0) over 4 ranks
+        mesh = init_device_mesh("cpu", (world,))
+        tierstore.save_sharded({"w": distribute_tensor(full, mesh, [Shard(0)]), "b": torch.ones(3)}, path)
+    else:  # FSDP2 + TP on a 2x2 mesh
+        mesh = init_device_mesh("cpu", (2, 2))
+        dt = distribute_tensor(torch.zeros(8, 12), mesh, [Shard(1), Shard(0)])
+        sd = {"w": dt, "b": torch.zeros(3)}
+        tierstore.load_sharded(path, sd)
+        assert torch.equal(dt.full_tensor(), full)
+        assert torch.equal(sd["b"], torch.ones(3))
+
+
+def test_fsdp2_dtensor_to_fsdp2_plus_tp(tmp_path: pathlib.Path) -> None:
+    run_world(4, dtensor_job, str(tmp_path / "dt"), "save")
+    run_world(4, dtensor_job, str(tmp_path / "dt"), "load")
+
+
+def test_coverage_proof_names_the_tensor_and_region(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "cov"
+    lay = Layout.block("w", (4, 4), (0, 0), (2, 4))  # only the top half exists...
+    with pytest.raises(CoverageError, match="'w'"):  # ...so the save itself refuses
+        tierstore.save_sharded({"w": attach(torch.ones(2, 4), lay)}, path)
+    tierstore.save_sharded({"w": torch.ones(4, 4)}, path)
+    target = attach(torch.zeros(2, 4), Layout.block("w", (6, 4), (4, 0), (2, 4)))
+    with pytest.raises(CoverageError, match=r"'w'.*shape"):
+        tierstore.load_sharded(path, {"w": target})
+    other = attach(torch.zeros(2, 4), Layout.block("missing", (4, 4), (0, 0), (2, 4)))
+    with pytest.raises(CoverageError, match="missing"):
+        tierstore.load_sharded(path, {"w": other})
+
+
+def kill_job(rank: int, world: int, path: str) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    tierstore.save_sharded({"w": torch.full((4,), 2.0)}, path)
+
+
+def test_rank_killed_during_save_leaves_previous_checkpoint(tmp_path: pathlib.Path) -> None:
+    path = str(tmp_path / "ck")
+    tierstore.save_sharded({"w": torch.full((4,), 1.0)}, path)
+    with pytest.raises(AssertionError, match="rank"):  # rank 1 dies; the others fail or time out
+        run_world(2, kill_job, path, timeout=20)
+    sd = {"w": torch.zeros(4)}
+    tierstore.load_sharded(path, sd)
+    assert torch.equal(sd["w"], torch.full((4,), 1.0)), "the previous checkpoint is still the committed one"
+
+
+def test_damaged_shard_is_named(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "dmg"
+    tierstore.save_sharded({"w": torch.arange(1000.0)}, path)
+    m = json.loads((path / "manifest.json").read_text())
+    f = path / m["files"][0]["name"]
+    data = bytearray(f.read_bytes())
+    data[m["stored"][0]["offset"] + 100] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(tierstore.ChecksumError, match=m["files"][0]["name"]):
+        tierstore.load_sharded(path, {"w": torch.zeros(1000)})
+    f.write_bytes(bytes(data[:5000]))
+    with pytest.raises(tierstore.TierstoreError, match=m["files"][0]["name"]):
+        tierstore.load_sharded(path, {"w": torch.zeros(1000)})
+
+
+def test_rank_files_open_with_torch_load(zero1_checkpoint: str) -> None:
+    files = sorted(pathlib.Path(zero1_checkpoint).glob("rank-*.pt"))
+    assert files
+    for f in files:
+        assert "tensors" in torch.load(f)
