@@ -51,9 +51,8 @@ def materialize(lay: Layout) -> torch.Tensor:
             tuple(slice(o, o + n) for o, n in zip(p.box.offsets, p.box.lengths, strict=True))
         ]
         if isinstance(p.local, Box):
-            t[tuple(slice(o, o + n) for o, n in zip(p.local.offsets, p.local.lengths, strict=True))] = g.reshape(
-                p.local.lengths
-            )
+            where = tuple(slice(o, o + n) for o, n in zip(p.local.offsets, p.local.lengths, strict=True))
+            t[where] = g.reshape(p.local.lengths)
         else:
             flat[p.local : p.local + g.numel()] = g.reshape(-1)
     return t
