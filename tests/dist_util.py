@@ -12,8 +12,11 @@ from typing import Any
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, store: str, q: Any, args: tuple[Any, ...]) -> None:
+    import torch
     import torch.distributed as dist
 
+    # A forked child must not enter the parent's OpenMP pool (it would hang).
+    torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         try:
@@ -26,10 +29,13 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, store: str, q: Any, ar
         raise SystemExit(1) from None
 
 
-def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120) -> list[Any]:
-    """Runs ``fn(rank, world, *args)`` on ``world`` forked processes; returns
-    their results in rank order, or raises with the first failure."""
-    ctx = mp.get_context("fork")
+def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120, method: str = "fork") -> list[Any]:
+    """Runs ``fn(rank, world, *args)`` on ``world`` processes; returns their
+    results in rank order, or raises with the first failure.
+
+    ``fork`` is quick and fine for I/O; jobs that compute with torch need
+    ``spawn`` (OpenMP thread pools do not survive a fork)."""
+    ctx = mp.get_context(method)
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as td:
         store = os.path.join(td, "store")

@@ -30,7 +30,13 @@ from tierstore.errors import (
     UnsafeObjectError,
 )
 from tierstore.layout import Layout, attach, layout_of
-from tierstore.sharded import PerRank, load_sharded, save_sharded
+from tierstore.sharded import (
+    PerRank,
+    load_optimizer_state_dict,
+    load_sharded,
+    optimizer_state_dict,
+    save_sharded,
+)
 
 __all__ = [
     "ChecksumError",
@@ -56,7 +62,9 @@ __all__ = [
     "info",
     "layout_of",
     "load",
+    "load_optimizer_state_dict",
     "load_sharded",
+    "optimizer_state_dict",
     "save",
     "save_sharded",
 ]
