@@ -5,6 +5,12 @@
     each one's checksum holds. ``--no-verify`` skips reading the data.
 ``tierstore verify FILE``
     Checks every record's CRC-32; exits 1 naming the damaged record.
+``tierstore inspect DIR`` / ``tierstore verify DIR``
+    The same for a sharded checkpoint (global tensors, layouts, coverage).
+``tierstore consolidate DIR OUT.pt``
+    One full state dict from a sharded (or DCP) checkpoint.
+``tierstore convert SRC DST``
+    PyTorch DCP to tierstore, or tierstore to DCP.
 ``tierstore info [PATH]``
     The I/O backend in use and why, io_uring availability, and the O_DIRECT
     alignment of the file system at PATH.
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -69,8 +76,60 @@ def _engine() -> Any:
     return get_engine()
 
 
+def _inspect_dir(args: argparse.Namespace) -> int:
+    from tierstore import dcp
+    from tierstore.layout import Box
+    from tierstore.sharded import read_manifest
+
+    path = args.file
+    rows: list[dict[str, Any]]
+    if dcp.is_dcp(path) and not os.path.exists(os.path.join(path, "manifest.json")):
+        ck = dcp.DcpCheckpoint(path)
+        rows = [
+            {"tensor": n, "shape": list(s), "dtype": str(dt).removeprefix("torch."), "pieces": len(ch),
+             "covered": sum(b.numel for b, _ in ch) == math.prod(s)}
+            for n, (s, dt, ch) in sorted(ck.tensors.items())
+        ]  # fmt: skip
+        files, objects, writer = (
+            len({i.relative_path for _s, _d, ch in ck.tensors.values() for _b, i in ch}),
+            sorted(ck.objects),
+            "PyTorch DCP",
+        )
+    else:
+        m = read_manifest(path)
+        rows = []
+        for n, g in sorted(m["tensors"].items()):
+            boxes = [Box.from_json(p[1]) for p in g["pieces"]]
+            rows.append(
+                {"tensor": n, "shape": g["shape"], "dtype": g["dtype"], "pieces": len(boxes),
+                 "covered": sum(b.numel for b in boxes) == math.prod(g["shape"]),
+                 "layouts": sorted({"flat" if not isinstance(p[2], list) else "block" for p in g["pieces"]})}
+            )  # fmt: skip
+        files, objects, writer = len(m["files"]), sorted(m["objects"]) + sorted(m["per_rank_objects"]), m["writer"]
+    if args.json:
+        print(json.dumps({"checkpoint": path, "writer": writer, "files": files, "tensors": rows, "objects": objects},
+                         indent=2))  # fmt: skip
+        return 0 if all(r["covered"] for r in rows) else 1
+    from rich.table import Table
+
+    con = _console()
+    con.print(f"[bold]{path}[/bold]: sharded checkpoint ({writer}), {files} files, {len(rows)} global tensors")
+    table = Table()
+    for col in ("global tensor", "shape", "dtype", "pieces", "coverage"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["tensor"], str(tuple(r["shape"])), r["dtype"], str(r["pieces"]),
+                      "[green]complete[/green]" if r["covered"] else "[red]INCOMPLETE[/red]")  # fmt: skip
+    con.print(table)
+    if objects:
+        con.print("objects: " + ", ".join(objects))
+    return 0 if all(r["covered"] for r in rows) else 1
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     path = args.file
+    if os.path.isdir(path):
+        return _inspect_dir(args)
     arch, m, offsets = _archive.open_archive(path)
     states = _record_states(path, arch, offsets, not args.no_verify)
     shapes: dict[str, list[str]] = {}
@@ -144,6 +203,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     path = args.file
+    if os.path.isdir(path):
+        from tierstore.sharded import read_manifest
+
+        m = read_manifest(path)
+        total_n = total_b = 0
+        for f in m["files"]:
+            n, b = _archive.verify(os.path.join(path, f["name"]))
+            total_n, total_b = total_n + n, total_b + b
+        print(f"{path}: OK ({len(m['files'])} files, {total_n} records, {_human(total_b)} verified)")
+        return 0
     with _progress.bar(_progress.wanted(None), f"verifying {path}") as cb:
         n, nbytes = _archive.verify(path, cb)
     print(f"{path}: OK ({n} records, {_human(nbytes)} verified)")
@@ -179,6 +248,31 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    from tierstore.api import save
+    from tierstore.sharded import consolidate
+
+    sd = consolidate(args.dir, weights_only=not args.unsafe)
+    save(sd, args.out, progress=None)
+    n = sum(1 for v in sd.values() if hasattr(v, "shape"))
+    print(f"{args.out}: {n} tensors and {len(sd) - n} objects from {args.dir}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from tierstore import dcp
+    from tierstore.sharded import consolidate, save_sharded
+
+    src, dst = args.src, args.dst
+    if dcp.is_dcp(src) and not os.path.exists(os.path.join(src, "manifest.json")):
+        save_sharded(dcp.to_state_dict(src, weights_only=not args.unsafe), dst)
+        print(f"{dst}: tierstore sharded checkpoint converted from DCP {src}")
+    else:
+        dcp.save_dcp(consolidate(src, weights_only=not args.unsafe), dst)
+        print(f"{dst}: DCP checkpoint converted from tierstore {src}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tierstore", description="Inspect, verify and probe tierstore files.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -190,6 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check every record's checksum; exit 1 on damage")
     v.add_argument("file")
     v.set_defaults(func=cmd_verify)
+    c = sub.add_parser("consolidate", help="write one full state dict (.pt) from a sharded checkpoint (or DCP)")
+    c.add_argument("dir")
+    c.add_argument("out")
+    c.add_argument("--unsafe", action="store_true", help="allow objects outside torch's weights_only allow-list")
+    c.set_defaults(func=cmd_consolidate)
+    cv = sub.add_parser("convert", help="convert between PyTorch DCP and tierstore sharded checkpoints")
+    cv.add_argument("src")
+    cv.add_argument("dst")
+    cv.add_argument("--unsafe", action="store_true", help="allow objects outside torch's weights_only allow-list")
+    cv.set_defaults(func=cmd_convert)
     n = sub.add_parser("info", help="backend, io_uring availability and O_DIRECT alignment of a path")
     n.add_argument("path", nargs="?", default=".")
     n.add_argument("--json", action="store_true")

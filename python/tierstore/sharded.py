@@ -45,6 +45,7 @@ from tierstore.reshard import CoverageError, GlobalIndex, Source, merge_runs, pr
 
 __all__ = [
     "PerRank",
+    "consolidate",
     "init_optimizer_state",
     "load_optimizer_state_dict",
     "load_sharded",
@@ -519,6 +520,10 @@ def load_sharded(
     bytes read and needed. Returns ``state_dict``.
     """
     rank, world, _pg = _group_info(process_group)
+    from tierstore import dcp
+
+    if not (Path(path) / MANIFEST).exists() and dcp.is_dcp(path):
+        return _load_from_dcp(path, state_dict, world, weights_only, stats)
     ck = Checkpoint(path)
     targets: list[_Target] = []
     objects_wanted: list[tuple[str, MutableMapping[str, Any], str]] = []
@@ -560,6 +565,47 @@ def load_sharded(
         stats["bytes_needed"] = sum(needed.values())
         stats["manifest_bytes"] = (ck.dir / MANIFEST).stat().st_size
     return state_dict
+
+
+def _load_from_dcp(
+    path: str | os.PathLike[str],
+    state_dict: MutableMapping[str, Any],
+    world: int,
+    weights_only: bool,
+    stats: dict[str, Any] | None,
+) -> MutableMapping[str, Any]:
+    from tierstore import dcp
+
+    targets = []
+    objects = []
+    for key, v, parent, k in _flatten(state_dict):
+        if isinstance(v, torch.Tensor):
+            local, lay = _tensor_and_layout(key, v, world if _is_dtensor(v) or layout_of(v) else 1)
+            if sum(p.box.numel for p in lay.pieces) < local.numel():
+                local.zero_()
+            targets.append((key, local, lay))
+        else:
+            objects.append((key, parent, k))
+    dcp.load_dcp_into(path, targets, objects, weights_only, stats)
+    return state_dict
+
+
+def consolidate(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict[str, Any]:
+    """The whole checkpoint as one flat dict ``{global name: full tensor}``,
+    plus its replicated objects (for inference or upload)."""
+    from tierstore import dcp
+
+    if not (Path(path) / MANIFEST).exists() and dcp.is_dcp(path):
+        return dcp.to_state_dict(path, weights_only)
+    m = read_manifest(path)
+    sd: dict[str, Any] = {name: torch.empty(g["shape"], dtype=_dtype(g["dtype"])) for name, g in m["tensors"].items()}
+    for key in m["objects"]:
+        sd[key] = None
+    flat_sd: dict[str, Any] = {}
+    # load_sharded flattens nested dicts; global names are already flat keys.
+    load_sharded(path, sd, weights_only=weights_only)
+    flat_sd.update(sd)
+    return flat_sd
 
 
 def _verify_whole_records(
