@@ -462,16 +462,24 @@ class _Target:
     layout: Layout
 
 
-def plan_reads(
-    ck: Checkpoint, targets: list[_Target]
-) -> tuple[dict[int, tuple[list[int], list[int], list[int]]], dict[str, int]]:
-    """Byte ranges per file for all targets, and bytes needed per target."""
-    per_file: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+@dataclass
+class Plan:
+    """Which saved pieces each target piece reads, with the intersections
+    (global boxes): the result of planning, from metadata alone."""
+
+    # (target index, target piece, [(source, intersection), ...])
+    steps: list[tuple[int, Piece, list[tuple[Source, Box]]]]
+    needed: dict[str, int]
+
+
+def make_plan(ck: Checkpoint, targets: list[_Target]) -> Plan:
+    """Intersects every target piece with the saved pieces of its global
+    tensor and proves coverage. No file is read, no collective is used."""
+    steps: list[tuple[int, Piece, list[tuple[Source, Box]]]] = []
     needed: dict[str, int] = {}
-    for t in targets:
+    for ti, t in enumerate(targets):
         inters_all: list[list[Box]] = []
         item = t.dest.element_size()
-        base = t.dest.data_ptr()
         for piece in t.layout.pieces:
             idx = ck.index.get(piece.tensor)
             if idx is None:
@@ -482,22 +490,59 @@ def plan_reads(
                     f"but the target layout says {t.layout.global_shapes[piece.tensor]}"
                 )
             hits = idx.overlapping(piece.box)
-            inters_all.append([b for _s, b in hits])
-            for src, inter in hits:
-                s_el, d_el, n_el = runs_for(inter, src, piece, t.layout.local_shape)
+            for src, _b in hits:
                 if src.itemsize != item:
                     raise CoverageError(f"tensor {t.key!r}: element sizes differ between checkpoint and target")
-                per_file.setdefault(src.file, []).append((src.offset + s_el * item, base + d_el * item, n_el * item))
+            inters_all.append([b for _s, b in hits])
+            steps.append((ti, piece, hits))
         prove_coverage(t.key, t.layout, inters_all)
         needed[t.key] = sum(p.box.numel for p in t.layout.pieces) * item
+    return Plan(steps, needed)
+
+
+def expand_plan(plan: Plan, targets: list[_Target]) -> dict[int, tuple[list[int], list[int], list[int]]]:
+    """Turns a plan into byte ranges per file: (file offsets, lengths,
+    destination addresses), merged where contiguous on both sides."""
+    from tierstore.reshard import _affine
+
+    # Per file: flat Python lists for small results, NumPy arrays for large ones.
+    per_file: dict[int, tuple[list[int], list[int], list[int], list[Any]]] = {}
+    src_aff: dict[int, tuple[int, list[int]]] = {}
+    for ti, piece, hits in plan.steps:
+        t = targets[ti]
+        item = t.dest.element_size()
+        base = t.dest.data_ptr()
+        nd = len(piece.box.offsets)
+        daff = _affine(piece, t.layout.local_shape, nd)
+        for src, inter in hits:
+            saff = src_aff.get(id(src))
+            if saff is None:
+                saff = src_aff[id(src)] = _affine(src.piece, src.local_shape, nd)
+            s_el, d_el, n_el = runs_for(inter, src, piece, t.layout.local_shape, saff, daff)
+            acc = per_file.setdefault(src.file, ([], [], [], []))
+            if isinstance(s_el, list):
+                so = src.offset
+                acc[0].extend([so + x * item for x in s_el])
+                acc[1].extend([base + x * item for x in d_el])
+                acc[2].extend([x * item for x in n_el])
+            else:
+                acc[3].append((src.offset + s_el * item, base + d_el * item, n_el * item))
     out: dict[int, tuple[list[int], list[int], list[int]]] = {}
-    for f, parts in per_file.items():
-        srcs = np.concatenate([p[0] for p in parts])
-        dsts = np.concatenate([p[1] for p in parts])
-        lns = np.concatenate([p[2] for p in parts])
-        r = merge_runs(srcs, dsts, lns)
+    for f, (ps, pd, pl, arrays) in per_file.items():
+        ss = [np.array(ps, dtype=np.int64)] + [a[0] for a in arrays]
+        ds = [np.array(pd, dtype=np.int64)] + [a[1] for a in arrays]
+        ls = [np.array(pl, dtype=np.int64)] + [a[2] for a in arrays]
+        r = merge_runs(np.concatenate(ss), np.concatenate(ds), np.concatenate(ls))
         out[f] = (r.src.tolist(), r.length.tolist(), r.dst.tolist())
-    return out, needed
+    return out
+
+
+def plan_reads(
+    ck: Checkpoint, targets: list[_Target]
+) -> tuple[dict[int, tuple[list[int], list[int], list[int]]], dict[str, int]]:
+    """Byte ranges per file for all targets, and bytes needed per target."""
+    plan = make_plan(ck, targets)
+    return expand_plan(plan, targets), plan.needed
 
 
 def load_sharded(
@@ -547,7 +592,11 @@ def load_sharded(
             targets.append(_Target(key, dest, local, lay))
         else:
             objects_wanted.append((key, parent, k))
-    plan, needed = plan_reads(ck, targets)
+    t_plan = time.perf_counter()
+    the_plan = make_plan(ck, targets)
+    plan_seconds = time.perf_counter() - t_plan
+    plan = expand_plan(the_plan, targets)
+    needed = the_plan.needed
     engine = get_engine()
     read = 0
     for f, (offs, lens, dests) in plan.items():
@@ -564,6 +613,7 @@ def load_sharded(
         stats["bytes_read"] = read
         stats["bytes_needed"] = sum(needed.values())
         stats["manifest_bytes"] = (ck.dir / MANIFEST).stat().st_size
+        stats["plan_seconds"] = plan_seconds
     return state_dict
 
 

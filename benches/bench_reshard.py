@@ -1,0 +1,310 @@
+"""Resharding benchmark: tierstore against PyTorch DCP (and an offline
+UCP-style path) on the same tensors, in one run.
+
+A model-shaped checkpoint (fp32 transformer weights, ~1.2 GiB by default) is
+saved by ``--ranks`` processes (gloo on loopback) as DTensors sharded
+``Shard(0)`` on a 1-D mesh, then loaded by the same number of processes on a
+2-D mesh with ``(Shard(1), Shard(0))`` (FSDP + TP) and on a column-parallel
+``Shard(1)`` layout. For each system it reports, per rank: bytes read divided
+by the bytes the rank needs (tierstore: bytes it asked for; both: bytes the
+kernel read from the device, from /proc/self/io), load time, save time and
+planning time. The UCP-style path consolidates the checkpoint offline into
+one file per tensor, then every rank loads whole tensors and slices them.
+
+Also: planning time for 10,000 tensors x 64 ranks, from metadata alone.
+
+    python benches/bench_reshard.py [--ranks 4] [--layers 16] [--hidden 1280] [--out bench-results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def drop_caches() -> None:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        pass
+
+
+def io_read_bytes() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def shapes(layers: int, hidden: int) -> dict[str, tuple[int, int]]:
+    out = {}
+    for i in range(layers):
+        out[f"layers.{i}.attn.qkv.weight"] = (3 * hidden, hidden)
+        out[f"layers.{i}.attn.o.weight"] = (hidden, hidden)
+        out[f"layers.{i}.mlp.fc1.weight"] = (4 * hidden, hidden)
+        out[f"layers.{i}.mlp.fc2.weight"] = (hidden, 4 * hidden)
+    return out
+
+
+def _worker(rank: int, world: int, store: str, job: dict[str, Any], q: Any) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        q.put((rank, _run(rank, world, job)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _mesh_and_placements(kind: str, world: int) -> tuple[Any, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    if kind == "fsdp":
+        return init_device_mesh("cpu", (world,)), [Shard(0)]
+    if kind == "fsdp_tp":
+        a = int(math.sqrt(world))
+        return init_device_mesh("cpu", (world // a, a)), [Shard(1), Shard(0)]
+    if kind == "tp_col":
+        return init_device_mesh("cpu", (world,)), [Shard(1)]
+    raise ValueError(kind)
+
+
+def _local_dtensors(shp: dict[str, tuple[int, int]], kind: str, world: int, fill: bool) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, pl = _mesh_and_placements(kind, world)
+    out = {}
+    for name, s in shp.items():
+        lshape, off = compute_local_shape_and_global_offset(s, mesh, pl)
+        if fill:
+            # Values that identify their global position: row * 1e-3 + column.
+            rows = torch.arange(off[0], off[0] + lshape[0], dtype=torch.float32)[:, None]
+            cols = torch.arange(off[1], off[1] + lshape[1], dtype=torch.float32)[None, :]
+            local = rows * 1e-3 + cols
+        else:
+            local = torch.zeros(lshape)
+        out[name] = DTensor.from_local(local, mesh, pl, run_check=False, shape=torch.Size(s), stride=(s[1], 1))
+    return out
+
+
+def _check(sd: dict[str, Any], shp: dict[str, tuple[int, int]]) -> None:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for name, dt in sd.items():
+        lshape, off = compute_local_shape_and_global_offset(shp[name], dt.device_mesh, dt.placements)
+        rows = torch.arange(off[0], off[0] + lshape[0], dtype=torch.float32)[:, None]
+        cols = torch.arange(off[1], off[1] + lshape[1], dtype=torch.float32)[None, :]
+        if not torch.equal(dt.to_local(), rows * 1e-3 + cols):
+            raise AssertionError(f"{name}: wrong values after load")
+
+
+class _TimedPlanner:
+    seconds = 0.0
+
+
+def _run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dist_cp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    import tierstore
+
+    shp = job["shapes"]
+    res: dict[str, Any] = {}
+    if job["op"] == "save":
+        sd = _local_dtensors(shp, job["src"], world, True)
+        for system in ("tierstore", "dcp"):
+            path = job[system]
+            dist.barrier()
+            t0 = time.perf_counter()
+            if system == "tierstore":
+                tierstore.save_sharded(sd, path)
+            else:
+                dist_cp.save(sd, checkpoint_id=path)
+                # DCP does not fsync; make it durable like tierstore's save.
+                os.sync()
+            dist.barrier()
+            res[f"{system}_save_s"] = time.perf_counter() - t0
+        return res
+
+    class Planner(DefaultLoadPlanner):
+        def create_local_plan(self) -> Any:
+            t = time.perf_counter()
+            p = super().create_local_plan()
+            _TimedPlanner.seconds += time.perf_counter() - t
+            return p
+
+        def create_global_plan(self, plans: Any) -> Any:
+            t = time.perf_counter()
+            p = super().create_global_plan(plans)
+            _TimedPlanner.seconds += time.perf_counter() - t
+            return p
+
+    sd = _local_dtensors(shp, job["dst"], world, False)
+    needed = sum(dt.to_local().numel() * 4 for dt in sd.values())
+    res["needed"] = needed
+    for system in ("tierstore", "dcp", "ucp"):
+        sd = _local_dtensors(shp, job["dst"], world, False)
+        if rank == 0:
+            drop_caches()
+        dist.barrier()
+        io0 = io_read_bytes()
+        t0 = time.perf_counter()
+        if system == "tierstore":
+            stats: dict[str, Any] = {}
+            tierstore.load_sharded(job["tierstore"], sd, stats=stats)
+            res["tierstore_requested"] = stats["bytes_read"]
+            res["tierstore_plan_s"] = stats["plan_seconds"]
+        elif system == "dcp":
+            _TimedPlanner.seconds = 0.0
+            dist_cp.load(sd, checkpoint_id=job["dcp"], planner=Planner())
+            res["dcp_plan_s"] = _TimedPlanner.seconds
+        else:
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            for name, dt in sd.items():
+                full = tierstore.load(Path(job["ucp"]) / f"{name}.pt")
+                lshape, off = compute_local_shape_and_global_offset(shp[name], dt.device_mesh, dt.placements)
+                dt.to_local().copy_(full[off[0] : off[0] + lshape[0], off[1] : off[1] + lshape[1]])
+        dist.barrier()
+        res[f"{system}_load_s"] = time.perf_counter() - t0
+        res[f"{system}_device_read"] = io_read_bytes() - io0
+        _check(sd, shp)
+    return res
+
+
+def run_ranks(world: int, job: dict[str, Any]) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as td:
+        procs = [ctx.Process(target=_worker, args=(r, world, f"{td}/store", job, q)) for r in range(world)]
+        for p in procs:
+            p.start()
+        out = dict(q.get(timeout=3600) for _ in range(world))
+        for p in procs:
+            p.join()
+    return [out[r] for r in range(world)]
+
+
+def planning_simulation(n_tensors: int = 10_000, ranks: int = 64) -> tuple[float, float]:
+    """Plans one rank's load of a 2-D (8x8) sharded target from a checkpoint
+    whose every tensor was saved as Shard(0) over ``ranks`` ranks, from
+    metadata alone (no file is read)."""
+    from tierstore.layout import Box, Layout, Piece
+    from tierstore.reshard import GlobalIndex, Source
+    from tierstore.sharded import _Target, expand_plan, make_plan
+
+    class Fake:
+        index: dict[str, GlobalIndex] = {}
+
+    ck = Fake()
+    shape = (1024, 512)
+    per = shape[0] // ranks
+    targets = []
+    a = int(math.sqrt(ranks))
+    for i in range(n_tensors):
+        name = f"t{i}"
+        sources = [
+            Source(file=r, offset=0, local_shape=(per, shape[1]), itemsize=4,
+                   piece=Piece(name, Box((r * per, 0), (per, shape[1])), Box((0, 0), (per, shape[1]))))
+            for r in range(ranks)
+        ]  # fmt: skip
+        ck.index[name] = GlobalIndex.build(shape, sources)
+        rows, cols = shape[0] // a, shape[1] // a
+        lay = Layout.block(name, shape, (3 * rows, 5 * cols), (rows, cols))
+        targets.append(_Target(name, torch.empty(0), torch.empty(0), lay))
+    t0 = time.perf_counter()
+    plan = make_plan(ck, targets)  # type: ignore[arg-type]
+    t1 = time.perf_counter()
+    expand_plan(plan, targets)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=1280)
+    ap.add_argument("--dir", type=Path, default=Path("bench-results/reshard-tmp"))
+    ap.add_argument("--out", type=Path, default=Path("bench-results"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    args.dir.mkdir(parents=True)
+    shp = shapes(args.layers, args.hidden)
+    total = sum(math.prod(s) * 4 for s in shp.values())
+    print(f"checkpoint: {len(shp)} tensors, {total / 2**30:.2f} GiB fp32, {args.ranks} ranks", flush=True)
+    job = {"shapes": shp, "tierstore": str(args.dir / "ts"), "dcp": str(args.dir / "dcp"), "ucp": str(args.dir / "ucp")}
+    saves = run_ranks(args.ranks, {**job, "op": "save", "src": "fsdp"})
+    # Offline UCP-style conversion: consolidate, one file per tensor.
+    import tierstore
+    from tierstore.sharded import consolidate
+
+    t0 = time.perf_counter()
+    full = consolidate(job["tierstore"])
+    Path(job["ucp"]).mkdir()
+    for name, t in full.items():
+        tierstore.save(t, Path(job["ucp"]) / f"{name}.pt")
+    ucp_convert_s = time.perf_counter() - t0
+    del full
+    rows = []
+    result: dict[str, Any] = {"ranks": args.ranks, "bytes": total, "ucp_convert_s": ucp_convert_s,
+                              "save_s": {s: max(r[f"{s}_save_s"] for r in saves) for s in ("tierstore", "dcp")}}  # fmt: skip
+    for dst in ("fsdp_tp", "tp_col"):
+        loads = run_ranks(args.ranks, {**job, "op": "load", "dst": dst})
+        for system in ("tierstore", "dcp", "ucp"):
+            amp_dev = max(r[f"{system}_device_read"] / r["needed"] for r in loads)
+            amp_req = max(r["tierstore_requested"] / r["needed"] for r in loads) if system == "tierstore" else None
+            rows.append({
+                "transition": f"Shard(0) x{args.ranks} -> {dst}",
+                "system": system,
+                "load_s": statistics.median(r[f"{system}_load_s"] for r in loads),
+                "read_over_needed_device": amp_dev,
+                "read_over_needed_requested": amp_req,
+                "plan_s": max(r.get(f"{system}_plan_s", float("nan")) for r in loads),
+            })  # fmt: skip
+    result["loads"] = rows
+    plan_s, expand_s = planning_simulation()
+    result["planning_10k_tensors_64_ranks_s"] = plan_s
+    result["expanding_10k_tensors_64_ranks_s"] = expand_s
+    lines = [
+        f"checkpoint {total / 2**30:.2f} GiB, {args.ranks} ranks; save (durable): "
+        f"tierstore {result['save_s']['tierstore']:.2f} s, DCP {result['save_s']['dcp']:.2f} s; "
+        f"UCP-style offline conversion {ucp_convert_s:.2f} s",
+        f"{'transition':28} {'system':10} {'load s':>7} {'read/needed (device)':>21} {'(requested)':>12} {'plan s':>8}",
+    ]
+    for r in rows:
+        req = f"{r['read_over_needed_requested']:.3f}" if r["read_over_needed_requested"] is not None else "-"
+        lines.append(
+            f"{r['transition']:28} {r['system']:10} {r['load_s']:7.2f} {r['read_over_needed_device']:21.3f} "
+            f"{req:>12} {r['plan_s']:8.3f}"
+        )
+    lines.append(
+        f"planning, 10,000 tensors x 64 ranks (metadata only): {result['planning_10k_tensors_64_ranks_s']:.3f} s"
+    )
+    text = "\n".join(lines)
+    print(text)
+    (args.out / "reshard.json").write_text(json.dumps(result, indent=2))
+    (args.out / "reshard.txt").write_text(text + "\n")
+    shutil.rmtree(args.dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
