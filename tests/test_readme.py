@@ -15,8 +15,9 @@ def test_readme_example_runs(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyP
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert blocks, "the README has a Python example"
     monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "readme"}  # later examples build on earlier ones, as a reader would
     for code in blocks:
-        exec(compile(code, str(README), "exec"), {"__name__": "readme"})
+        exec(compile(code, str(README), "exec"), namespace)
     assert os.path.exists(tmp_path / "ckpt.pt")
 
 
