@@ -574,7 +574,10 @@ pub unsafe fn read_ranges(
     state: Arc<TaskState>,
 ) -> Result<Task<u64>> {
     for r in &ranges {
-        if r.offset.checked_add(r.len as u64).is_none_or(|e| e > file.len) {
+        if r.offset
+            .checked_add(r.len as u64)
+            .is_none_or(|e| e > file.len)
+        {
             return Err(Error::truncated(
                 &file.path,
                 format!(
@@ -621,7 +624,18 @@ pub unsafe fn read_ranges(
                 // SAFETY: `dest` is valid for `len` bytes until the task ends
                 // (contract of `read_ranges`), and this loop waits for every
                 // submitted request before returning.
-                let req = unsafe { Request::new(Op::Read, file.fd(), r.dest, r.len, r.offset, class, Arc::clone(&slot), done) };
+                let req = unsafe {
+                    Request::new(
+                        Op::Read,
+                        file.fd(),
+                        r.dest,
+                        r.len,
+                        r.offset,
+                        class,
+                        Arc::clone(&slot),
+                        done,
+                    )
+                };
                 engine.submit(req);
                 submitted += 1;
             }
@@ -637,7 +651,10 @@ pub unsafe fn read_ranges(
                         }
                         Ok(_) => st.fail(Error::truncated(
                             &file.path,
-                            format!("range at offset {} is cut short by the end of the file", work[i].offset),
+                            format!(
+                                "range at offset {} is cut short by the end of the file",
+                                work[i].offset
+                            ),
                         )),
                         Err(e) => st.fail(Error::io(&file.path, "read", e)),
                     }
@@ -661,13 +678,23 @@ pub unsafe fn read_ranges(
 ///
 /// As for [`read_ranges`]: every `dest` valid for `len` bytes, no overlap,
 /// no other access until the call returns.
-pub unsafe fn copy_ranges_mapped(file: &EngineFile, ranges: &[RangeRead], threads: usize) -> Result<u64> {
+pub unsafe fn copy_ranges_mapped(
+    file: &EngineFile,
+    ranges: &[RangeRead],
+    threads: usize,
+) -> Result<u64> {
     let mut total = 0u64;
     for r in ranges {
-        if r.offset.checked_add(r.len as u64).is_none_or(|e| e > file.len) {
+        if r.offset
+            .checked_add(r.len as u64)
+            .is_none_or(|e| e > file.len)
+        {
             return Err(Error::truncated(
                 &file.path,
-                format!("range [{}, +{}) lies beyond the end of the file ({} bytes)", r.offset, r.len, file.len),
+                format!(
+                    "range [{}, +{}) lies beyond the end of the file ({} bytes)",
+                    r.offset, r.len, file.len
+                ),
             ));
         }
         total += r.len as u64;
@@ -678,10 +705,21 @@ pub unsafe fn copy_ranges_mapped(file: &EngineFile, ranges: &[RangeRead], thread
     let len = file.len as usize;
     // SAFETY: a read-only shared mapping of a file we hold open; unmapped below.
     let base = unsafe {
-        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, file.fd(), 0)
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            file.fd(),
+            0,
+        )
     };
     if base == libc::MAP_FAILED {
-        return Err(Error::io(&file.path, "mmap", std::io::Error::last_os_error()));
+        return Err(Error::io(
+            &file.path,
+            "mmap",
+            std::io::Error::last_os_error(),
+        ));
     }
     struct Map(*const u8);
     // SAFETY: the mapping is read-only and outlives the scoped threads.
@@ -695,7 +733,9 @@ pub unsafe fn copy_ranges_mapped(file: &EngineFile, ranges: &[RangeRead], thread
                 for r in part {
                     // SAFETY: source inside the mapping (checked above); the
                     // destination per this function's contract.
-                    unsafe { std::ptr::copy_nonoverlapping(map.0.add(r.offset as usize), r.dest, r.len) };
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(map.0.add(r.offset as usize), r.dest, r.len)
+                    };
                 }
             });
         }

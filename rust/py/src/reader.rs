@@ -343,27 +343,50 @@ pub fn read_ranges(
     background: bool,
 ) -> PyResult<u64> {
     if offsets.len() != lengths.len() || offsets.len() != dests.len() {
-        return Err(pyo3::exceptions::PyValueError::new_err("offsets, lengths and dests differ in length"));
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "offsets, lengths and dests differ in length",
+        ));
     }
-    let file = py.detach(|| EngineFile::open_read(&path, false)).py_err(py)?;
+    let file = py
+        .detach(|| EngineFile::open_read(&path, false))
+        .py_err(py)?;
     let ranges: Vec<reader::RangeRead> = offsets
         .iter()
         .zip(&lengths)
         .zip(&dests)
-        .map(|((&offset, &len), &dest)| reader::RangeRead { offset, len, dest: dest as *mut u8 })
+        .map(|((&offset, &len), &dest)| reader::RangeRead {
+            offset,
+            len,
+            dest: dest as *mut u8,
+        })
         .collect();
-    let class = if background { Class::Background } else { Class::Foreground };
+    let class = if background {
+        Class::Background
+    } else {
+        Class::Foreground
+    };
     // Many small ranges: copy through a mapping instead of one request each.
     let small = !ranges.is_empty() && lengths.iter().sum::<usize>() / lengths.len() < MAPPED_BELOW;
     if small {
         let threads = engine.inner.config().cpu_threads;
         let r: Vec<reader::RangeRead> = ranges;
         // SAFETY: as below; the copy finishes before this call returns.
-        return py.detach(|| unsafe { reader::copy_ranges_mapped(&file, &r, threads) }).py_err(py);
+        return py
+            .detach(|| unsafe { reader::copy_ranges_mapped(&file, &r, threads) })
+            .py_err(py);
     }
     // SAFETY: the caller's contract above (the Python side passes the data
     // pointers of tensors it holds for the duration of this call).
-    let task = unsafe { reader::read_ranges(&engine.inner, Arc::new(file), ranges, class, TaskState::new()) }.py_err(py)?;
+    let task = unsafe {
+        reader::read_ranges(
+            &engine.inner,
+            Arc::new(file),
+            ranges,
+            class,
+            TaskState::new(),
+        )
+    }
+    .py_err(py)?;
     wait_task(py, task, None)
 }
 
