@@ -734,7 +734,7 @@ pub unsafe fn copy_ranges_mapped(
                     // SAFETY: source inside the mapping (checked above); the
                     // destination per this function's contract.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(map.0.add(r.offset as usize), r.dest, r.len)
+                        std::ptr::copy_nonoverlapping(map.0.add(r.offset as usize), r.dest, r.len);
                     };
                 }
             });
