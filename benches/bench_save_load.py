@@ -467,7 +467,7 @@ def chart(results: list[Result], ceiling: dict[str, float], path: Path) -> None:
         ax.set_xticks(range(len(rs)), names, rotation=30, ha="right", fontsize=8)
         c = ceiling.get("write" if op == "save" else "read")
         if c:
-            ax.axhline(c, color="black", linestyle="--", linewidth=1, label="device ceiling (fio)")
+            ax.axhline(c, color="black", linestyle="--", linewidth=1, label="device ceiling")
             ax.legend(fontsize=7, loc="upper right")
         ax.set_title(f"{ds}: {'durable save' if op == 'save' else 'cold load'}")
         ax.set_ylabel("GiB/s")
