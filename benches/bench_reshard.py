@@ -188,11 +188,12 @@ def _run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                 dt.to_local().copy_(full[off[0] : off[0] + lshape[0], off[1] : off[1] + lshape[1]])
         dist.barrier()
         res[f"{system}_load_s"] = time.perf_counter() - t0
-        # Bytes each rank asked storage for: tierstore counts its own ranges
-        # (they bypass read(2)); DCP and the UCP path read through read(2).
-        res[f"{system}_requested"] = (
-            res.get("tierstore_requested", 0) if system == "tierstore" else io_counter("rchar") - io0
-        )
+        # Bytes each rank asked storage for: tierstore counts its own ranges,
+        # DCP reads through read(2) (rchar), the UCP path reads whole files.
+        if system == "dcp":
+            res["dcp_requested"] = io_counter("rchar") - io0
+        elif system == "ucp":
+            res["ucp_requested"] = ucp_bytes
         _check(sd, shp)
     return res
 
