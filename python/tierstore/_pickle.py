@@ -185,16 +185,22 @@ def dumps(
 _MODULE_RENAMES = {"torch.tensor": "torch._tensor"}
 
 
+def _find_class(base_find: Any, module: str, name: str) -> Any:
+    """torch.load's name resolution: legacy storage classes become
+    ``StorageType``s, and renamed modules are followed."""
+    if type(name) is str and "Storage" in name:
+        try:
+            return torch.serialization.StorageType(name)
+        except KeyError:
+            pass
+    return base_find(_MODULE_RENAMES.get(module, module), name)
+
+
 class _FullUnpickler(pickle.Unpickler):
     """The unrestricted unpickler (``weights_only=False``), as torch's."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if type(name) is str and "Storage" in name:
-            try:
-                return torch.serialization.StorageType(name)
-            except KeyError:
-                pass
-        return super().find_class(_MODULE_RENAMES.get(module, module), name)
+        return _find_class(super().find_class, module, name)
 
 
 def unpickler(
@@ -212,12 +218,7 @@ def unpickler(
 
     class _Custom(base):  # type: ignore[misc]
         def find_class(self, module: str, name: str) -> Any:
-            if type(name) is str and "Storage" in name:
-                try:
-                    return torch.serialization.StorageType(name)
-                except KeyError:
-                    pass
-            return super().find_class(_MODULE_RENAMES.get(module, module), name)
+            return _find_class(super().find_class, module, name)
 
     return _Custom(f, encoding=encoding, **kwargs)
 

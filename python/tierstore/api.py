@@ -220,6 +220,19 @@ class _ManifestParts:
         )
 
 
+def _add_storages(
+    target: _core.Writer | _core.Stream, prefix: str, storages: list[tuple[str, torch.UntypedStorage]]
+) -> None:
+    """Adds one record per storage; the storage is kept alive by the target."""
+    for key, st in storages:
+        name = f"{prefix}/data/{key}"
+        n = st.nbytes()
+        if n == 0:
+            target.add_bytes(name, b"")
+        else:
+            target.add_memory(name, st.data_ptr(), n, st)
+
+
 def _save_path(
     path: str,
     prefix: str,
@@ -237,18 +250,11 @@ def _save_path(
     keep: list[torch.UntypedStorage] = []
 
     def add_new() -> int:
-        total = 0
-        for key, st in _host_storages(collector, added):
-            name = f"{prefix}/data/{key}"
-            n = st.nbytes()
-            if n == 0:
-                w.add_bytes(name, b"")
-            else:
-                w.add_memory(name, st.data_ptr(), n, st)
-            keep.append(st)
-            added.add(key)
-            total += n
-        return total
+        new = _host_storages(collector, added)
+        _add_storages(w, prefix, new)
+        keep.extend(st for _k, st in new)
+        added.update(k for k, _st in new)
+        return sum(st.nbytes() for _k, st in new)
 
     try:
         total = add_new()
@@ -285,13 +291,7 @@ def _save_stream(
     align: int,
 ) -> None:
     s = _core.Stream(align=align, chunk_bytes=_STREAM_CHUNK, threads=get_engine().info()["cpu_threads"])
-    for key, st in storages:
-        name = f"{prefix}/data/{key}"
-        n = st.nbytes()
-        if n == 0:
-            s.add_bytes(name, b"")
-        else:
-            s.add_memory(name, st.data_ptr(), n, st)
+    _add_storages(s, prefix, storages)
     for name, data in [("data.pkl", data_pkl), *small]:
         s.add_bytes(f"{prefix}/{name}", data, _META_ALIGN)
     crcs = dict(zip((e[0] for e in s.entries()), s.checksums(), strict=True))
