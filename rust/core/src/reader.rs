@@ -542,6 +542,27 @@ fn check_crcs(file: &EngineFile, specs: &[ReadSpec], mut pieces: Vec<CrcPiece>) 
     Ok(())
 }
 
+/// Checks that every range lies inside `file`; returns their total length.
+fn check_ranges(file: &EngineFile, ranges: &[RangeRead]) -> Result<u64> {
+    let mut total = 0u64;
+    for r in ranges {
+        if r.offset
+            .checked_add(r.len as u64)
+            .is_none_or(|e| e > file.len)
+        {
+            return Err(Error::truncated(
+                &file.path,
+                format!(
+                    "range [{}, +{}) lies beyond the end of the file ({} bytes)",
+                    r.offset, r.len, file.len
+                ),
+            ));
+        }
+        total += r.len as u64;
+    }
+    Ok(total)
+}
+
 /// One transfer of `len` bytes at file `offset` into caller memory at `dest`.
 #[derive(Clone, Copy, Debug)]
 pub struct RangeRead {
@@ -573,20 +594,7 @@ pub unsafe fn read_ranges(
     class: Class,
     state: Arc<TaskState>,
 ) -> Result<Task<u64>> {
-    for r in &ranges {
-        if r.offset
-            .checked_add(r.len as u64)
-            .is_none_or(|e| e > file.len)
-        {
-            return Err(Error::truncated(
-                &file.path,
-                format!(
-                    "range [{}, +{}) lies beyond the end of the file ({} bytes)",
-                    r.offset, r.len, file.len
-                ),
-            ));
-        }
-    }
+    check_ranges(&file, &ranges)?;
     let engine = Arc::clone(engine);
     Task::spawn("tierstore-ranges", state, move |st| {
         let slot = engine.path_slot(file.dev);
@@ -683,22 +691,7 @@ pub unsafe fn copy_ranges_mapped(
     ranges: &[RangeRead],
     threads: usize,
 ) -> Result<u64> {
-    let mut total = 0u64;
-    for r in ranges {
-        if r.offset
-            .checked_add(r.len as u64)
-            .is_none_or(|e| e > file.len)
-        {
-            return Err(Error::truncated(
-                &file.path,
-                format!(
-                    "range [{}, +{}) lies beyond the end of the file ({} bytes)",
-                    r.offset, r.len, file.len
-                ),
-            ));
-        }
-        total += r.len as u64;
-    }
+    let total = check_ranges(file, ranges)?;
     if ranges.is_empty() || file.len == 0 {
         return Ok(0);
     }

@@ -18,6 +18,26 @@ use crate::engine::PyEngine;
 use crate::errors::IntoPy;
 use crate::wait::wait_task;
 
+fn to_specs(specs: Vec<(String, u64, u64, Option<u32>)>) -> Vec<ReadSpec> {
+    specs
+        .into_iter()
+        .map(|(name, offset, size, crc)| ReadSpec {
+            name,
+            offset,
+            size,
+            crc,
+        })
+        .collect()
+}
+
+fn class_of(background: bool) -> Class {
+    if background {
+        Class::Background
+    } else {
+        Class::Foreground
+    }
+}
+
 /// One central-directory entry: (name, crc32, size, compressed_size, method, header_offset).
 type EntryTuple = (String, u32, u64, u64, u16, u64);
 
@@ -171,20 +191,8 @@ fn read_records(
     let file = py
         .detach(|| EngineFile::open_read(&path, want_direct))
         .py_err(py)?;
-    let specs = specs
-        .into_iter()
-        .map(|(name, offset, size, crc)| ReadSpec {
-            name,
-            offset,
-            size,
-            crc,
-        })
-        .collect();
-    let class = if background {
-        Class::Background
-    } else {
-        Class::Foreground
-    };
+    let specs = to_specs(specs);
+    let class = class_of(background);
     let task = reader::read_records(
         &engine.inner,
         Arc::new(file),
@@ -248,24 +256,12 @@ fn start_read(
     let file = py
         .detach(|| EngineFile::open_read(&path, want_direct))
         .py_err(py)?;
-    let specs: Vec<ReadSpec> = specs
-        .into_iter()
-        .map(|(name, offset, size, crc)| ReadSpec {
-            name,
-            offset,
-            size,
-            crc,
-        })
-        .collect();
+    let specs = to_specs(specs);
     let e = &engine.inner;
     let plan = py
         .detach(|| reader::plan_read(e, &file, &specs))
         .py_err(py)?;
-    let class = if background {
-        Class::Background
-    } else {
-        Class::Foreground
-    };
+    let class = class_of(background);
     let task = reader::start_read(
         &engine.inner,
         Arc::new(file),
@@ -360,11 +356,7 @@ pub fn read_ranges(
             dest: dest as *mut u8,
         })
         .collect();
-    let class = if background {
-        Class::Background
-    } else {
-        Class::Foreground
-    };
+    let class = class_of(background);
     // Many small ranges: copy through a mapping instead of one request each.
     let small = !ranges.is_empty() && lengths.iter().sum::<usize>() / lengths.len() < MAPPED_BELOW;
     if small {
