@@ -13,6 +13,7 @@ from __future__ import annotations
 from tierstore._core import __version__
 from tierstore._engine import configure, get_engine, info
 from tierstore.api import load, save
+from tierstore.checkpointer import Checkpointer, CheckpointHandle, DiskTier, HostTier, RemoteTier, TornSnapshotError
 from tierstore.errors import (
     ChecksumError,
     CorruptFileError,
@@ -39,10 +40,14 @@ from tierstore.sharded import (
 )
 
 __all__ = [
+    "CheckpointHandle",
+    "Checkpointer",
     "ChecksumError",
     "CorruptFileError",
     "DirectoryError",
+    "DiskTier",
     "FormatError",
+    "HostTier",
     "Layout",
     "ManifestError",
     "MissingRecordError",
@@ -51,8 +56,10 @@ __all__ = [
     "NotFoundError",
     "PerRank",
     "PermissionDeniedError",
+    "RemoteTier",
     "StorageIOError",
     "TierstoreError",
+    "TornSnapshotError",
     "TruncatedFileError",
     "UnsafeObjectError",
     "__version__",

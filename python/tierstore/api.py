@@ -133,6 +133,7 @@ def save(
     durable: bool = True,
     progress: bool | None = False,
     align: int = DEFAULT_ALIGN,
+    background: bool = False,
 ) -> None:
     """Saves ``obj`` to ``f`` like ``torch.save``, at the disk's speed.
 
@@ -142,6 +143,8 @@ def save(
     ``f`` (and the directory fsynced) only when complete, so a crash leaves
     either the old file or the new one. ``durable=False`` skips the fsyncs.
     ``progress`` shows a progress bar (``None``: when stderr is a terminal).
+    ``background=True`` sends the writes through the engine's background
+    class (yielding to foreground loads, subject to its rate limit).
     """
     if not _use_new_zipfile_serialization:
         # The legacy pre-1.6 format is torch's alone.
@@ -160,7 +163,7 @@ def save(
     small = _small_records(not _disable_byteorder_record, align)
     pickler = _PickleJob(obj, pickle_module, pickle_protocol, collector)
     if isinstance(f, (str, os.PathLike)):
-        _save_path(os.fspath(f), prefix, pickler, found, small, durable, progress, align)
+        _save_path(os.fspath(f), prefix, pickler, found, small, durable, progress, align, background)
     else:
         data_pkl = pickler.run()
         storages = _host_storages(collector)
@@ -242,9 +245,10 @@ def _save_path(
     durable: bool,
     progress: bool | None,
     align: int,
+    background: bool = False,
 ) -> None:
     collector = pickler.collector
-    w = _core.create_writer(get_engine(), path, align=align, durable=durable)
+    w = _core.create_writer(get_engine(), path, align=align, durable=durable, background=background)
     added: set[str] = set()
     # Host copies of device storages must live until their bytes are written.
     keep: list[torch.UntypedStorage] = []

@@ -225,6 +225,29 @@ impl Engine {
         )
     }
 
+    /// Limits the background class to `bytes_per_sec` (0: unlimited).
+    pub fn set_background_rate(&self, bytes_per_sec: u64) {
+        self.dispatcher.set_background_rate(bytes_per_sec);
+    }
+
+    pub fn background_rate(&self) -> u64 {
+        self.dispatcher.background_rate()
+    }
+
+    /// Bytes completed on each path so far: (device id, bytes, requests).
+    pub fn path_stats(&self) -> Vec<(u64, u64, u64)> {
+        let m = self.paths.lock().expect("engine lock");
+        m.values()
+            .map(|p| {
+                (
+                    p.id,
+                    p.bytes.load(std::sync::atomic::Ordering::Relaxed),
+                    p.ops.load(std::sync::atomic::Ordering::Relaxed),
+                )
+            })
+            .collect()
+    }
+
     /// Hands a request to the workers.
     pub fn submit(&self, req: Request) {
         self.dispatcher.submit(req);

@@ -10,8 +10,10 @@
 //! - [`writer`] / [`reader`]: container writes and record reads.
 //! - [`zip`] / [`plan`]: the on-disk structures and the byte plan of a write.
 //! - [`file`]: O_DIRECT opening and the atomic-replace protocol.
+//! - [`copy`]: whole-file copies (reflink or engine requests) for tier promotion.
 
 pub mod buf;
+pub mod copy;
 pub mod engine;
 pub mod error;
 pub mod file;

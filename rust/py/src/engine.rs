@@ -62,6 +62,27 @@ impl PyEngine {
         self.inner.mode().as_str()
     }
 
+    /// Limits background-class traffic (flushes, promotions) to
+    /// `bytes_per_sec`; 0 removes the limit.
+    fn set_background_rate(&self, bytes_per_sec: u64) {
+        self.inner.set_background_rate(bytes_per_sec);
+    }
+
+    /// The background limit in bytes per second (0: none).
+    #[getter]
+    fn background_rate(&self) -> u64 {
+        self.inner.background_rate()
+    }
+
+    /// Bytes and requests completed per device so far: {device: (bytes, requests)}.
+    fn path_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (dev, bytes, ops) in self.inner.path_stats() {
+            d.set_item(dev, (bytes, ops))?;
+        }
+        Ok(d)
+    }
+
     /// Everything `tierstore info` reports about this engine.
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let i = self.inner.info();
@@ -116,6 +137,38 @@ fn probe_path(py: Python<'_>, path: PathBuf) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
+/// Copies `src` to `dst` (atomically replacing it) by reflink when allowed
+/// and possible, else through engine requests of the given class. Returns
+/// `(bytes, "reflink" | "engine")`.
+#[pyfunction]
+#[pyo3(signature = (engine, src, dst, *, background=true, durable=true, reflink=true))]
+fn copy_file(
+    py: Python<'_>,
+    engine: &PyEngine,
+    src: PathBuf,
+    dst: PathBuf,
+    background: bool,
+    durable: bool,
+    reflink: bool,
+) -> PyResult<(u64, &'static str)> {
+    let class = crate::reader::class_of(background);
+    let task = py
+        .detach(|| {
+            tierstore_core::copy::copy_file(
+                &engine.inner,
+                &src,
+                &dst,
+                class,
+                durable,
+                reflink,
+                tierstore_core::task::TaskState::new(),
+            )
+        })
+        .py_err(py)?;
+    let (n, how) = crate::wait::wait_task(py, task, None)?;
+    Ok((n, how.as_str()))
+}
+
 /// `(True, None)` when io_uring works here, else `(False, reason)`.
 #[pyfunction]
 fn io_uring_status() -> (bool, Option<String>) {
@@ -129,5 +182,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_function(wrap_pyfunction!(probe_path, m)?)?;
     m.add_function(wrap_pyfunction!(io_uring_status, m)?)?;
+    m.add_function(wrap_pyfunction!(copy_file, m)?)?;
     Ok(())
 }

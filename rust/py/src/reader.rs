@@ -30,7 +30,7 @@ fn to_specs(specs: Vec<(String, u64, u64, Option<u32>)>) -> Vec<ReadSpec> {
         .collect()
 }
 
-fn class_of(background: bool) -> Class {
+pub(crate) fn class_of(background: bool) -> Class {
     if background {
         Class::Background
     } else {

@@ -15,7 +15,7 @@ use std::io;
 use std::os::unix::io::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Select, Sender};
 
@@ -165,6 +165,19 @@ pub struct Dispatcher {
     deferred_len: AtomicUsize,
     fg_streak: AtomicU32,
     shutdown: AtomicBool,
+    /// Background bytes per second (0: unlimited), enforced by a token bucket.
+    bg_rate: AtomicU64,
+    bucket: Mutex<Bucket>,
+}
+
+/// Token bucket of the background rate limit: `tokens` bytes may start now;
+/// it refills at the rate and holds at most a quarter second's worth. A
+/// request may start while the balance is positive and then charges its full
+/// length, so one large request is never blocked forever.
+#[derive(Debug)]
+struct Bucket {
+    tokens: f64,
+    at: Instant,
 }
 
 impl Dispatcher {
@@ -180,7 +193,53 @@ impl Dispatcher {
             deferred_len: AtomicUsize::new(0),
             fg_streak: AtomicU32::new(0),
             shutdown: AtomicBool::new(false),
+            bg_rate: AtomicU64::new(0),
+            bucket: Mutex::new(Bucket {
+                tokens: 0.0,
+                at: Instant::now(),
+            }),
         })
+    }
+
+    /// Limits background traffic to `bytes_per_sec` (0: no limit).
+    pub fn set_background_rate(&self, bytes_per_sec: u64) {
+        let mut b = self.bucket.lock().expect("dispatcher lock");
+        b.tokens = 0.0;
+        b.at = Instant::now();
+        self.bg_rate.store(bytes_per_sec, Ordering::Release);
+    }
+
+    pub fn background_rate(&self) -> u64 {
+        self.bg_rate.load(Ordering::Acquire)
+    }
+
+    /// For a request that holds its path slot: whether the rate limit lets it
+    /// start; gives the slot back when it does not.
+    fn admit(&self, r: &Request) -> bool {
+        if r.class == Class::Foreground || self.bg_admit(r.len) {
+            return true;
+        }
+        r.path.release(r.class);
+        false
+    }
+
+    /// Whether a background request of `len` bytes may start now; charges
+    /// the bucket when it may.
+    fn bg_admit(&self, len: usize) -> bool {
+        let rate = self.bg_rate.load(Ordering::Acquire);
+        if rate == 0 {
+            return true;
+        }
+        let mut b = self.bucket.lock().expect("dispatcher lock");
+        let now = Instant::now();
+        let cap = rate as f64 / 4.0;
+        b.tokens = (b.tokens + now.duration_since(b.at).as_secs_f64() * rate as f64).min(cap);
+        b.at = now;
+        if b.tokens < 0.0 {
+            return false;
+        }
+        b.tokens -= len as f64;
+        true
     }
 
     pub fn submit(&self, req: Request) {
@@ -223,7 +282,7 @@ impl Dispatcher {
                 self.fg_rx.try_recv().or_else(|_| self.bg_rx.try_recv())
             };
             let Ok(req) = req else { return None };
-            if req.path.try_acquire(req.class) {
+            if req.path.try_acquire(req.class) && self.admit(&req) {
                 match req.class {
                     Class::Foreground => {
                         self.fg_streak.fetch_add(1, Ordering::Relaxed);
@@ -246,8 +305,9 @@ impl Dispatcher {
             .iter()
             .position(|r| r.class == Class::Foreground && r.path.try_acquire(r.class))
             .or_else(|| {
-                d.iter()
-                    .position(|r| r.class == Class::Background && r.path.try_acquire(r.class))
+                d.iter().position(|r| {
+                    r.class == Class::Background && r.path.try_acquire(r.class) && self.admit(r)
+                })
             });
         let r = pick.and_then(|i| d.remove(i));
         self.deferred_len.store(d.len(), Ordering::Release);
@@ -373,6 +433,36 @@ mod tests {
         }
         assert_eq!(log.lock().unwrap().len(), 8);
         assert_eq!(d.queued(), 0);
+    }
+
+    #[test]
+    fn background_rate_limit() {
+        let d = Dispatcher::new();
+        let p = PathSlot::new(1, 1000);
+        let log = Arc::new(Mutex::new(Vec::new()));
+        d.set_background_rate(4 << 20); // 4 MiB/s, chunks of 1 MiB
+        let t0 = Instant::now();
+        for _ in 0..6 {
+            let mut r = req(Class::Background, &p, &log, "bg");
+            r.len = 1 << 20;
+            d.submit(r);
+        }
+        let mut n = 0;
+        while n < 6 {
+            if let Some(r) = d.try_next() {
+                complete(&d, r, Ok(0));
+                n += 1;
+            } else {
+                d.wait_ready(Duration::from_millis(5));
+            }
+        }
+        // 6 MiB at 4 MiB/s, starting from an empty bucket: at least ~1.25 s.
+        let took = t0.elapsed();
+        assert!(took >= Duration::from_millis(1100), "took {took:?}");
+        assert!(took < Duration::from_secs(4), "took {took:?}");
+        // Foreground is never held back by the background limit.
+        d.submit(req(Class::Foreground, &p, &log, "fg"));
+        assert!(d.try_next().is_some());
     }
 
     #[test]

@@ -1,0 +1,1172 @@
+"""Lazy, asynchronous, multi-level checkpointing.
+
+::
+
+    ckpt = tierstore.Checkpointer("runs/exp1")          # host memory + local disk
+    ckpt.attach(optimizer)
+    for step, batch in enumerate(loader):
+        loss = model(batch); loss.backward()
+        optimizer.step()                                # waits only for the last capture
+        if ckpt.due(step):
+            ckpt.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict()})
+    ckpt.wait()
+    state = ckpt.load_latest()
+
+``save`` returns at once with a :class:`CheckpointHandle`. A capture thread
+copies the tensors into reusable host buffers (pinned, on a side stream, for
+GPU tensors) while the next forward and backward run; the optimizer step
+pre-hook installed by :meth:`Checkpointer.attach` blocks only until the
+tensors the step will change are copied. A flush thread writes each captured
+snapshot as a sharded checkpoint (see :mod:`tierstore.sharded`) to the local
+disk tier through the engine's background class, and a promotion thread
+copies it on to farther tiers. Every checkpoint is a directory
+``step-<step>`` per tier, committed by its ``manifest.json``; a crash at any
+moment leaves the previous checkpoints loadable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import queue
+import re
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierstore import _core
+from tierstore._engine import get_engine
+from tierstore.errors import TierstoreError
+from tierstore.layout import Layout, layout_of
+from tierstore.layout import attach as attach_layout
+from tierstore.sharded import (
+    MANIFEST,
+    PerRank,
+    _all_gather,
+    _group_info,
+    _tensor_and_layout,
+    _write_json_atomic,
+    consolidate,
+    load_sharded,
+    read_manifest,
+    save_sharded,
+)
+
+__all__ = [
+    "CheckpointHandle",
+    "Checkpointer",
+    "DiskTier",
+    "HostTier",
+    "RemoteTier",
+    "TornSnapshotError",
+    "parse_size",
+]
+
+STEP_DIR = re.compile(r"^step-(\d{12})$")
+META = "checkpoint.json"
+_ALIGN = 64
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+class TornSnapshotError(TierstoreError, RuntimeError):
+    """A tensor was modified before its capture finished (debug check)."""
+
+
+def parse_size(v: int | str) -> int:
+    """``"4GiB"``, ``"512MB"``, ``"1.5g"`` or a byte count."""
+    if isinstance(v, int):
+        if v < 0:
+            raise ValueError(f"a size must not be negative, got {v}")
+        return v
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(v))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {v!r} as a size: expected e.g. 4GiB, 512MiB, 2GB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+# ----------------------------------------------------------------------------------------------
+# tiers
+
+
+@dataclass
+class HostTier:
+    """Host memory: the capture buffers, with a byte budget.
+
+    Buffers are allocated once and reused across saves; a snapshot stays in
+    memory after it is durable (the nearest copy for ``load_latest``) until
+    its space is needed. ``pinned`` (default: when CUDA is available) makes
+    device-to-host copies asynchronous. ``keep_last`` durable snapshots stay
+    in memory as restore points; older ones give their buffer back for reuse.
+    The default budget comes from ``TIERSTORE_HOST_BUDGET`` (else 2 GiB).
+    """
+
+    budget: int | str = field(default_factory=lambda: os.environ.get("TIERSTORE_HOST_BUDGET", "2GiB"))
+    pinned: bool | None = None
+    keep_last: int = 1
+    name: str = "host"
+
+    def __post_init__(self) -> None:
+        self.budget = parse_size(self.budget)
+
+
+@dataclass
+class DiskTier:
+    """A disk tier: one or more directories (relative ones are taken under the
+    checkpointer's path). Checkpoints rotate over the paths.
+
+    ``every``: this tier receives every n-th checkpoint. Retention:
+    ``keep_last`` newest complete checkpoints, plus those whose step is a
+    multiple of ``keep_every``; ``None`` keeps all. The newest complete
+    checkpoint is never deleted.
+    """
+
+    paths: str | os.PathLike[str] | list[str | os.PathLike[str]] = "."
+    keep_last: int | None = 3
+    keep_every: int | None = None
+    every: int = 1
+    name: str = "local"
+
+    def __post_init__(self) -> None:
+        ps = self.paths if isinstance(self.paths, list) else [self.paths]
+        if not ps:
+            raise ValueError(f"tier {self.name!r}: at least one path is needed")
+        self.paths = [os.fspath(p) for p in ps]
+        if self.every < 1:
+            raise ValueError(f"tier {self.name!r}: every must be at least 1, got {self.every}")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ValueError(f"tier {self.name!r}: keep_last must be at least 1 (or None to keep all)")
+
+
+@dataclass
+class RemoteTier(DiskTier):
+    """Remote storage (a shared or parallel file system): like
+    :class:`DiskTier`, keeping everything unless told otherwise."""
+
+    keep_last: int | None = None
+    name: str = "remote"
+
+
+# ----------------------------------------------------------------------------------------------
+# host buffers
+
+
+class _Slab:
+    """One host buffer. Each captured tensor gets its own storage over a slice
+    of it (a storage per tensor, as a torch checkpoint needs); the views of
+    the last layout used are kept, so a repeated save reuses them."""
+
+    __slots__ = ("buf", "holder", "mem", "nbytes", "views", "views_key")
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.mem = memoryview(buf.numpy())  # type: ignore[arg-type]
+        self.nbytes = buf.numel()
+        self.holder: _Snapshot | None = None
+        self.views: list[torch.Tensor] = []
+        self.views_key: list[tuple[int, int, torch.dtype, tuple[int, ...]]] = []
+
+    def views_for(self, plan: list[tuple[int, int, torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+        if plan != self.views_key:
+            self.views = [
+                torch.frombuffer(self.mem[off : off + n], dtype=dt).view(shape) if n else torch.empty(shape, dtype=dt)
+                for off, n, dt, shape in plan
+            ]
+            self.views_key = plan
+        return self.views
+
+
+class _HostPool:
+    """Capture buffers within a byte budget, reused across saves.
+
+    A slab is *busy* while its snapshot is not yet durable on a disk tier,
+    *retained* while it holds a durable snapshot (evictable), and *free*.
+    """
+
+    def __init__(self, budget: int, pinned: bool) -> None:
+        self.budget = budget
+        self.pinned = pinned
+        self.slabs: list[_Slab] = []
+        self.cond = threading.Condition()
+        self.peak = 0
+
+    @property
+    def allocated(self) -> int:
+        return sum(s.nbytes for s in self.slabs)
+
+    def in_use(self) -> int:
+        with self.cond:
+            return sum(s.nbytes for s in self.slabs if s.holder is not None and not s.holder.evictable)
+
+    def _try(self, nbytes: int, snap: _Snapshot) -> _Slab | None:
+        def free(s: _Slab) -> bool:
+            return s.holder is None or s.holder.evictable
+
+        cands = [s for s in self.slabs if free(s) and s.nbytes >= nbytes]
+        if cands:
+            # Prefer empty slabs, then the oldest retained snapshot; smallest fit.
+            s = min(cands, key=lambda s: (s.holder is not None, s.holder.ordinal if s.holder else 0, s.nbytes))
+            self._evict(s)
+            s.holder = snap
+            return s
+        # Make room: drop free and retained slabs (oldest first) until it fits.
+        room = self.budget - self.allocated
+        victims = sorted((s for s in self.slabs if free(s)), key=lambda s: s.holder.ordinal if s.holder else -1)
+        take: list[_Slab] = []
+        for v in victims:
+            if room >= nbytes:
+                break
+            take.append(v)
+            room += v.nbytes
+        if room < nbytes:
+            return None
+        for v in take:
+            self._evict(v)
+            self.slabs.remove(v)
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        s = _Slab(buf)
+        s.holder = snap
+        self.slabs.append(s)
+        self.peak = max(self.peak, self.allocated)
+        return s
+
+    @staticmethod
+    def _evict(s: _Slab) -> None:
+        if s.holder is not None:
+            s.holder.host_evicted()
+            s.holder = None
+
+    def _evict_snapshot(self, snap: _Snapshot) -> None:
+        for s in self.slabs:
+            if s.holder is snap:
+                self._evict(s)
+
+    def reserve(self, nbytes: int, snap: _Snapshot, block: bool, timeout: float | None = None) -> _Slab | None:
+        if nbytes > self.budget:
+            raise ValueError(
+                f"a snapshot needs {nbytes / 2**20:.1f} MiB of host memory but the host tier's budget is "
+                f"{self.budget / 2**20:.1f} MiB; raise HostTier(budget=...) (or TIERSTORE_HOST_BUDGET) to at "
+                f"least the state's size, ideally twice it so that a capture overlaps the previous flush"
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while True:
+                s = self._try(nbytes, snap)
+                if s is not None or not block:
+                    return s
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self.cond.wait(0.05 if left is None else min(left, 0.05))
+
+    def release(self, snap: _Snapshot) -> None:
+        with self.cond:
+            for s in self.slabs:
+                if s.holder is snap:
+                    s.holder = None
+            self.cond.notify_all()
+
+    def notify(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+
+# ----------------------------------------------------------------------------------------------
+# snapshots and handles
+
+_LEVELS = ("pending", "captured", "durable-local", "durable-remote")
+
+
+class CheckpointHandle:
+    """What :meth:`Checkpointer.save` returns: the checkpoint's progress.
+
+    ``tiers`` maps each tier name to its state for this checkpoint: ``pending``,
+    ``captured`` (host), ``durable``, ``evicted`` (host copy dropped after it was
+    durable elsewhere), ``skipped`` (not destined for it), ``failed``.
+    ``state`` summarises: ``pending`` → ``captured`` → ``durable-local`` →
+    ``durable-remote``, or ``skipped`` / ``failed``. ``timings`` holds seconds:
+    ``blocked`` (training time spent in ``save`` and in the step hook),
+    ``capture``, ``to_local`` (from ``save`` until durable locally), ``flush``
+    (the local write), ``to_remote``.
+    """
+
+    def __init__(self, step: int, tiers: list[str]) -> None:
+        self.step = step
+        self.tiers: dict[str, str] = dict.fromkeys(tiers, "pending")
+        self.timings: dict[str, float] = {"blocked": 0.0}
+        self.error: BaseException | None = None
+        self.paths: dict[str, str] = {}
+        self._cond = threading.Condition()
+
+    def __repr__(self) -> str:
+        return f"CheckpointHandle(step={self.step}, state={self.state!r}, tiers={self.tiers})"
+
+    @property
+    def state(self) -> str:
+        t = self.tiers
+        vals = set(t.values())
+        if vals <= {"skipped"} or ("failed" in vals and "durable" not in vals and "captured" not in vals):
+            return "failed" if "failed" in vals else "skipped"
+        disk = [k for k in t if k != "host"]
+        if len(disk) > 1 and t[disk[-1]] == "durable":
+            return "durable-remote"
+        if any(t[k] == "durable" for k in disk):
+            return "durable-local"
+        if t.get("host") in ("captured", "evicted"):
+            return "captured"
+        return "pending"
+
+    def _set(self, tier: str, state: str) -> None:
+        with self._cond:
+            self.tiers[tier] = state
+            self._cond.notify_all()
+
+    def settled(self, tier: str | None = None) -> bool:
+        """True when nothing more will happen on ``tier`` (all tiers: None)."""
+        names = [tier] if tier else list(self.tiers)
+        done = {"durable", "skipped", "failed", "evicted"}
+        return all(self.tiers[n] in done or (n == "host" and self.tiers[n] == "captured") for n in names)
+
+    def wait(self, tier: str | None = None, timeout: float | None = None) -> str:
+        """Waits until ``tier`` (a tier name, ``"captured"``, or None for every
+        tier) is settled; returns :attr:`state`. Raises the checkpoint's error
+        if it failed everywhere."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                ok = self.tiers.get("host") != "pending" if tier == "captured" else self.settled(tier)
+                if ok:
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"checkpoint of step {self.step}: still {self.tiers} after {timeout} s")
+                self._cond.wait(0.1 if left is None else min(left, 0.1))
+        if self.state == "failed" and self.error is not None:
+            raise self.error
+        return self.state
+
+
+@dataclass
+class _Item:
+    src: torch.Tensor
+    dst: torch.Tensor
+    version: int
+    mutable: bool  # an attached optimizer changes it (or no optimizer is attached)
+    layout: Layout | None  # attached to the copy (layouts and DTensor placements)
+
+
+class _Snapshot:
+    def __init__(self, step: int, ordinal: int, handle: CheckpointHandle) -> None:
+        self.step = step
+        self.ordinal = ordinal
+        self.handle = handle
+        self.state: dict[str, Any] = {}
+        self.tree: list[tuple[str, list[str]]] = []
+        self.items: list[_Item] = []
+        self.mutable_done = threading.Event()
+        self.captured = threading.Event()
+        self.verified = threading.Event()  # the debug check passed (set at once without debug)
+        self.error: BaseException | None = None
+        self.evictable = False
+        self.in_host = True
+        self.t_save = time.perf_counter()
+        self.event: Any = None  # CUDA event recorded on the training stream at save()
+        self.local_dir: Path | None = None
+
+    def release_sources(self) -> None:
+        """Drops the references to the training tensors."""
+        for it in self.items:
+            it.src = it.dst
+
+    def host_evicted(self) -> None:
+        self.in_host = False
+        self.state = {}
+        if self.handle.tiers.get("host") == "captured":
+            self.handle._set("host", "evicted")
+
+
+def _flat_tree(sd: Mapping[str, Any], prefix: str = "", path: tuple[str, ...] = ()) -> Iterator[tuple[str, list[str]]]:
+    """(flat key, key path) per leaf, with the nesting rule of save_sharded."""
+    for k, v in sd.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and not isinstance(v, PerRank) and v and all(isinstance(x, str) for x in v):
+            yield from _flat_tree(v, key + ".", (*path, k))
+        else:
+            yield key, [*path, k]
+
+
+def _unflatten(flat: Mapping[str, Any], tree: list[list[Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    placed = set()
+    for key, path in tree:
+        if key not in flat:
+            continue
+        d = out
+        for p in path[:-1]:
+            d = d.setdefault(p, {})
+        d[path[-1]] = flat[key]
+        placed.add(key)
+    for key, v in flat.items():  # global tensors saved under layouts of other names
+        if key not in placed:
+            out[key] = v
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the checkpointer
+
+
+class Checkpointer:
+    """Lazy asynchronous checkpoints cascading host memory → local disk → remote.
+
+    ``path``: the job's checkpoint directory; relative tier paths are under it.
+    ``tiers``: nearest first; default ``[HostTier(), DiskTier(".")]``.
+    ``on_busy``: when a save arrives while the host budget is still occupied by
+    snapshots not yet durable: ``"wait"`` (block until there is room) or
+    ``"skip"`` (drop this save with a warning). ``interval`` and
+    ``max_overhead`` drive :meth:`due`: with ``max_overhead`` (a fraction, e.g.
+    0.02) the interval grows when the measured blocking time exceeds that
+    share of the step time. ``debug`` checks that no tensor changed before
+    its capture finished (raises :class:`TornSnapshotError`).
+    ``rate_limit``: bytes per second for background flush and promotion I/O.
+    ``process_group``: the ranks saving together (default: the whole world).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        tiers: list[HostTier | DiskTier] | None = None,
+        *,
+        on_busy: str = "wait",
+        interval: int = 1,
+        max_overhead: float | None = None,
+        debug: bool = False,
+        rate_limit: int | str | None = None,
+        process_group: Any = None,
+        eager_unowned: bool = True,
+    ) -> None:
+        if on_busy not in ("wait", "skip"):
+            raise ValueError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
+        if interval < 1:
+            raise ValueError(f"interval must be at least 1, got {interval}")
+        self.path = Path(path)
+        tiers = list(tiers) if tiers is not None else [HostTier(), DiskTier(".")]
+        hosts = [t for t in tiers if isinstance(t, HostTier)]
+        self.disks: list[DiskTier] = [t for t in tiers if isinstance(t, DiskTier)]
+        if len(hosts) > 1 or (hosts and tiers[0] is not hosts[0]):
+            raise ValueError("at most one HostTier, and it must come first")
+        if not self.disks:
+            raise ValueError("at least one DiskTier is needed for checkpoints to be durable")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must differ: {names}")
+        self.host = hosts[0] if hosts else HostTier()
+        pinned = self.host.pinned if self.host.pinned is not None else torch.cuda.is_available()
+        self.pool = _HostPool(int(self.host.budget), pinned)
+        self.tier_names = [self.host.name] + [t.name for t in self.disks]
+        self.on_busy = on_busy
+        self.interval = interval
+        self.min_interval = interval
+        self.max_overhead = max_overhead
+        self.debug = debug
+        self.eager_unowned = eager_unowned
+        if rate_limit is not None:
+            get_engine().set_background_rate(parse_size(rate_limit))
+        self.rank, self.world, pg = _group_info(process_group)
+        self._pg_ctl = self._pg_flush = self._pg_promote = None
+        if self.world > 1:
+            import torch.distributed as dist
+
+            ranks = dist.get_process_group_ranks(pg) if pg is not None else None
+            self._pg_ctl = dist.new_group(ranks, backend="gloo")
+            self._pg_flush = dist.new_group(ranks, backend="gloo")
+            self._pg_promote = dist.new_group(ranks, backend="gloo")
+        for t in self.disks:
+            for p in self._tier_paths(t):
+                p.mkdir(parents=True, exist_ok=True)
+        self._ordinal = 0
+        self._last_step: int | None = None
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._hooks: list[Any] = []
+        self._pending: list[_Snapshot] = []  # not yet captured
+        self._snaps: list[_Snapshot] = []  # every snapshot still holding host memory or in flight
+        self._handles: list[CheckpointHandle] = []
+        self._lock = threading.Lock()
+        self._errors: list[BaseException] = []
+        self._capture_errors: list[BaseException] = []
+        self._busy_dirs: set[Path] = set()
+        self._step_times: list[float] = []
+        self._last_hook: float | None = None
+        self._stream: Any = None
+        self.restored: dict[str, Any] | None = None
+        self._capture_q: queue.Queue[_Snapshot | None] = queue.Queue()
+        self._flush_q: queue.Queue[_Snapshot | None] = queue.Queue()
+        self._promote_q: queue.Queue[_Snapshot | None] = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._run, args=(self._capture_q, self._capture), name="tierstore-capture"),
+            threading.Thread(target=self._run, args=(self._flush_q, self._flush), name="tierstore-flush"),
+            threading.Thread(target=self._run, args=(self._promote_q, self._promote), name="tierstore-promote"),
+        ]
+        for th in self._threads:
+            th.daemon = True
+            th.start()
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------
+    # public API
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Makes ``optimizer.step()`` wait until the tensors it changes are
+        captured (a step pre-hook); nothing else waits."""
+        self._optimizers.append(optimizer)
+        self._hooks.append(optimizer.register_step_pre_hook(self._pre_step))
+
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint is due at ``step`` under the (adaptive) interval."""
+        if self._last_step is None:
+            return step % self.interval == 0
+        return step - self._last_step >= self.interval
+
+    def save(self, step: int, state: Mapping[str, Any]) -> CheckpointHandle:
+        """Starts a checkpoint of ``state`` at ``step`` and returns at once.
+
+        Tensors are captured in the background: until :meth:`wait_capture`
+        returns (or, with :meth:`attach`, until the optimizer step), the caller
+        must not modify them. Non-tensor values are copied now.
+        """
+        t0 = time.perf_counter()
+        self._verify()
+        self._raise_errors()
+        if self._closed:
+            raise TierstoreError("this Checkpointer is closed")
+        if step < 0:
+            raise ValueError(f"step must be non-negative, got {step}")
+        handle = CheckpointHandle(step, self.tier_names)
+        snap = _Snapshot(step, self._ordinal, handle)
+        owned = self._owned_storages() if (self._optimizers and self.eager_unowned) else None
+        plan: list[tuple[torch.Tensor, Any]] = []
+        memo: dict[int, Any] = {}
+        nbytes = [0]
+
+        def reserve(t: torch.Tensor) -> int:
+            off = nbytes[0]
+            nbytes[0] += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+            return off
+
+        state_copy = self._copy_tree(state, snap, plan, memo, reserve, owned, "")
+        snap.tree = list(_flat_tree(state_copy)) if isinstance(state_copy, Mapping) else []
+        # Room in host memory, else the backpressure policy.
+        block = self.on_busy == "wait"
+        slab = self.pool.reserve(nbytes[0], snap, block=False)
+        if self.world > 1 and self.on_busy == "skip":
+            oks = _all_gather(slab is not None, self.world, self._pg_ctl)
+            if not all(oks) and slab is not None:
+                self.pool.release(snap)
+                slab = None
+        elif slab is None and block:
+            slab = self.pool.reserve(nbytes[0], snap, block=True)
+        if slab is None:
+            for name in self.tier_names:
+                handle._set(name, "skipped")
+            busy = [s.step for s in self._snaps if not s.evictable]
+            warnings.warn(
+                f"tierstore: checkpoint of step {step} skipped: the host budget "
+                f"({self.pool.budget / 2**20:.0f} MiB) is still held by step(s) {busy} not yet durable "
+                f"(on_busy='skip')",
+                stacklevel=2,
+            )
+            handle.timings["blocked"] = time.perf_counter() - t0
+            self._handles.append(handle)
+            return handle
+        self._adapt_interval()
+        self._ordinal += 1
+        self._last_step = step
+        views = slab.views_for([(off, t.numel() * t.element_size(), t.dtype, tuple(t.shape)) for t, off in plan])
+        for view, item in zip(views, snap.items, strict=True):
+            item.dst.set_(view)  # type: ignore[call-overload]  # the placeholder becomes the host copy
+            if item.layout is not None:
+                attach_layout(item.dst, item.layout)
+        snap.state = state_copy
+        # Eager part: tensors no attached optimizer changes (buffers, counters).
+        lazy: list[_Item] = []
+        for it in snap.items:
+            if not it.mutable and it.src.device.type == "cpu":
+                it.dst.copy_(it.src)
+            else:
+                lazy.append(it)
+        lazy.sort(key=lambda it: not it.mutable)  # what the step changes first
+        snap.items = lazy
+        if any(it.src.is_cuda for it in lazy):
+            snap.event = torch.cuda.Event()
+            snap.event.record()
+        with self._lock:
+            self._snaps.append(snap)
+            self._pending.append(snap)
+            self._handles.append(handle)
+        self._capture_q.put(snap)
+        handle.timings["blocked"] = time.perf_counter() - t0
+        return handle
+
+    def _adapt_interval(self) -> None:
+        """With ``max_overhead``: sets the interval so that the blocking time of
+        the last checkpoint, spread over the interval's steps, stays under
+        that share of the measured step time."""
+        if self.max_overhead is None or not self._step_times:
+            return
+        prev = [h for h in self._handles if h.state not in ("skipped", "failed")]
+        if not prev:
+            return
+        blocked = prev[-1].timings.get("blocked", 0.0)
+        step_t = sorted(self._step_times)[len(self._step_times) // 2]
+        if step_t <= 0:
+            return
+        need = max(self.min_interval, math.ceil(blocked / (self.max_overhead * step_t)))
+        if need > self.interval:
+            self.interval = need
+        elif need * 4 <= self.interval:
+            self.interval = max(self.min_interval, self.interval // 2)
+
+    def wait_capture(self) -> None:
+        """Blocks until every started checkpoint is captured (needed before
+        modifying saved tensors when no optimizer is attached)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            pending = list(self._pending)
+        for s in pending:
+            s.captured.wait()
+        if pending:
+            pending[-1].handle.timings["blocked"] += time.perf_counter() - t0
+        self._verify()
+        self._raise_errors()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until every checkpoint in flight is settled on every tier
+        (durable where it is destined). Raises the error of a checkpoint that
+        failed everywhere, or of an unexpected failure in a background thread;
+        a failure on one tier that another tier made up for is a warning."""
+        if self.debug:
+            self.wait_capture()
+        for h in list(self._handles):
+            with contextlib.suppress(BaseException):
+                h.wait(None, timeout)
+        self._raise_errors()
+        if self._errors:
+            e = self._errors.pop(0)
+            self._errors.clear()
+            raise e
+        for h in self._handles:
+            if h.state == "failed" and h.error is not None:
+                raise h.error
+
+    def handles(self) -> list[CheckpointHandle]:
+        """Every checkpoint started by this checkpointer, oldest first."""
+        return list(self._handles)
+
+    def stats(self) -> dict[str, Any]:
+        """Host memory (budget, allocated, in use, peak), the interval and the
+        bytes and requests completed per device by the engine."""
+        return {
+            "host_budget": self.pool.budget,
+            "host_allocated": self.pool.allocated,
+            "host_in_use": self.pool.in_use(),
+            "host_peak": self.pool.peak,
+            "interval": self.interval,
+            "engine_paths": get_engine().path_stats(),
+        }
+
+    def checkpoints(self) -> list[dict[str, Any]]:
+        """Complete checkpoints per tier: ``[{"step", "tier", "path"}]``, newest first,
+        nearest tier first."""
+        out: list[dict[str, Any]] = []
+        with self._lock:
+            snaps = list(self._snaps)
+        for s in snaps:
+            if s.in_host and s.captured.is_set() and s.error is None and s.handle.tiers.get("host") == "captured":
+                out.append({"step": s.step, "tier": self.host.name, "path": None, "rank": 0, "_snap": s})
+        for ti, t in enumerate(self.disks):
+            for p in self._tier_paths(t):
+                for d in p.iterdir() if p.is_dir() else []:
+                    m = STEP_DIR.match(d.name)
+                    if m and (d / MANIFEST).exists():
+                        out.append({"step": int(m.group(1)), "tier": t.name, "path": str(d), "rank": ti + 1})
+        out.sort(key=lambda c: (-c["step"], c["rank"]))
+        for c in out:
+            c.pop("rank")
+        return out
+
+    def load_latest(
+        self,
+        into: Any = None,
+        *,
+        weights_only: bool = True,
+        per_rank_policy: Any = None,
+    ) -> Any:
+        """The newest complete checkpoint, from the nearest tier that has it.
+
+        Without ``into``: returns the saved state (nested as saved; tensors
+        whole). With ``into`` (a state dict of tensors in any layout, as for
+        :func:`~tierstore.load_sharded`): fills it in place and returns it.
+        A copy that fails to load (damaged, missing files) is reported with a
+        warning and the next copy (farther tier, then older step) is tried.
+        Returns None when no checkpoint exists. :attr:`restored` tells which
+        copy was used.
+        """
+        self._raise_errors()
+        cands = self.checkpoints()
+        if self.world > 1:
+            # Every rank must take the same copy: agree on the candidates of rank 0.
+            disk = [{k: v for k, v in c.items() if k != "_snap"} for c in cands if c["path"] is not None]
+            cands = _all_gather(disk, self.world, self._pg_ctl)[0]
+        for c in cands:
+            err: BaseException | None = None
+            result: Any = None
+            try:
+                result = self._load_one(c, into, weights_only, per_rank_policy)
+            except (TierstoreError, OSError, ValueError, KeyError) as e:
+                err = e
+            ok = [err is None]
+            if self.world > 1:
+                ok = _all_gather(err is None, self.world, self._pg_ctl)
+            if all(ok):
+                self.restored = {"step": c["step"], "tier": c["tier"], "path": c["path"]}
+                return result
+            where = c["path"] or "host memory"
+            why = err if err is not None else "another rank could not read it"
+            warnings.warn(
+                f"tierstore: checkpoint of step {c['step']} on tier {c['tier']!r} ({where}) cannot be used: "
+                f"{why}; trying the next copy",
+                stacklevel=2,
+            )
+        self.restored = None
+        return None
+
+    def close(self, wait: bool = True) -> None:
+        """Waits for everything in flight (unless ``wait=False``), stops the
+        threads and removes the optimizer hooks."""
+        if self._closed:
+            return
+        try:
+            if wait:
+                self.wait()
+        finally:
+            self._closed = True
+            for q in (self._capture_q, self._flush_q, self._promote_q):
+                q.put(None)
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            for th in self._threads:
+                th.join(timeout=None if wait else 5)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(wait=exc[0] is None)
+
+    # ------------------------------------------------------------------------------------------
+    # capture
+
+    def _owned_storages(self) -> set[int]:
+        ptrs: set[int] = set()
+        for opt in self._optimizers:
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    ptrs.add(p.untyped_storage().data_ptr())
+            for st in opt.state.values():
+                for v in st.values() if isinstance(st, Mapping) else []:
+                    if isinstance(v, torch.Tensor):
+                        ptrs.add(v.untyped_storage().data_ptr())
+        return ptrs
+
+    def _copy_tree(
+        self,
+        obj: Any,
+        snap: _Snapshot,
+        plan: list[tuple[torch.Tensor, Any]],
+        memo: dict[int, Any],
+        reserve: Callable[[torch.Tensor], int],
+        owned: set[int] | None,
+        key: str,
+    ) -> Any:
+        """The state with each tensor replaced by a placeholder that becomes
+        its host copy; other leaves deep-copied now."""
+        if isinstance(obj, torch.Tensor):
+            if id(obj) in memo:
+                return memo[id(obj)]
+            local, lay = _tensor_and_layout(key, obj, self.world)
+            src = local.detach()
+            dst = torch.empty(0, dtype=src.dtype)
+            keep_layout = lay if (local is not obj or layout_of(obj) is not None) else None
+            mutable = owned is None or src.untyped_storage().data_ptr() in owned
+            snap.items.append(_Item(src, dst, src._version, mutable, keep_layout))
+            plan.append((src, reserve(src)))
+            memo[id(obj)] = dst
+            return dst
+        if isinstance(obj, PerRank):
+            return PerRank(self._copy_tree(obj.value, snap, plan, memo, reserve, owned, key))
+        if isinstance(obj, Mapping):
+            out = copy.copy(obj)
+            nested = bool(obj) and all(isinstance(k, str) for k in obj)
+            for k, v in obj.items():
+                child = (f"{key}.{k}" if key else k) if nested else key
+                out[k] = self._copy_tree(v, snap, plan, memo, reserve, owned, child)  # type: ignore[index]
+            return out
+        if isinstance(obj, list):
+            return [self._copy_tree(v, snap, plan, memo, reserve, owned, key) for v in obj]
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(self._copy_tree(v, snap, plan, memo, reserve, owned, key) for v in obj)
+        return copy.deepcopy(obj, memo)
+
+    def _capture(self, snap: _Snapshot) -> None:
+        try:
+            if snap.event is not None:
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream()
+                self._stream.wait_event(snap.event)
+            done_mutable = False
+            for it in snap.items:
+                if not it.mutable and not done_mutable:
+                    self._sync(snap)
+                    snap.mutable_done.set()
+                    done_mutable = True
+                if it.src.is_cuda:
+                    with torch.cuda.stream(self._stream):
+                        it.dst.copy_(it.src, non_blocking=True)
+                else:
+                    it.dst.copy_(it.src)
+            self._sync(snap)
+        except BaseException as e:
+            self._fail_snapshot(snap, e)
+            self._capture_errors.append(e)
+        finally:
+            snap.handle.timings["capture"] = time.perf_counter() - snap.t_save
+            snap.mutable_done.set()
+            snap.captured.set()
+            with self._lock:
+                if snap in self._pending:
+                    self._pending.remove(snap)
+            if not self.debug:
+                snap.release_sources()
+        if snap.error is None:
+            snap.handle._set(self.host.name, "captured")
+            self._flush_q.put(snap)
+
+    def _fail_snapshot(self, snap: _Snapshot, e: BaseException) -> None:
+        snap.error = e
+        snap.handle.error = e
+        for n, st in snap.handle.tiers.items():
+            if st in ("pending", "captured"):
+                snap.handle._set(n, "failed")
+        snap.evictable = True
+        snap.in_host = False
+        self.pool.release(snap)
+        snap.verified.set()
+        with self._lock:
+            if snap in self._snaps:
+                self._snaps.remove(snap)
+
+    def _verify(self) -> None:
+        """Debug check, on the training thread at each synchronisation point:
+        a saved tensor whose version counter moved since ``save`` was changed
+        before the capture was waited for, so the snapshot may be torn; it is
+        discarded (never written) and the error raised here."""
+        if not self.debug:
+            return
+        with self._lock:
+            snaps = [s for s in self._snaps if s.captured.is_set() and not s.verified.is_set()]
+        torn: TornSnapshotError | None = None
+        for snap in snaps:
+            bad = next((it for it in snap.items if it.src._version != it.version), None)
+            if bad is not None:
+                err = TornSnapshotError(self._torn_msg(snap, bad))
+                self._fail_snapshot(snap, err)
+                torn = torn or err
+            snap.release_sources()
+            snap.verified.set()
+        if torn is not None:
+            raise torn
+
+    def _sync(self, snap: _Snapshot) -> None:
+        if snap.event is not None and self._stream is not None:
+            self._stream.synchronize()
+
+    @staticmethod
+    def _torn_msg(snap: _Snapshot, it: _Item) -> str:
+        return (
+            f"checkpoint of step {snap.step}: a tensor of shape {tuple(it.src.shape)} ({it.src.dtype}) was modified "
+            f"before its capture finished (version {it.version} -> {it.src._version}); call wait_capture() or "
+            f"Checkpointer.attach(optimizer) before changing saved tensors. The snapshot was discarded."
+        )
+
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        now = time.perf_counter()
+        if self._last_hook is not None:
+            self._step_times.append(now - self._last_hook)
+            del self._step_times[:-50]
+        with self._lock:
+            pending = list(self._pending)
+        for s in pending:
+            s.mutable_done.wait()
+        waited = time.perf_counter() - now
+        if pending:
+            pending[-1].handle.timings["blocked"] += waited
+        self._last_hook = time.perf_counter()
+        self._verify()
+        self._raise_errors()
+
+    def _raise_errors(self) -> None:
+        """A capture that failed (other than the debug check) is raised on the
+        training thread at its next synchronisation point."""
+        if self._capture_errors:
+            e = self._capture_errors.pop(0)
+            raise TierstoreError(f"a checkpoint capture failed: {e}") from e
+
+    # ------------------------------------------------------------------------------------------
+    # flush and promotion
+
+    def _run(self, q: queue.Queue[_Snapshot | None], fn: Callable[[_Snapshot], None]) -> None:
+        while True:
+            snap = q.get()
+            if snap is None:
+                return
+            try:
+                fn(snap)
+            except BaseException as e:  # reported through the handle and wait()
+                snap.handle.error = e
+                self._errors.append(e)
+                for name, st in snap.handle.tiers.items():
+                    if st == "pending":
+                        snap.handle._set(name, "failed")
+                snap.evictable = True
+                self.pool.release(snap)
+
+    def _tier_paths(self, t: DiskTier) -> list[Path]:
+        return [self.path / p for p in t.paths]  # type: ignore[union-attr]
+
+    def _dir_for(self, t: DiskTier, snap: _Snapshot) -> Path:
+        ps = self._tier_paths(t)
+        return ps[snap.ordinal % len(ps)] / f"step-{snap.step:012d}"
+
+    def _selected(self, t: DiskTier, snap: _Snapshot) -> bool:
+        return snap.ordinal % t.every == 0
+
+    def _write_meta(self, d: Path, snap: _Snapshot) -> None:
+        if self.rank == 0:
+            d.mkdir(parents=True, exist_ok=True)
+            meta = {"step": snap.step, "world_size": self.world, "tree": snap.tree, "created_unix": time.time()}
+            _write_json_atomic(d / META, meta)
+
+    def _flush(self, snap: _Snapshot) -> None:
+        h = snap.handle
+        snap.verified.wait()  # debug: the training thread's check at its next synchronisation point
+        if snap.error is not None:
+            return
+        local = self.disks[0]
+        t0 = time.perf_counter()
+        written: Path | None = None
+        if self._selected(local, snap):
+            d = self._dir_for(local, snap)
+            with self._lock:
+                self._busy_dirs.add(d)
+            try:
+                self._write_meta(d, snap)
+                save_sharded(snap.state, d, process_group=self._pg_flush, background=True)
+                written = d
+                h.paths[local.name] = str(d)
+                h.timings["flush"] = time.perf_counter() - t0
+                h.timings["to_local"] = time.perf_counter() - snap.t_save
+                h._set(local.name, "durable")
+            except (OSError, TierstoreError) as e:
+                with self._lock:
+                    self._busy_dirs.discard(d)
+                h._set(local.name, "failed")
+                with contextlib.suppress(OSError):
+                    shutil.rmtree(d)
+                farther = [t.name for t in self.disks[1:]]
+                warnings.warn(
+                    f"tierstore: checkpoint of step {snap.step} could not be written to the {local.name!r} tier "
+                    f"({e}); " + (f"writing it to {farther[0]!r} instead" if farther else "it is lost"),
+                    stacklevel=1,
+                )
+                if not farther:
+                    h.error = e
+        else:
+            h._set(local.name, "skipped")
+        if written is not None:
+            snap.local_dir = written
+            snap.evictable = True  # durable: the host copy may be dropped when room is needed
+            self._trim_host()
+            self._gc(local)
+        self._promote_q.put(snap)
+
+    def _trim_host(self) -> None:
+        """Keeps ``HostTier.keep_last`` durable snapshots in memory; the
+        buffers of older ones become free for the next captures."""
+        with self._lock:
+            retained = [s for s in self._snaps if s.evictable and s.in_host and s.error is None]
+        retained.sort(key=lambda s: s.ordinal)
+        for s in retained[: max(0, len(retained) - self.host.keep_last)]:
+            with self.pool.cond:
+                self.pool._evict_snapshot(s)
+        self.pool.notify()
+
+    def _promote(self, snap: _Snapshot) -> None:
+        h = snap.handle
+        try:
+            for t in self.disks[1:]:
+                if not self._selected(t, snap) and snap.local_dir is not None:
+                    h._set(t.name, "skipped")
+                    continue
+                t0 = time.perf_counter()
+                d = self._dir_for(t, snap)
+                with self._lock:
+                    self._busy_dirs.add(d)
+                try:
+                    if snap.local_dir is not None:
+                        self._copy_dir(snap.local_dir, d)
+                    else:  # the local tier failed: write from host memory
+                        self._write_meta(d, snap)
+                        save_sharded(snap.state, d, process_group=self._pg_promote, background=True)
+                        snap.local_dir = d
+                    h.paths[t.name] = str(d)
+                    h.timings["to_remote"] = time.perf_counter() - snap.t_save
+                    h.timings["promote"] = time.perf_counter() - t0
+                    h._set(t.name, "durable")
+                    self._gc(t)
+                except (OSError, TierstoreError) as e:
+                    h._set(t.name, "failed")
+                    h.error = e
+                    warnings.warn(
+                        f"tierstore: checkpoint of step {snap.step} could not be copied to the {t.name!r} tier: {e}",
+                        stacklevel=1,
+                    )
+                finally:
+                    with self._lock:
+                        self._busy_dirs.discard(d)
+        finally:
+            if self.disks[0].name in h.paths:
+                with self._lock:
+                    self._busy_dirs.discard(Path(h.paths[self.disks[0].name]))
+            snap.evictable = True
+            if h.state in ("failed", "skipped", "captured"):
+                self.pool.release(snap)  # nothing durable: the host copy is no restore point
+                snap.in_host = False
+            self.pool.notify()
+            with self._lock:
+                self._snaps = [s for s in self._snaps if s.in_host or not s.evictable]
+                if len(self._handles) > 256:  # keep the recent and the unsettled ones
+                    old, recent = self._handles[:-128], self._handles[-128:]
+                    self._handles = [x for x in old if not x.settled()] + recent
+
+    def _copy_dir(self, src: Path, dst: Path) -> None:
+        """Copies this rank's files of the committed checkpoint ``src`` to
+        ``dst``; rank 0 commits ``dst`` with its manifest once every rank's
+        files are durable there."""
+        m = read_manifest(src)
+        sid = m["save_id"]
+        dst.mkdir(parents=True, exist_ok=True)
+        engine = get_engine()
+        mine = [
+            f
+            for f in sorted(os.listdir(src))
+            if f".{sid}." in f and (f.startswith((f"rank-{self.rank:05d}.", f"objects-{self.rank:05d}.")))
+        ]
+        if self.rank == 0 and (src / META).exists():
+            mine.append(META)
+        err: BaseException | None = None
+        try:
+            for f in mine:
+                _core.copy_file(engine, src / f, dst / f, background=True)
+        except (OSError, TierstoreError) as e:
+            err = e
+        oks = _all_gather(err is None, self.world, self._pg_promote)
+        if err is not None:
+            raise err
+        if not all(oks):
+            raise TierstoreError(f"{dst}: another rank failed to copy its files; not committed")
+        if self.rank == 0:
+            _core.copy_file(engine, src / MANIFEST, dst / MANIFEST, background=True)
+        if self.world > 1:
+            _all_gather(True, self.world, self._pg_promote)
+
+    def _gc(self, t: DiskTier) -> None:
+        """Retention on tier ``t`` (rank 0 only): keeps the newest ``keep_last``
+        complete checkpoints, multiples of ``keep_every`` and anything in use;
+        removes older incomplete directories left by crashes."""
+        if self.rank != 0:
+            return
+        complete: list[tuple[int, Path]] = []
+        incomplete: list[tuple[int, Path]] = []
+        for p in self._tier_paths(t):
+            for d in p.iterdir() if p.is_dir() else []:
+                m = STEP_DIR.match(d.name)
+                if m:
+                    (complete if (d / MANIFEST).exists() else incomplete).append((int(m.group(1)), d))
+        if not complete:
+            return
+        complete.sort(reverse=True)
+        newest = complete[0][0]
+        keep = {d for _s, d in complete[: t.keep_last]} if t.keep_last is not None else {d for _s, d in complete}
+        keep.add(complete[0][1])
+        if t.keep_every:
+            keep |= {d for s, d in complete if s % t.keep_every == 0}
+        with self._lock:
+            busy = set(self._busy_dirs)
+        for _s, d in complete:
+            if d not in keep and d not in busy:
+                shutil.rmtree(d, ignore_errors=True)
+        for s, d in incomplete:
+            if s < newest and d not in busy:
+                shutil.rmtree(d, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------------
+    # restore
+
+    def _load_one(self, c: dict[str, Any], into: Any, weights_only: bool, per_rank_policy: Any) -> Any:
+        snap: _Snapshot | None = c.get("_snap")
+        if c["path"] is None:
+            if snap is None or not snap.in_host:
+                raise TierstoreError("the host copy was dropped")
+            if into is not None:
+                raise TierstoreError("host copies restore only without `into`")
+            return _clone_tree(snap.state)
+        d = Path(c["path"])
+        if into is not None:
+            return load_sharded(d, into, process_group=None, per_rank_policy=per_rank_policy, weights_only=weights_only)
+        flat = consolidate(d, weights_only=weights_only)
+        meta_p = d / META
+        if not meta_p.exists():
+            return flat
+        try:
+            meta = json.loads(meta_p.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise TierstoreError(f"{meta_p}: not valid JSON ({e})") from None
+        return _unflatten(flat, meta.get("tree", []))
+
+
+def _clone_tree(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, PerRank):
+        return _clone_tree(obj.value)
+    if isinstance(obj, Mapping):
+        out = copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = _clone_tree(v)  # type: ignore[index]
+        return out
+    if isinstance(obj, list):
+        return [_clone_tree(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_clone_tree(v) for v in obj)
+    return copy.deepcopy(obj)
