@@ -305,6 +305,7 @@ class CheckpointHandle:
         self.tiers: dict[str, str] = dict.fromkeys(tiers, "pending")
         self.timings: dict[str, float] = {"blocked": 0.0}
         self.error: BaseException | None = None
+        self.reported = False
         self.paths: dict[str, str] = {}
         self._cond = threading.Condition()
 
@@ -352,6 +353,7 @@ class CheckpointHandle:
                     raise TimeoutError(f"checkpoint of step {self.step}: still {self.tiers} after {timeout} s")
                 self._cond.wait(0.1 if left is None else min(left, 0.1))
         if self.state == "failed" and self.error is not None:
+            self.reported = True
             raise self.error
         return self.state
 
@@ -665,7 +667,8 @@ class Checkpointer:
             self._errors.clear()
             raise e
         for h in self._handles:
-            if h.state == "failed" and h.error is not None:
+            if h.state == "failed" and h.error is not None and not h.reported:
+                h.reported = True
                 raise h.error
 
     def handles(self) -> list[CheckpointHandle]:
@@ -858,6 +861,7 @@ class Checkpointer:
                     self._pending.remove(snap)
             if not self.debug:
                 snap.release_sources()
+                snap.verified.set()
         if snap.error is None:
             snap.handle._set(self.host.name, "captured")
             self._flush_q.put(snap)
@@ -891,6 +895,7 @@ class Checkpointer:
             if bad is not None:
                 err = TornSnapshotError(self._torn_msg(snap, bad))
                 self._fail_snapshot(snap, err)
+                snap.handle.reported = True  # raised here; wait() does not raise it again
                 torn = torn or err
             snap.release_sources()
             snap.verified.set()
@@ -969,7 +974,11 @@ class Checkpointer:
 
     def _flush(self, snap: _Snapshot) -> None:
         h = snap.handle
-        snap.verified.wait()  # debug: the training thread's check at its next synchronisation point
+        # Debug mode: the training thread checks the snapshot at its next
+        # synchronisation point (step hook, wait_capture, save, wait).
+        while not snap.verified.wait(0.1):
+            if self._closed:
+                return
         if snap.error is not None:
             return
         local = self.disks[0]
