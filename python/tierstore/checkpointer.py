@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
 import math
 import os
@@ -71,6 +72,11 @@ __all__ = [
     "TornSnapshotError",
     "parse_size",
 ]
+
+try:
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except ImportError:  # torch without distributed
+    _DTENSOR = None  # type: ignore[assignment,misc]
 
 STEP_DIR = re.compile(r"^step-(\d{12})$")
 META = "checkpoint.json"
@@ -506,6 +512,7 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._errors: list[BaseException] = []
         self._capture_errors: list[BaseException] = []
+        self._owned_cache: tuple[Any, set[int]] | None = None
         self._busy_dirs: set[Path] = set()
         self._step_times: list[float] = []
         self._last_hook: float | None = None
@@ -546,6 +553,17 @@ class Checkpointer:
         returns (or, with :meth:`attach`, until the optimizer step), the caller
         must not modify them. Non-tensor values are copied now.
         """
+        # A collection in the middle of a save would add its pause to the
+        # training loop; the save allocates little, so it waits until after.
+        gc_on = gc.isenabled()
+        gc.disable()
+        try:
+            return self._save(step, state)
+        finally:
+            if gc_on:
+                gc.enable()
+
+    def _save(self, step: int, state: Mapping[str, Any]) -> CheckpointHandle:
         t0 = time.perf_counter()
         self._verify()
         self._raise_errors()
@@ -603,7 +621,8 @@ class Checkpointer:
         lazy: list[_Item] = []
         for it in snap.items:
             if not it.mutable and it.src.device.type == "cpu":
-                it.dst.copy_(it.src)
+                with torch.no_grad():
+                    it.dst.copy_(it.src)
             else:
                 lazy.append(it)
         lazy.sort(key=lambda it: not it.mutable)  # what the step changes first
@@ -781,6 +800,10 @@ class Checkpointer:
     # capture
 
     def _owned_storages(self) -> set[int]:
+        """Storages the attached optimizers change (cached until their state grows)."""
+        key = tuple((id(o), len(o.state), sum(len(g["params"]) for g in o.param_groups)) for o in self._optimizers)
+        if self._owned_cache is not None and self._owned_cache[0] == key:
+            return self._owned_cache[1]
         ptrs: set[int] = set()
         for opt in self._optimizers:
             for g in opt.param_groups:
@@ -790,6 +813,7 @@ class Checkpointer:
                 for v in st.values() if isinstance(st, Mapping) else []:
                     if isinstance(v, torch.Tensor):
                         ptrs.add(v.untyped_storage().data_ptr())
+        self._owned_cache = (key, ptrs)
         return ptrs
 
     def _copy_tree(
@@ -807,10 +831,14 @@ class Checkpointer:
         if isinstance(obj, torch.Tensor):
             if id(obj) in memo:
                 return memo[id(obj)]
-            local, lay = _tensor_and_layout(key, obj, self.world)
-            src = local.detach()
+            keep_layout = layout_of(obj)
+            local = obj
+            if keep_layout is None and _DTENSOR is not None and isinstance(obj, _DTENSOR):
+                local, keep_layout = _tensor_and_layout(key, obj, self.world)
+            # Plain tensors get their layout (whole, replicated over the ranks) when written.
+            # The capture runs under no_grad, so the source needs no detach().
+            src = local
             dst = torch.empty(0, dtype=src.dtype)
-            keep_layout = lay if (local is not obj or layout_of(obj) is not None) else None
             mutable = owned is None or src.untyped_storage().data_ptr() in owned
             snap.items.append(_Item(src, dst, src._version, mutable, keep_layout))
             plan.append((src, reserve(src)))
@@ -832,6 +860,10 @@ class Checkpointer:
         return copy.deepcopy(obj, memo)
 
     def _capture(self, snap: _Snapshot) -> None:
+        with torch.no_grad():
+            self._capture_inner(snap)
+
+    def _capture_inner(self, snap: _Snapshot) -> None:
         try:
             if snap.event is not None:
                 if self._stream is None:
