@@ -21,7 +21,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
 
-.PHONY: help setup demo test test-rust test-py lint bench clean gpu-check
+.PHONY: help setup demo test test-rust test-py lint bench bench-checkpoint clean gpu-check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -49,7 +49,7 @@ $(VENV)/.built: $(VENV)/.deps-$(DEPS_HASH) $(RUST_SRC)
 
 setup: $(VENV)/.built ## create the environment and build the extension
 
-demo: setup ## train-free demo: save/load a model checkpoint with tierstore, torch.save and torch.load
+demo: setup ## small GPT: save/load both ways, lazy checkpoints, a kill, a resume as 2 TP shards
 	$(VPY) -m tierstore.demo
 
 test-rust: ## cargo tests of the engine (no Python)
@@ -70,6 +70,9 @@ lint: setup ## rustfmt, clippy, ruff, mypy, stubtest
 
 bench: setup ## save/load benchmark against torch.save, torch.load and safetensors
 	$(VPY) benches/bench_save_load.py
+
+bench-checkpoint: setup ## training loop with torch.save, DCP async_save and the Checkpointer
+	$(VPY) benches/bench_checkpoint.py --json docs/bench/checkpoint.json
 
 gpu-check: setup ## GPU checks (on a machine with a GPU)
 	bash benches/gpu_check.sh

@@ -320,7 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     if base:
         print(f"step time without checkpoints: {base:.3f} s")
-    verdict: dict[str, Any] = {"state_mib": nbytes / 2**20, "plain_tierstore_save_s": plain, "dcp_one_save_durable_s": dcp_one}
+    verdict: dict[str, Any] = {
+        "state_mib": nbytes / 2**20,
+        "plain_tierstore_save_s": plain,
+        "dcp_one_save_durable_s": dcp_one,
+    }
     ts, ref, dc = by.get("tierstore"), by.get("torch.save"), by.get("dcp.async_save")
     if ts and ref:
         verdict["blocked_vs_torch_save"] = ts["blocked_median_s"] / ref["blocked_median_s"]

@@ -74,9 +74,9 @@ __all__ = [
 ]
 
 try:
-    from torch.distributed.tensor import DTensor as _DTENSOR
+    from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # torch without distributed
-    _DTENSOR = None  # type: ignore[assignment,misc]
+    _DTensor = None  # type: ignore[assignment,misc]
 
 STEP_DIR = re.compile(r"^step-(\d{12})$")
 META = "checkpoint.json"
@@ -833,7 +833,7 @@ class Checkpointer:
                 return memo[id(obj)]
             keep_layout = layout_of(obj)
             local = obj
-            if keep_layout is None and _DTENSOR is not None and isinstance(obj, _DTENSOR):
+            if keep_layout is None and _DTensor is not None and isinstance(obj, _DTensor):
                 local, keep_layout = _tensor_and_layout(key, obj, self.world)
             # Plain tensors get their layout (whole, replicated over the ranks) when written.
             # The capture runs under no_grad, so the source needs no detach().

@@ -314,8 +314,8 @@ def _lazy_part(con: Any, d: Path, args: argparse.Namespace, state: dict[str, Any
         return time.perf_counter() - t
 
     def dcp_async() -> float:
-        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 
         stager = DefaultStager(StagingOptions(False, False, True, False))
         t = time.perf_counter()

@@ -72,7 +72,8 @@ pub fn copy_file(
     Task::spawn("tierstore-copy", state, move |st| {
         if reflink && try_reflink(&input, &out) {
             st.bytes_done.store(len, Ordering::Relaxed);
-            let out = Arc::try_unwrap(out).map_err(|_| Error::Invalid("copy: file still shared".into()))?;
+            let out = Arc::try_unwrap(out)
+                .map_err(|_| Error::Invalid("copy: file still shared".into()))?;
             out.commit(durable)?;
             return Ok((len, CopyHow::Reflink));
         }
@@ -99,7 +100,8 @@ pub fn copy_file(
             }
         });
         st.outcome()?;
-        let out = Arc::try_unwrap(out).map_err(|_| Error::Invalid("copy: file still shared".into()))?;
+        let out =
+            Arc::try_unwrap(out).map_err(|_| Error::Invalid("copy: file still shared".into()))?;
         if out.inner.direct || len % out.inner.align.max(1) != 0 {
             out.set_len(len)?;
         }
@@ -109,6 +111,7 @@ pub fn copy_file(
 }
 
 /// One request, waited for on this thread. Returns the bytes transferred.
+#[allow(clippy::too_many_arguments)]
 fn transfer(
     engine: &Engine,
     op: Op,
@@ -132,7 +135,10 @@ fn transfer(
     match rx.recv() {
         Ok(Ok(n)) => Ok(n),
         Ok(Err(e)) => Err(Error::io(path, what, e)),
-        Err(_) => Err(Error::Invalid(format!("{}: engine stopped during a copy", path.display()))),
+        Err(_) => Err(Error::Invalid(format!(
+            "{}: engine stopped during a copy",
+            path.display()
+        ))),
     }
 }
 
@@ -182,7 +188,11 @@ fn copy_chunk(
             return Err(Error::corrupt(
                 &in_path,
                 None,
-                format!("file shrank during the copy: ended at {} of {}", s + got as u64, input.len),
+                format!(
+                    "file shrank during the copy: ended at {} of {}",
+                    s + got as u64,
+                    input.len
+                ),
             ));
         }
         got += n;
@@ -209,7 +219,10 @@ fn copy_chunk(
         return Err(Error::io(
             out.final_path(),
             "write",
-            std::io::Error::new(std::io::ErrorKind::WriteZero, format!("short write: {n} of {wlen} bytes")),
+            std::io::Error::new(
+                std::io::ErrorKind::WriteZero,
+                format!("short write: {n} of {wlen} bytes"),
+            ),
         ));
     }
     st.bytes_done.fetch_add(want as u64, Ordering::Relaxed);
