@@ -16,7 +16,7 @@ import struct
 import sys
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import IO, Any
 
@@ -122,6 +122,10 @@ def _host_storages(
     return out
 
 
+# storage address -> (gate, value it must reach before the storage is read)
+Gates = Mapping[int, tuple[_core.Gate, int]]
+
+
 def save(
     obj: Any,
     f: FileLike,
@@ -134,6 +138,7 @@ def save(
     progress: bool | None = False,
     align: int = DEFAULT_ALIGN,
     background: bool = False,
+    _gates: Gates | None = None,
 ) -> None:
     """Saves ``obj`` to ``f`` like ``torch.save``, at the disk's speed.
 
@@ -163,7 +168,7 @@ def save(
     small = _small_records(not _disable_byteorder_record, align)
     pickler = _PickleJob(obj, pickle_module, pickle_protocol, collector)
     if isinstance(f, (str, os.PathLike)):
-        _save_path(os.fspath(f), prefix, pickler, found, small, durable, progress, align, background)
+        _save_path(os.fspath(f), prefix, pickler, found, small, durable, progress, align, background, _gates)
     else:
         data_pkl = pickler.run()
         storages = _host_storages(collector)
@@ -224,14 +229,22 @@ class _ManifestParts:
 
 
 def _add_storages(
-    target: _core.Writer | _core.Stream, prefix: str, storages: list[tuple[str, torch.UntypedStorage]]
+    target: _core.Writer | _core.Stream,
+    prefix: str,
+    storages: list[tuple[str, torch.UntypedStorage]],
+    gates: Gates | None = None,
 ) -> None:
-    """Adds one record per storage; the storage is kept alive by the target."""
+    """Adds one record per storage; the storage is kept alive by the target.
+    A storage whose address is in ``gates`` is still being filled: the
+    writer reads it once its gate reaches the given value."""
     for key, st in storages:
         name = f"{prefix}/data/{key}"
         n = st.nbytes()
         if n == 0:
             target.add_bytes(name, b"")
+        elif gates and st.data_ptr() in gates and isinstance(target, _core.Writer):
+            gate, at = gates[st.data_ptr()]
+            target.add_memory(name, st.data_ptr(), n, st, gate, at)
         else:
             target.add_memory(name, st.data_ptr(), n, st)
 
@@ -246,6 +259,7 @@ def _save_path(
     progress: bool | None,
     align: int,
     background: bool = False,
+    gates: Gates | None = None,
 ) -> None:
     collector = pickler.collector
     w = _core.create_writer(get_engine(), path, align=align, durable=durable, background=background)
@@ -255,7 +269,7 @@ def _save_path(
 
     def add_new() -> int:
         new = _host_storages(collector, added)
-        _add_storages(w, prefix, new)
+        _add_storages(w, prefix, new, gates)
         keep.extend(st for _k, st in new)
         added.update(k for k, _st in new)
         return sum(st.nbytes() for _k, st in new)

@@ -80,7 +80,9 @@ except ImportError:  # torch without distributed
 
 STEP_DIR = re.compile(r"^step-(\d{12})$")
 META = "checkpoint.json"
-_ALIGN = 64
+_ALIGN = 64  # small tensors in a slab
+_PAGE = 4096  # tensors of _BIG bytes or more start on a page (direct writes)
+_BIG = 64 << 10
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 
@@ -176,8 +178,11 @@ class _Slab:
 
     def __init__(self, buf: torch.Tensor) -> None:
         self.buf = buf
-        self.mem = memoryview(buf.numpy())  # type: ignore[arg-type]
-        self.nbytes = buf.numel()
+        # Offsets count from the first page boundary, so that page-aligned
+        # tensors are written to O_DIRECT files straight from this memory.
+        base = -buf.data_ptr() % _PAGE
+        self.mem = memoryview(buf.numpy())[base:]  # type: ignore[arg-type]
+        self.nbytes = buf.numel() - _PAGE
         self.holder: _Snapshot | None = None
         self.views: list[torch.Tensor] = []
         self.views_key: list[tuple[int, int, torch.dtype, tuple[int, ...]]] = []
@@ -239,7 +244,7 @@ class _HostPool:
         for v in take:
             self._evict(v)
             self.slabs.remove(v)
-        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        buf = torch.empty(nbytes + _PAGE, dtype=torch.uint8, pin_memory=self.pinned)
         s = _Slab(buf)
         s.holder = snap
         self.slabs.append(s)
@@ -390,6 +395,10 @@ class _Snapshot:
         self.t_save = time.perf_counter()
         self.event: Any = None  # CUDA event recorded on the training stream at save()
         self.local_dir: Path | None = None
+        # Without the debug check the flush starts at once and writes each
+        # tensor as soon as its capture passes this gate (item index + 1).
+        self.gate: _core.Gate | None = None
+        self.gates: dict[int, tuple[_core.Gate, int]] = {}
 
     def release_sources(self) -> None:
         """Drops the references to the training tensors."""
@@ -579,8 +588,10 @@ class Checkpointer:
         nbytes = [0]
 
         def reserve(t: torch.Tensor) -> int:
-            off = nbytes[0]
-            nbytes[0] += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+            n = t.numel() * t.element_size()
+            a = _PAGE if n >= _BIG else _ALIGN
+            off = -(-nbytes[0] // a) * a
+            nbytes[0] = off + n
             return off
 
         state_copy = self._copy_tree(state, snap, plan, memo, reserve, owned, "")
@@ -627,6 +638,10 @@ class Checkpointer:
                 lazy.append(it)
         lazy.sort(key=lambda it: not it.mutable)  # what the step changes first
         snap.items = lazy
+        if not self.debug:
+            snap.verified.set()
+            snap.gate = _core.Gate()
+            snap.gates = {it.dst.untyped_storage().data_ptr(): (snap.gate, i + 1) for i, it in enumerate(lazy)}
         if any(it.src.is_cuda for it in lazy):
             snap.event = torch.cuda.Event()
             snap.event.record()
@@ -635,6 +650,8 @@ class Checkpointer:
             self._pending.append(snap)
             self._handles.append(handle)
         self._capture_q.put(snap)
+        if snap.gate is not None:
+            self._flush_q.put(snap)  # pipelined: writes follow the capture
         handle.timings["blocked"] = time.perf_counter() - t0
         return handle
 
@@ -870,17 +887,25 @@ class Checkpointer:
                     self._stream = torch.cuda.Stream()
                 self._stream.wait_event(snap.event)
             done_mutable = False
-            for it in snap.items:
+            gate = snap.gate
+            on_device = snap.event is not None  # copies finish at stream syncs, not in order
+            for i, it in enumerate(snap.items):
                 if not it.mutable and not done_mutable:
                     self._sync(snap)
                     snap.mutable_done.set()
                     done_mutable = True
+                    if gate is not None:
+                        gate.advance(i)
                 if it.src.is_cuda:
                     with torch.cuda.stream(self._stream):
                         it.dst.copy_(it.src, non_blocking=True)
                 else:
                     it.dst.copy_(it.src)
+                if gate is not None and not on_device:
+                    gate.advance(i + 1)  # the flush may write this tensor now
             self._sync(snap)
+            if gate is not None:
+                gate.advance(len(snap.items))
         except BaseException as e:
             self._fail_snapshot(snap, e)
             self._capture_errors.append(e)
@@ -896,9 +921,12 @@ class Checkpointer:
                 snap.verified.set()
         if snap.error is None:
             snap.handle._set(self.host.name, "captured")
-            self._flush_q.put(snap)
+            if snap.gate is None:
+                self._flush_q.put(snap)
 
     def _fail_snapshot(self, snap: _Snapshot, e: BaseException) -> None:
+        if snap.gate is not None:
+            snap.gate.fail()  # a flush already writing this snapshot stops
         snap.error = e
         snap.handle.error = e
         for n, st in snap.handle.tiers.items():
@@ -1022,7 +1050,10 @@ class Checkpointer:
                 self._busy_dirs.add(d)
             try:
                 self._write_meta(d, snap)
-                save_sharded(snap.state, d, process_group=self._pg_flush, background=True)
+                save_sharded(snap.state, d, process_group=self._pg_flush, background=True, _gates=snap.gates)
+                snap.captured.wait()
+                if snap.error is not None:
+                    raise TierstoreError(f"the capture failed: {snap.error}")
                 written = d
                 h.paths[local.name] = str(d)
                 h.timings["flush"] = time.perf_counter() - t0
@@ -1031,9 +1062,12 @@ class Checkpointer:
             except (OSError, TierstoreError) as e:
                 with self._lock:
                     self._busy_dirs.discard(d)
-                h._set(local.name, "failed")
                 with contextlib.suppress(OSError):
                     shutil.rmtree(d)
+                snap.captured.wait()
+                if snap.error is not None:  # the capture failed: the handle says so already
+                    return
+                h._set(local.name, "failed")
                 farther = [t.name for t in self.disks[1:]]
                 warnings.warn(
                     f"tierstore: checkpoint of step {snap.step} could not be written to the {local.name!r} tier "
@@ -1077,6 +1111,9 @@ class Checkpointer:
                     if snap.local_dir is not None:
                         self._copy_dir(snap.local_dir, d)
                     else:  # the local tier failed: write from host memory
+                        snap.captured.wait()
+                        if snap.error is not None:
+                            return
                         self._write_meta(d, snap)
                         save_sharded(snap.state, d, process_group=self._pg_promote, background=True)
                         snap.local_dir = d

@@ -202,6 +202,7 @@ def save_sharded(
     process_group: Any = None,
     durable: bool = True,
     background: bool = False,
+    _gates: Any = None,
 ) -> None:
     """Saves this rank's part of a sharded checkpoint (every rank calls it).
 
@@ -251,7 +252,7 @@ def save_sharded(
         from tierstore.api import save as ts_save
 
         contiguous = {k: (t if t.is_contiguous() else t.contiguous()) for k, t in mine.items()}
-        ts_save({"tensors": contiguous}, d / fname, durable=durable, background=background)
+        ts_save({"tensors": contiguous}, d / fname, durable=durable, background=background, _gates=_gates)
         _arch, m, _offsets = _archive.open_archive(str(d / fname))
         assert m is not None
         recs = {r["name"]: r for r in m["records"]}
@@ -280,7 +281,7 @@ def save_sharded(
         from tierstore.api import save as ts_save
 
         oname = f"objects-{rank:05d}.{save_id}.pt"
-        ts_save({"objects": keep_objects}, d / oname, durable=durable, background=background)
+        ts_save({"objects": keep_objects}, d / oname, durable=durable, background=background, _gates=_gates)
         file_info["objects_file"] = oname
         file_info["object_keys"] = sorted(keep_objects)
         file_info["per_rank_keys"] = sorted(per_rank)

@@ -7,7 +7,7 @@
 //! chunk), the blocks that hold its header are left out of that chunk's writes
 //! ("deferred") and written once every CRC is known.
 
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 
 use crc32fast::Hasher;
 
@@ -22,11 +22,65 @@ pub enum Source {
     Bytes(Arc<[u8]>),
     /// Caller memory (tensor storages), borrowed for the duration of the write.
     Mem { ptr: *const u8, len: usize },
+    /// Caller memory that is still being filled: readable once `gate` has
+    /// reached `ready_at` (a checkpoint capture writes while the flush runs).
+    Gated {
+        ptr: *const u8,
+        len: usize,
+        gate: Arc<Gate>,
+        ready_at: u64,
+    },
 }
 
-// SAFETY: `Mem` is only created through `Source::mem`, whose contract makes the
-// caller keep the memory alive and unchanged while any plan refers to it; the
-// plan only reads it.
+/// A counter a producer advances as it fills memory that a writer is
+/// already consuming; readers wait for the value they need. A producer that
+/// gives up calls [`Gate::fail`], which makes every waiter fail.
+#[derive(Default)]
+pub struct Gate {
+    state: Mutex<(u64, bool)>,
+    cv: Condvar,
+}
+
+impl Gate {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Gate::default())
+    }
+
+    /// Raises the counter to `to` (never lowers it).
+    pub fn advance(&self, to: u64) {
+        let mut g = self.state.lock().expect("gate lock");
+        g.0 = g.0.max(to);
+        self.cv.notify_all();
+    }
+
+    pub fn fail(&self) {
+        self.state.lock().expect("gate lock").1 = true;
+        self.cv.notify_all();
+    }
+
+    pub fn value(&self) -> u64 {
+        self.state.lock().expect("gate lock").0
+    }
+
+    /// Blocks until the counter reaches `at`; an error if the producer failed.
+    pub fn wait(&self, at: u64) -> Result<()> {
+        let mut g = self.state.lock().expect("gate lock");
+        while g.0 < at {
+            if g.1 {
+                return Err(Error::Invalid(
+                    "the memory being written was never filled (its producer failed)".into(),
+                ));
+            }
+            g = self.cv.wait(g).expect("gate lock");
+        }
+        Ok(())
+    }
+}
+
+// SAFETY: `Mem` and `Gated` are only created through `Source::mem` and
+// `Source::gated`, whose contracts make the caller keep the memory alive (and
+// unchanged once ready) while any plan refers to it; the plan only reads it,
+// and reads gated memory only after its gate is reached.
 unsafe impl Send for Source {}
 // SAFETY: see `Send`; shared access is read-only.
 unsafe impl Sync for Source {}
@@ -41,10 +95,31 @@ impl Source {
         Source::Mem { ptr, len }
     }
 
+    /// # Safety
+    ///
+    /// As for [`Source::mem`], except that the memory may still change until
+    /// `gate` reaches `ready_at`, and not after.
+    pub unsafe fn gated(ptr: *const u8, len: usize, gate: Arc<Gate>, ready_at: u64) -> Self {
+        Source::Gated {
+            ptr,
+            len,
+            gate,
+            ready_at,
+        }
+    }
+
+    /// Waits until the bytes may be read (at once for other sources).
+    pub fn wait_ready(&self) -> Result<()> {
+        match self {
+            Source::Gated { gate, ready_at, .. } => gate.wait(*ready_at),
+            _ => Ok(()),
+        }
+    }
+
     pub fn len(&self) -> usize {
         match self {
             Source::Bytes(b) => b.len(),
-            Source::Mem { len, .. } => *len,
+            Source::Mem { len, .. } | Source::Gated { len, .. } => *len,
         }
     }
 
@@ -55,7 +130,7 @@ impl Source {
     fn slice(&self) -> &[u8] {
         match self {
             Source::Bytes(b) => b,
-            Source::Mem { ptr, len } => {
+            Source::Mem { ptr, len } | Source::Gated { ptr, len, .. } => {
                 if *len == 0 {
                     return &[];
                 }
@@ -150,6 +225,32 @@ impl Plan {
         self.crcs[record]
     }
 
+    /// When `[start, end)` lies inside the data of one caller-memory record
+    /// and its memory can be handed to the kernel as it is (address, start
+    /// and length multiples of `align`): the record, the memory and the
+    /// offset in the record. Such a range is written without a staging copy.
+    pub fn direct_span(&self, start: u64, end: u64, align: u64) -> Option<(usize, *const u8, u64)> {
+        let entries = self.layout.entries();
+        let i = entries.partition_point(|e| e.data_end() <= start);
+        let e = entries.get(i)?;
+        if start < e.data_offset || end > e.data_end() || start >= end {
+            return None;
+        }
+        let (Source::Mem { ptr, .. } | Source::Gated { ptr, .. }) = &self.sources[i] else {
+            return None;
+        };
+        let off = start - e.data_offset;
+        // SAFETY: `off` is inside the record, whose memory is valid for its length.
+        let p = unsafe { ptr.add(off as usize) };
+        let aligned = |x: u64| x % align.max(1) == 0;
+        (aligned(p as u64) && aligned(start) && aligned(end - start)).then_some((i, p, off))
+    }
+
+    /// The source of record `record`.
+    pub fn source(&self, record: usize) -> &Source {
+        &self.sources[record]
+    }
+
     /// Combines CRC pieces (from any number of gathers) into record CRCs.
     /// A record's CRC is set only when the pieces cover it entirely.
     pub fn absorb(&mut self, mut pieces: Vec<CrcPiece>) {
@@ -206,6 +307,8 @@ impl Plan {
                             let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                             let Some(&(r, o, n)) = work.get(i) else { break };
                             let mut h = Hasher::new();
+                            // A failed producer leaves garbage; the gather reports it.
+                            let _ = sources[r].wait_ready();
                             h.update(&sources[r].slice()[o..o + n]);
                             out.push(CrcPiece {
                                 record: r,
@@ -269,6 +372,7 @@ impl Plan {
             let (ds, de) = (e.data_offset.max(start), e.data_end().min(end));
             let mut whole_record_hasher = None;
             if ds < de {
+                src.wait_ready()?;
                 let from =
                     &src.slice()[(ds - e.data_offset) as usize..(de - e.data_offset) as usize];
                 buf[(ds - start) as usize..(de - start) as usize].copy_from_slice(from);
@@ -401,6 +505,43 @@ mod tests {
         plan.gather(data_end, &mut buf, 512, false).unwrap();
         file.extend_from_slice(&buf);
         file
+    }
+
+    #[test]
+    fn gated_source_is_read_only_once_ready() {
+        let mem = Arc::new(Mutex::new(vec![0u8; 8192]));
+        let ptr = mem.lock().unwrap().as_ptr();
+        let gate = Gate::new();
+        let mut plan = Plan::new(4096).unwrap();
+        // SAFETY: `mem` outlives the plan; it is written only before the gate opens.
+        plan.add("a/data/0", unsafe {
+            Source::gated(ptr, 8192, Arc::clone(&gate), 1)
+        })
+        .unwrap();
+        let end = plan.records_end();
+        let filler = {
+            let (mem, gate) = (Arc::clone(&mem), Arc::clone(&gate));
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                mem.lock().unwrap().fill(9);
+                gate.advance(1);
+            })
+        };
+        let mut buf = vec![0u8; end as usize];
+        plan.gather(0, &mut buf, 1, true).unwrap();
+        filler.join().unwrap();
+        assert!(buf[(end - 8192) as usize..].iter().all(|&b| b == 9));
+        // A failed producer makes the reader fail instead of writing garbage.
+        let gate2 = Gate::new();
+        let mut plan2 = Plan::new(4096).unwrap();
+        // SAFETY: as above.
+        plan2
+            .add("a/data/0", unsafe {
+                Source::gated(ptr, 8192, Arc::clone(&gate2), 1)
+            })
+            .unwrap();
+        gate2.fail();
+        assert!(plan2.gather(0, &mut buf, 1, true).is_err());
     }
 
     #[test]

@@ -238,6 +238,10 @@ impl ContainerWriter {
         pieces: &Mutex<Vec<CrcPiece>>,
         deferred_out: &Mutex<Vec<(u64, u64)>>,
     ) -> Result<()> {
+        let granule = self.file.inner.align.max(1);
+        if let Some((rec, ptr, off)) = self.plan.direct_span(s, e, granule) {
+            return self.write_direct(st, rec, ptr, off, s, e, pieces);
+        }
         let pool = self.engine.pool();
         let mut buf = loop {
             if let Some(b) = pool.acquire(Duration::from_millis(50)) {
@@ -248,7 +252,6 @@ impl ContainerWriter {
             }
         };
         let len = (e - s) as usize;
-        let granule = self.file.inner.align.max(1);
         let g = self
             .plan
             .gather(s, &mut buf.as_mut_slice()[..len], granule, allow_defer)?;
@@ -309,6 +312,73 @@ impl ContainerWriter {
             };
             self.engine.submit(req);
         }
+        Ok(())
+    }
+}
+
+impl ContainerWriter {
+    /// Writes `[s, e)` straight from the record's memory (no staging copy):
+    /// checksums it in place, then hands the memory to the kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn write_direct(
+        &self,
+        st: &Arc<TaskState>,
+        rec: usize,
+        ptr: *const u8,
+        off: u64,
+        s: u64,
+        e: u64,
+        pieces: &Mutex<Vec<CrcPiece>>,
+    ) -> Result<()> {
+        self.plan.source(rec).wait_ready()?;
+        let len = (e - s) as usize;
+        if self.plan.crc(rec).is_none() {
+            let mut h = crc32fast::Hasher::new();
+            // SAFETY: `direct_span` checked that the range lies inside the record's memory.
+            h.update(unsafe { std::slice::from_raw_parts(ptr, len) });
+            pieces.lock().expect("lock").push(CrcPiece {
+                record: rec,
+                offset: off,
+                len: len as u64,
+                hasher: h,
+            });
+        }
+        let path = self.file.inner.path.clone();
+        st.start_one();
+        let st2 = Arc::clone(st);
+        let done = Box::new(move |r: std::io::Result<usize>| {
+            match r {
+                Ok(n) if n == len => {
+                    st2.bytes_done.fetch_add(n as u64, Ordering::Relaxed);
+                }
+                Ok(n) => st2.fail(Error::io(
+                    &path,
+                    "write",
+                    std::io::Error::new(
+                        std::io::ErrorKind::WriteZero,
+                        format!("short write: {n} of {len} bytes"),
+                    ),
+                )),
+                Err(err) => st2.fail(Error::io(&path, "write", err)),
+            }
+            st2.finish_one();
+        });
+        // SAFETY: the record's memory outlives the writer (the contract of
+        // `Source::mem` / `Source::gated`); a write only reads it; the file
+        // stays open until `write_range` has waited for every request.
+        let req = unsafe {
+            Request::new(
+                Op::Write,
+                self.file.inner.fd(),
+                ptr.cast_mut(),
+                len,
+                s,
+                self.opts.class,
+                Arc::clone(&self.slot),
+                done,
+            )
+        };
+        self.engine.submit(req);
         Ok(())
     }
 }

@@ -2,12 +2,13 @@
 //! (pieces for a Python file object).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tierstore_core::io::Class;
-use tierstore_core::plan::{Plan, Source};
+use tierstore_core::plan::{Gate, Plan, Source};
 use tierstore_core::task::{Task, TaskState};
 use tierstore_core::writer::{ContainerStream, ContainerWriter, WriteOptions};
 
@@ -70,6 +71,10 @@ impl Writer {
 
     /// Appends a record that reads `nbytes` at `address`; `owner` (e.g. the
     /// storage) must keep that memory alive and is held until the writer ends.
+    /// With `gate`, the memory is still being filled: it is read only once
+    /// the gate has reached `ready_at`.
+    #[pyo3(signature = (name, address, nbytes, owner, gate=None, ready_at=0))]
+    #[allow(clippy::too_many_arguments)]
     fn add_memory(
         &mut self,
         py: Python<'_>,
@@ -77,12 +82,22 @@ impl Writer {
         address: usize,
         nbytes: usize,
         owner: Py<PyAny>,
+        gate: Option<&PyGate>,
+        ready_at: u64,
     ) -> PyResult<usize> {
         let w = self.inner.as_mut().ok_or_else(closed)?;
         // SAFETY: `owner` keeps the memory alive; it is stored in `self.owners`
         // and dropped only after the writer (and every task using this source)
-        // is gone. The caller promises not to modify it during the save.
-        let src = unsafe { Source::mem(address as *const u8, nbytes) };
+        // is gone. The caller promises not to modify it during the save (once
+        // the gate is reached, for gated memory).
+        let src = unsafe {
+            match gate {
+                Some(g) => {
+                    Source::gated(address as *const u8, nbytes, Arc::clone(&g.inner), ready_at)
+                }
+                None => Source::mem(address as *const u8, nbytes),
+            }
+        };
         let i = w.add(name, src).py_err(py)?;
         self.owners.push(owner);
         Ok(i)
@@ -264,7 +279,38 @@ impl Stream {
     }
 }
 
+/// A counter that a producer (a checkpoint capture) advances as it fills
+/// memory a writer is already consuming (see `Writer.add_memory`).
+#[pyclass(frozen, module = "tierstore._core", name = "Gate")]
+pub struct PyGate {
+    inner: Arc<Gate>,
+}
+
+#[pymethods]
+impl PyGate {
+    #[new]
+    fn new() -> Self {
+        PyGate { inner: Gate::new() }
+    }
+
+    /// Raises the counter to `to`; readers waiting for it or less proceed.
+    fn advance(&self, to: u64) {
+        self.inner.advance(to);
+    }
+
+    /// The producer gave up: every reader waiting on this gate fails.
+    fn fail(&self) {
+        self.inner.fail();
+    }
+
+    #[getter]
+    fn value(&self) -> u64 {
+        self.inner.value()
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyGate>()?;
     m.add_class::<Writer>()?;
     m.add_class::<Stream>()?;
     m.add_function(wrap_pyfunction!(create_writer, m)?)?;
