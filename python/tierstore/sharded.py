@@ -30,6 +30,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,40 +249,49 @@ def save_sharded(
     mine = {k: t for k, t in tensors.items() if writes[(rank, k)]}
     file_info: dict[str, Any] = {"rank": rank, "tensors": {}, "objects_file": None}
     fname = f"rank-{rank:05d}.{save_id}.pt"
-    if mine:
-        from tierstore.api import save as ts_save
+    from tierstore.api import save as ts_save
 
-        contiguous = {k: (t if t.is_contiguous() else t.contiguous()) for k, t in mine.items()}
-        ts_save({"tensors": contiguous}, d / fname, durable=durable, background=background, _gates=_gates)
-        _arch, m, _offsets = _archive.open_archive(str(d / fname))
-        assert m is not None
-        recs = {r["name"]: r for r in m["records"]}
-        for t in m["tensors"]:
-            if len(t["path"]) != 2 or t["path"][0] != "tensors":
-                continue
-            key = t["path"][1]
-            rec = recs[t["record"]]
-            item = torch.empty((), dtype=contiguous[key].dtype).element_size()
-            file_info["tensors"][key] = {
-                "offset": rec["offset"] + t["storage_offset"] * item,
-                "dtype": t["dtype"],
-                "shape": t["shape"],
-                "record": t["record"],
-                "record_offset": rec["offset"],
-                "record_size": rec["size"],
-                "crc32": rec["crc32"],
-                "layout": layouts[key].to_json(),
-            }
-        file_info["file"] = fname
-        file_info["bytes"] = os.path.getsize(d / fname)
     keep_objects = dict(per_rank)
     if rank == 0:
         keep_objects.update(objects)
+    # The objects file (e.g. optimizer state) is written while the tensor file is.
+    objects_job = None
     if keep_objects:
-        from tierstore.api import save as ts_save
-
         oname = f"objects-{rank:05d}.{save_id}.pt"
-        ts_save({"objects": keep_objects}, d / oname, durable=durable, background=background, _gates=_gates)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="tierstore-objects")
+        objects_job = pool.submit(
+            ts_save, {"objects": keep_objects}, d / oname, durable=durable, background=background, _gates=_gates
+        )
+        pool.shutdown(wait=False)
+    try:
+        if mine:
+            contiguous = {k: (t if t.is_contiguous() else t.contiguous()) for k, t in mine.items()}
+            ts_save({"tensors": contiguous}, d / fname, durable=durable, background=background, _gates=_gates)
+            _arch, m, _offsets = _archive.open_archive(str(d / fname))
+            assert m is not None
+            recs = {r["name"]: r for r in m["records"]}
+            for t in m["tensors"]:
+                if len(t["path"]) != 2 or t["path"][0] != "tensors":
+                    continue
+                key = t["path"][1]
+                rec = recs[t["record"]]
+                item = torch.empty((), dtype=contiguous[key].dtype).element_size()
+                file_info["tensors"][key] = {
+                    "offset": rec["offset"] + t["storage_offset"] * item,
+                    "dtype": t["dtype"],
+                    "shape": t["shape"],
+                    "record": t["record"],
+                    "record_offset": rec["offset"],
+                    "record_size": rec["size"],
+                    "crc32": rec["crc32"],
+                    "layout": layouts[key].to_json(),
+                }
+            file_info["file"] = fname
+            file_info["bytes"] = os.path.getsize(d / fname)
+    finally:
+        if objects_job is not None:
+            objects_job.result()  # its error, if the tensor file succeeded
+    if keep_objects:
         file_info["objects_file"] = oname
         file_info["object_keys"] = sorted(keep_objects)
         file_info["per_rank_keys"] = sorted(per_rank)
