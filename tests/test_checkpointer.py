@@ -455,3 +455,48 @@ def test_multi_rank_cascade_and_reshard_on_load(tmp_path: Path) -> None:
     got = ck.load_latest()
     assert torch.equal(got["w"], into["w"]) and got["step"] == 2
     ck.close()
+
+
+def _dying_rank(rank: int, world: int, root: str, q: Any) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=world)
+    ck = Checkpointer(root, tiers=[HostTier("64MiB"), DiskTier("local")], collective_timeout=5)
+    for step in (0, 1):
+        ck.save(step, {"w": torch.full((1 << 20,), float(step)), "r": tierstore.PerRank(rank)})
+        ck.wait_capture()
+    ck.wait()
+    ck.save(2, {"w": torch.full((1 << 20,), 2.0), "r": tierstore.PerRank(rank)})
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # dies with step 2 in flight
+    try:
+        ck.wait()
+        q.put("rank 0: step 2 did not fail")
+    except Exception as e:  # the dead peer: the checkpoint fails, nothing hangs
+        q.put(f"failed: {type(e).__name__}")
+    ck.close(wait=False)
+    os._exit(0)  # the group cannot be torn down cleanly with a dead peer
+
+
+def test_rank_dying_mid_flush_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_dying_rank, args=(r, 2, str(tmp_path), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        msg = q.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert msg.startswith("failed"), msg
+    ck = Checkpointer(tmp_path, tiers=[HostTier("64MiB"), DiskTier("local")])
+    got = ck.load_latest(into={"w": torch.zeros(1 << 20)})
+    assert ck.restored is not None and ck.restored["step"] == 1
+    assert torch.equal(got["w"], torch.full((1 << 20,), 1.0))
+    ck.close()

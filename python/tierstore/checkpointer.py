@@ -456,7 +456,10 @@ class Checkpointer:
     share of the step time. ``debug`` checks that no tensor changed before
     its capture finished (raises :class:`TornSnapshotError`).
     ``rate_limit``: bytes per second for background flush and promotion I/O.
-    ``process_group``: the ranks saving together (default: the whole world).
+    ``process_group``: the ranks saving together (default: the whole world);
+    the checkpointer's own collectives (on gloo groups of those ranks, off the
+    training thread) give up after ``collective_timeout`` seconds, so a rank
+    that died fails that checkpoint instead of hanging the others.
     """
 
     def __init__(
@@ -471,6 +474,7 @@ class Checkpointer:
         rate_limit: int | str | None = None,
         process_group: Any = None,
         eager_unowned: bool = True,
+        collective_timeout: float = 600.0,
     ) -> None:
         if on_busy not in ("wait", "skip"):
             raise ValueError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
@@ -504,10 +508,13 @@ class Checkpointer:
         if self.world > 1:
             import torch.distributed as dist
 
+            from datetime import timedelta
+
             ranks = dist.get_process_group_ranks(pg) if pg is not None else None
-            self._pg_ctl = dist.new_group(ranks, backend="gloo")
-            self._pg_flush = dist.new_group(ranks, backend="gloo")
-            self._pg_promote = dist.new_group(ranks, backend="gloo")
+            to = timedelta(seconds=collective_timeout)
+            self._pg_ctl = dist.new_group(ranks, backend="gloo", timeout=to)
+            self._pg_flush = dist.new_group(ranks, backend="gloo", timeout=to)
+            self._pg_promote = dist.new_group(ranks, backend="gloo", timeout=to)
         for t in self.disks:
             for p in self._tier_paths(t):
                 p.mkdir(parents=True, exist_ok=True)
