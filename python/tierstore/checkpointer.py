@@ -506,9 +506,9 @@ class Checkpointer:
         self.rank, self.world, pg = _group_info(process_group)
         self._pg_ctl = self._pg_flush = self._pg_promote = None
         if self.world > 1:
-            import torch.distributed as dist
-
             from datetime import timedelta
+
+            import torch.distributed as dist
 
             ranks = dist.get_process_group_ranks(pg) if pg is not None else None
             to = timedelta(seconds=collective_timeout)
