@@ -272,29 +272,8 @@ impl ContainerWriter {
         let base = buf.as_mut_ptr();
         let buf = Arc::new(buf);
         for (ws, we) in writes {
-            let keep = Arc::clone(&buf);
-            let path = self.file.inner.path.clone();
             let expect = (we - ws) as usize;
-            st.start_one();
-            let st = Arc::clone(st);
-            let done = Box::new(move |r: std::io::Result<usize>| {
-                match r {
-                    Ok(n) if n == expect => {
-                        st.bytes_done.fetch_add(n as u64, Ordering::Relaxed);
-                    }
-                    Ok(n) => st.fail(Error::io(
-                        &path,
-                        "write",
-                        std::io::Error::new(
-                            std::io::ErrorKind::WriteZero,
-                            format!("short write: {n} of {expect} bytes"),
-                        ),
-                    )),
-                    Err(err) => st.fail(Error::io(&path, "write", err)),
-                }
-                drop(keep);
-                st.finish_one();
-            });
+            let done = self.completion(st, expect, Arc::clone(&buf));
             // SAFETY: the buffer is kept alive by `keep` until the callback
             // runs, nothing writes it meanwhile, and the file stays open until
             // `write_range` has waited for every request.
@@ -317,6 +296,37 @@ impl ContainerWriter {
 }
 
 impl ContainerWriter {
+    /// The callback of one write of `expect` bytes: counts progress or records
+    /// the failure, then releases `keep` (the buffer the write reads from).
+    fn completion<K: Send + 'static>(
+        &self,
+        st: &Arc<TaskState>,
+        expect: usize,
+        keep: K,
+    ) -> crate::io::Callback {
+        let path = self.file.inner.path.clone();
+        st.start_one();
+        let st = Arc::clone(st);
+        Box::new(move |r: std::io::Result<usize>| {
+            match r {
+                Ok(n) if n == expect => {
+                    st.bytes_done.fetch_add(n as u64, Ordering::Relaxed);
+                }
+                Ok(n) => st.fail(Error::io(
+                    &path,
+                    "write",
+                    std::io::Error::new(
+                        std::io::ErrorKind::WriteZero,
+                        format!("short write: {n} of {expect} bytes"),
+                    ),
+                )),
+                Err(err) => st.fail(Error::io(&path, "write", err)),
+            }
+            drop(keep);
+            st.finish_one();
+        })
+    }
+
     /// Writes `[s, e)` straight from the record's memory (no staging copy):
     /// checksums it in place, then hands the memory to the kernel.
     #[allow(clippy::too_many_arguments)]
@@ -343,26 +353,7 @@ impl ContainerWriter {
                 hasher: h,
             });
         }
-        let path = self.file.inner.path.clone();
-        st.start_one();
-        let st2 = Arc::clone(st);
-        let done = Box::new(move |r: std::io::Result<usize>| {
-            match r {
-                Ok(n) if n == len => {
-                    st2.bytes_done.fetch_add(n as u64, Ordering::Relaxed);
-                }
-                Ok(n) => st2.fail(Error::io(
-                    &path,
-                    "write",
-                    std::io::Error::new(
-                        std::io::ErrorKind::WriteZero,
-                        format!("short write: {n} of {len} bytes"),
-                    ),
-                )),
-                Err(err) => st2.fail(Error::io(&path, "write", err)),
-            }
-            st2.finish_one();
-        });
+        let done = self.completion(st, len, ());
         // SAFETY: the record's memory outlives the writer (the contract of
         // `Source::mem` / `Source::gated`); a write only reads it; the file
         // stays open until `write_range` has waited for every request.
