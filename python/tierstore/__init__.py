@@ -31,6 +31,7 @@ from tierstore.errors import (
     UnsafeObjectError,
 )
 from tierstore.layout import Layout, attach, layout_of
+from tierstore.offload import OffloadedOptimizer, offload
 from tierstore.sharded import (
     PerRank,
     load_optimizer_state_dict,
@@ -54,6 +55,7 @@ __all__ = [
     "NoSpaceError",
     "NotAContainerError",
     "NotFoundError",
+    "OffloadedOptimizer",
     "PerRank",
     "PermissionDeniedError",
     "RemoteTier",
@@ -71,6 +73,7 @@ __all__ = [
     "load",
     "load_optimizer_state_dict",
     "load_sharded",
+    "offload",
     "optimizer_state_dict",
     "save",
     "save_sharded",
