@@ -35,6 +35,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterable
@@ -140,6 +141,7 @@ class OffloadedOptimizer:
         tiers: list[HostTier | DiskTier] | None = None,
         subgroup_bytes: int | str = "64MiB",
         exclusive_io: bool = True,
+        pipeline: bool = True,
         **optimizer_kwargs: Any,
     ) -> None:
         tiers = tiers if tiers is not None else _default_tiers()
@@ -149,6 +151,7 @@ class OffloadedOptimizer:
             raise ValueError("offload needs at least one DiskTier")
         self.budget = int(hosts[0].budget) if hosts else parse_size("1GiB")
         self.subgroup_bytes = parse_size(subgroup_bytes)
+        self.pipeline = pipeline  # False: the naive baseline (read, update, write, one at a time)
         self.cls = optimizer_class
         self.kwargs = optimizer_kwargs
         self.engine = get_engine()
@@ -170,6 +173,9 @@ class OffloadedOptimizer:
             full = {**self.defaults, **{k: v for k, v in g.items() if k != "params"}}
             full["params"] = list(g["params"])
             self.param_groups.append(full)
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._free_bytes = 0
+        self._free_lock = threading.Lock()
         self.subgroups: list[_Subgroup] = []
         for gi, g in enumerate(self.param_groups):
             cur: list[torch.Tensor] = []
@@ -220,7 +226,7 @@ class OffloadedOptimizer:
             layout.append((i, k, off, n, t.dtype, tuple(t.shape)))
             off += n
         nbytes = -(-max(off, 1) // _PAGE) * _PAGE
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = self._alloc(nbytes)
         for (_i, _k, o, n, dt, shape), (_i2, _k2, t) in zip(layout, items, strict=True):
             buf[o : o + n].view(dt).view(shape).copy_(t)
         sg.layout, sg.nbytes = layout, nbytes
@@ -244,7 +250,26 @@ class OffloadedOptimizer:
             else:
                 assert sg.inner is not None
                 sg.inner.state[sg.masters[i]][k] = torch.empty(0)
+        if sg.buf is not None:
+            self._release(sg.buf)
         sg.buf = None
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of ``nbytes``, reused from evicted subgroups when one fits
+        (fresh memory costs page faults on every step)."""
+        with self._free_lock:
+            free = self._free.get(nbytes)
+            if free:
+                self._free_bytes -= nbytes
+                return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _release(self, buf: torch.Tensor) -> None:
+        with self._free_lock:
+            # Keep about two subgroups' worth for reuse; the rest goes back to the system.
+            if self._free_bytes + buf.numel() <= 2 * max(self.subgroup_bytes, buf.numel()):
+                self._free.setdefault(buf.numel(), []).append(buf)
+                self._free_bytes += buf.numel()
 
     # -------------------------------------------------------------------------------------------
     # paths and I/O
@@ -308,7 +333,7 @@ class OffloadedOptimizer:
 
     def _read(self, sg: _Subgroup) -> torch.Tensor:
         assert sg.file is not None and sg.path is not None
-        buf = torch.empty(sg.nbytes, dtype=torch.uint8)
+        buf = self._alloc(sg.nbytes)
         t0 = time.perf_counter()
         with sg.path.io():
             _core.read_ranges(self.engine, sg.file, [sg.data_offset], [sg.nbytes], [buf.data_ptr()])
@@ -387,7 +412,7 @@ class OffloadedOptimizer:
         order = self.subgroups if self.steps % 2 == 0 else self.subgroups[::-1]
         for n, sg in enumerate(order):
             self._load(sg)
-            if n + 1 < len(order) and order[n + 1].pending is None:
+            if self.pipeline and n + 1 < len(order) and order[n + 1].pending is None:
                 self._start_read(order[n + 1])  # prefetch i+1 while i is updated
             self._uses += 1
             sg.last_used = self._uses
@@ -405,6 +430,10 @@ class OffloadedOptimizer:
                 self._pack(sg)
             for p, m in zip(sg.params, sg.masters, strict=True):
                 p.copy_(m)
+            if not self.pipeline:
+                self._write_back(sg)
+                self._detach(sg)
+                continue
             self._enforce_budget(keep=[sg, *order[n + 1 : n + 2]])
         # Eviction goes by last use, so what stays within the budget is what
         # this step touched last: the first subgroups of the next (reversed) step.
@@ -508,6 +537,9 @@ def offload(
     """Wraps ``optimizer_class`` so that its fp32 master weights and state live
     in ``tiers`` (default: ``TIERSTORE_OFFLOAD_HOST`` of host memory, 1 GiB,
     and a scratch directory ``TIERSTORE_OFFLOAD_DIR``). ``subgroup_bytes`` and
-    ``exclusive_io`` may be passed among the keyword arguments."""
-    extra = {k: optimizer_kwargs.pop(k) for k in ("subgroup_bytes", "exclusive_io") if k in optimizer_kwargs}
+    ``exclusive_io`` (the per-path machine-wide lock) and ``pipeline``
+    (False: the naive synchronous baseline) may be passed among them."""
+    extra = {
+        k: optimizer_kwargs.pop(k) for k in ("subgroup_bytes", "exclusive_io", "pipeline") if k in optimizer_kwargs
+    }
     return OffloadedOptimizer(optimizer_class, params, tiers=tiers, **extra, **optimizer_kwargs)
