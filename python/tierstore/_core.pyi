@@ -161,5 +161,6 @@ def read_ranges(
     dests: list[int],
     *,
     background: bool = False,
+    direct: bool = False,
 ) -> int: ...
 def crc32_regions(regions: list[tuple[int, int]], threads: int = 2) -> list[int]: ...

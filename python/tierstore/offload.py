@@ -68,12 +68,17 @@ class _PathLock:
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self.file = base / f"tierstore-offload-{key}.lock"
         self.fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o666)
+        # flock excludes other processes; this process's reader and writer
+        # threads take turns through the mutex (one transfer per device at a time).
+        self.mutex = threading.Lock()
 
     def __enter__(self) -> None:
+        self.mutex.acquire()
         fcntl.flock(self.fd, fcntl.LOCK_EX)
 
     def __exit__(self, *exc: object) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
+        self.mutex.release()
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -262,7 +267,10 @@ class OffloadedOptimizer:
             if free:
                 self._free_bytes -= nbytes
                 return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8)
+        # Page-aligned, so that reads can use O_DIRECT straight into it.
+        raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % _PAGE
+        return raw[start : start + nbytes]
 
     def _release(self, buf: torch.Tensor) -> None:
         with self._free_lock:
@@ -279,9 +287,7 @@ class OffloadedOptimizer:
         probe = torch.full((8 << 20,), 7, dtype=torch.uint8)
         for p in self.paths:
             f = p.dir / "probe.bin"
-            t0 = time.perf_counter()
-            self._write_file(f, probe, p, durable=True)
-            dt = time.perf_counter() - t0
+            _off, _crc, dt = self._write_file(f, probe, p, durable=True)
             p.observe(probe.numel() * 4, dt * 4)  # scaled: a tiny file overstates latency
             p.bw = max(p.bw, 1.0)
             f.unlink(missing_ok=True)
@@ -293,16 +299,20 @@ class OffloadedOptimizer:
         total = sum(p.bytes for p in self.paths) + nbytes
         return max(self.paths, key=lambda p: p.bw / total_bw * total - p.bytes)
 
-    def _write_file(self, f: Path, buf: torch.Tensor, p: _Path, durable: bool = False) -> tuple[int, int]:
+    def _write_file(self, f: Path, buf: torch.Tensor, p: _Path, durable: bool = False) -> tuple[int, int, float]:
+        """Writes ``buf`` as a one-record container; (data offset, CRC, seconds
+        of transfer, not counting the wait for the path's lock)."""
         with p.io():
+            t0 = time.perf_counter()
             w = _core.create_writer(self.engine, f, durable=durable)
             w.add_memory("s/data/0", buf.data_ptr(), buf.numel(), buf)
             crcs = w.write_data()
             off = w.entries()[0][2]
             w.commit()
+            dt = time.perf_counter() - t0
         crc = crcs[0]
         assert crc is not None
-        return off, crc
+        return off, crc, dt
 
     def _write_back(self, sg: _Subgroup) -> None:
         assert sg.buf is not None
@@ -312,9 +322,8 @@ class OffloadedOptimizer:
             sg.stored = 0
         p = self._choose_path(sg.nbytes)
         f = p.dir / f"sg-{sg.index:06d}.pt"
-        t0 = time.perf_counter()
         try:
-            off, crc = self._write_file(f, buf, p)
+            off, crc, dt = self._write_file(f, buf, p)
         except OSError as e:
             if e.errno != errno.ENOSPC or len(self.paths) == 1:
                 raise
@@ -322,7 +331,6 @@ class OffloadedOptimizer:
             self.paths.remove(p)
             self._write_back(sg)
             return
-        dt = time.perf_counter() - t0
         p.observe(sg.nbytes, dt)
         self.stats["write_bytes"] += sg.nbytes
         self.stats["write_s"] += dt
@@ -334,10 +342,10 @@ class OffloadedOptimizer:
     def _read(self, sg: _Subgroup) -> torch.Tensor:
         assert sg.file is not None and sg.path is not None
         buf = self._alloc(sg.nbytes)
-        t0 = time.perf_counter()
         with sg.path.io():
-            _core.read_ranges(self.engine, sg.file, [sg.data_offset], [sg.nbytes], [buf.data_ptr()])
-        dt = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            _core.read_ranges(self.engine, sg.file, [sg.data_offset], [sg.nbytes], [buf.data_ptr()], direct=True)
+            dt = time.perf_counter() - t0
         sg.path.observe(sg.nbytes, dt)
         self.stats["read_bytes"] += sg.nbytes
         self.stats["read_s"] += dt

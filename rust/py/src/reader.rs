@@ -328,7 +328,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// The caller keeps the destination memory (tensors) alive and untouched
 /// during the call, and the ranges must not overlap in memory.
 #[pyfunction]
-#[pyo3(signature = (engine, path, offsets, lengths, dests, *, background=false))]
+#[pyo3(signature = (engine, path, offsets, lengths, dests, *, background=false, direct=false))]
+#[allow(clippy::too_many_arguments)]
 pub fn read_ranges(
     py: Python<'_>,
     engine: &PyEngine,
@@ -337,15 +338,30 @@ pub fn read_ranges(
     lengths: Vec<usize>,
     dests: Vec<usize>,
     background: bool,
+    direct: bool,
 ) -> PyResult<u64> {
     if offsets.len() != lengths.len() || offsets.len() != dests.len() {
         return Err(pyo3::exceptions::PyValueError::new_err(
             "offsets, lengths and dests differ in length",
         ));
     }
-    let file = py
-        .detach(|| EngineFile::open_read(&path, false))
+    // `direct`: O_DIRECT when the engine and the file system allow it and
+    // every offset, length and address is aligned for it; else buffered.
+    let want_direct = direct && engine.inner.mode().direct();
+    let mut file = py
+        .detach(|| EngineFile::open_read(&path, want_direct))
         .py_err(py)?;
+    if file.direct {
+        let a = file.align.max(1);
+        let aligned = offsets.iter().all(|o| o % a == 0)
+            && lengths.iter().all(|l| *l as u64 % a == 0)
+            && dests.iter().all(|d| *d as u64 % a == 0);
+        if !aligned {
+            file = py
+                .detach(|| EngineFile::open_read(&path, false))
+                .py_err(py)?;
+        }
+    }
     let ranges: Vec<reader::RangeRead> = offsets
         .iter()
         .zip(&lengths)
@@ -358,7 +374,9 @@ pub fn read_ranges(
         .collect();
     let class = class_of(background);
     // Many small ranges: copy through a mapping instead of one request each.
-    let small = !ranges.is_empty() && lengths.iter().sum::<usize>() / lengths.len() < MAPPED_BELOW;
+    let small = !file.direct
+        && !ranges.is_empty()
+        && lengths.iter().sum::<usize>() / lengths.len() < MAPPED_BELOW;
     if small {
         let threads = engine.inner.config().cpu_threads;
         let r: Vec<reader::RangeRead> = ranges;
