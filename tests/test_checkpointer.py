@@ -482,7 +482,8 @@ def _dying_rank(rank: int, world: int, root: str, q: Any) -> None:
 def test_rank_dying_mid_flush_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     import multiprocessing as mp
 
-    ctx = mp.get_context("fork")
+    # spawn: a fork of this multi-threaded test process may inherit held locks.
+    ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_dying_rank, args=(r, 2, str(tmp_path), q)) for r in range(2)]
     for p in procs:
