@@ -475,6 +475,8 @@ def _dying_rank(rank: int, world: int, root: str, q: Any) -> None:
         q.put("rank 0: step 2 did not fail")
     except Exception as e:  # the dead peer: the checkpoint fails, nothing hangs
         q.put(f"failed: {type(e).__name__}")
+    q.close()
+    q.join_thread()  # the message is in the pipe before the hard exit below
     ck.close(wait=False)
     os._exit(0)  # the group cannot be torn down cleanly with a dead peer
 
