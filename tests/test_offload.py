@@ -6,6 +6,12 @@ from __future__ import annotations
 import copy
 import multiprocessing as mp
 import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +33,6 @@ def _step(model: torch.nn.Module, opt: Any, step: int) -> None:
     model(x).pow(2).mean().backward()
     opt.step()
     opt.zero_grad()
-
-
-def _fast_dir() -> Path:
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 
 
 @pytest.mark.parametrize("subgroup", ["64KiB", "300KiB", "64MiB"])
@@ -90,55 +91,6 @@ def test_other_optimizers_and_bf16_params(tmp_path: Path) -> None:
     for pb, p32 in zip(mb.parameters(), m32.parameters(), strict=True):
         torch.testing.assert_close(pb.float(), p32, rtol=0.05, atol=0.02)
     optb.close()
-
-
-def test_multi_path_follows_bandwidth(tmp_path: Path) -> None:
-    fast = _fast_dir() / f"ts-off-{os.getpid()}"
-    fast.mkdir(exist_ok=True)
-    try:
-        model = _model()
-        opt = offload(
-            torch.optim.AdamW,
-            model.parameters(),
-            lr=1e-3,
-            tiers=[HostTier(0), DiskTier([str(tmp_path), str(fast)])],
-            subgroup_bytes="100KiB",
-        )
-        for step in range(4):
-            _step(model, opt, step)
-        opt.wait_io()
-        slow_p, fast_p = opt.paths
-        # Each path's share of the stored bytes follows its share of the
-        # measured bandwidth, to within one subgroup.
-        total = slow_p.bytes + fast_p.bytes
-        stored = sum(sg.nbytes for sg in opt.subgroups if sg.file is not None)
-        assert total == stored > 0
-        biggest = max(sg.nbytes for sg in opt.subgroups)
-        for p in (slow_p, fast_p):
-            share = p.bw / (fast_p.bw + slow_p.bw)
-            assert abs(p.bytes - share * total) <= biggest + 1, (p.dir, p.bw, p.bytes, total)
-        opt.close()
-    finally:
-        import shutil
-
-        shutil.rmtree(fast, ignore_errors=True)
-
-
-def test_damaged_state_is_reported(tmp_path: Path) -> None:
-    model = _model()
-    tiers = [HostTier(0), DiskTier(str(tmp_path))]
-    opt = offload(torch.optim.AdamW, model.parameters(), lr=1e-3, tiers=tiers, subgroup_bytes="64KiB")
-    _step(model, opt, 0)
-    opt.wait_io()
-    sg = next(s for s in opt.subgroups if s.buf is None and s.file is not None)
-    with open(sg.file, "r+b") as f:
-        f.seek(sg.data_offset + 10)
-        b = f.read(1)
-        f.seek(sg.data_offset + 10)
-        f.write(bytes([b[0] ^ 1]))
-    with pytest.raises(ChecksumError, match=f"subgroup {sg.index} is damaged"):
-        _step(model, opt, 1)
-    opt.close()
 
 
 def test_state_dict_round_trip(tmp_path: Path) -> None:
@@ -201,4 +153,293 @@ def test_default_tiers_from_the_environment(tmp_path: Path, monkeypatch: pytest.
     opt.wait_io()
     assert opt.placement()[str(tmp_path / "scratch")] > 0
     assert opt.param_groups[0]["lr"] == 1e-3
+    opt.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# paths of genuinely different speed: loop devices throttled by the kernel (benches/slow_path.sh)
+
+SLOW_PATH = Path(__file__).resolve().parent.parent / "benches" / "slow_path.sh"
+
+
+@pytest.fixture
+def throttled() -> Iterator[Callable[[int], Path]]:
+    """Makes RAM-backed loop devices throttled to a rate (MiB/s) by the
+    kernel's block I/O controller; skips where that cannot be set up."""
+    names: list[str] = []
+
+    def make(rate: int) -> Path:
+        name = f"t{os.getpid()}x{len(names)}"
+        r = subprocess.run(
+            ["bash", str(SLOW_PATH), "up", name, "160", str(rate), "ram"], capture_output=True, text=True
+        )
+        if r.returncode == 3:
+            pytest.skip(f"no throttled loop device here: {r.stderr.strip()}")
+        assert r.returncode == 0, r.stderr
+        names.append(name)
+        return Path(r.stdout.strip())
+
+    yield make
+    for n in names:
+        subprocess.run(["bash", str(SLOW_PATH), "down", n], capture_output=True, check=False)
+
+
+def _set_rate(path: Path, rate: int) -> None:
+    name = path.name.removeprefix("tierstore-")
+    subprocess.run(["bash", str(SLOW_PATH), "rate", name, str(rate)], check=True)
+
+
+def _big_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])  # 1 M params, 12.6 MiB of state
+
+
+def _big_step(model: torch.nn.Module, opt: Any, step: int) -> None:
+    x = torch.randn(32, 512, generator=torch.Generator().manual_seed(step))
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _shares(opt: Any) -> dict[str, float]:
+    placed = opt.placement()
+    total = sum(v for k, v in placed.items() if k != "host")
+    return {k: v / total for k, v in placed.items() if k != "host"}
+
+
+def test_multi_path_follows_measured_bandwidth(throttled: Callable[[int], Path]) -> None:
+    slow, fast = throttled(8), throttled(32)
+    m_ref, m_off = _big_model(), _big_model()
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-3)
+    opt = offload(
+        torch.optim.AdamW,
+        m_off.parameters(),
+        lr=1e-3,
+        tiers=[HostTier(0), DiskTier([str(slow), str(fast)])],
+        subgroup_bytes="1MiB",
+    )
+    for step in range(4):
+        _big_step(m_ref, ref, step)
+        _big_step(m_off, opt, step)
+    opt.wait_io()
+    bw = opt.bandwidth()
+    # The kernel's limits, as the engine's own timings see them.
+    assert bw[str(slow)]["write"] < 0.6 * bw[str(fast)]["write"], bw
+    shares = _shares(opt)
+    assert shares[str(slow)] < 0.35 < 0.65 < shares[str(fast)], (shares, bw)
+    # The limits swap: the estimates follow online and the state moves over.
+    _set_rate(slow, 32)
+    _set_rate(fast, 8)
+    for step in range(4, 14):
+        _big_step(m_ref, ref, step)
+        _big_step(m_off, opt, step)
+    shares = _shares(opt)
+    assert shares[str(fast)] < 0.35 < 0.65 < shares[str(slow)], (shares, opt.bandwidth())
+    assert all(torch.equal(a, b) for a, b in zip(m_ref.parameters(), m_off.parameters(), strict=True))
+    opt.close()
+
+
+def test_even_split_is_available_for_comparison(tmp_path: Path) -> None:
+    paths = [tmp_path / "a", tmp_path / "b"]
+    model = _big_model()
+    opt = offload(
+        torch.optim.AdamW,
+        model.parameters(),
+        lr=1e-3,
+        tiers=[HostTier(0), DiskTier([str(p) for p in paths])],
+        subgroup_bytes="1MiB",
+        balance="even",
+    )
+    for step in range(2):
+        _big_step(model, opt, step)
+    shares = _shares(opt)
+    assert abs(shares[str(paths[0])] - 0.5) < 0.1, shares
+    opt.close()
+    with pytest.raises(ValueError, match="balance"):
+        offload(torch.optim.AdamW, model.parameters(), tiers=[DiskTier(str(tmp_path))], balance="fast")
+
+
+# ------------------------------------------------------------------------------------------------
+# budget, schedulers, hooks
+
+
+def test_host_budget_is_respected(tmp_path: Path) -> None:
+    m_ref, m_off = _big_model(), _big_model()
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-3)
+    opt = offload(
+        torch.optim.AdamW,
+        m_off.parameters(),
+        lr=1e-3,
+        tiers=[HostTier("6MiB"), DiskTier(str(tmp_path))],
+        subgroup_bytes="1MiB",
+    )
+    peak = 0
+    for step in range(6):
+        _big_step(m_ref, ref, step)
+        _big_step(m_off, opt, step)
+        peak = max(peak, opt.host_bytes())
+        placed = opt.placement()
+        assert 0 < placed["host"] <= 6 << 20
+    assert peak <= 6 << 20, peak
+    assert all(torch.equal(a, b) for a, b in zip(m_ref.parameters(), m_off.parameters(), strict=True))
+    # Everything moved per step is state (12 bytes per parameter at most, no gradients).
+    n = sum(p.numel() for p in m_off.parameters())
+    before = dict(opt.stats)
+    _big_step(m_off, opt, 6)
+    opt.wait_io()
+    assert 0 < opt.stats["write_bytes"] - before["write_bytes"] <= 12 * n + 4096 * len(opt.subgroups)
+    opt.close()
+
+
+def test_schedulers_and_hooks_see_an_optimizer(tmp_path: Path) -> None:
+    m_ref, m_off = _model(), _model()
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-2)
+    opt = offload(torch.optim.AdamW, m_off.parameters(), lr=1e-2, tiers=[HostTier(0), DiskTier(str(tmp_path))])
+    assert isinstance(opt, torch.optim.Optimizer)
+    s_ref = torch.optim.lr_scheduler.StepLR(ref, step_size=2, gamma=0.5)
+    s_off = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    calls: list[int] = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append(1))
+    for step in range(6):
+        _step(m_ref, ref, step)
+        _step(m_off, opt, step)
+        s_ref.step()
+        s_off.step()
+    assert calls == [1] * 6
+    assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 1e-2 / 8
+    assert all(torch.equal(a, b) for a, b in zip(m_ref.parameters(), m_off.parameters(), strict=True))
+    opt.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# concurrency control
+
+
+def test_other_processes_take_turns_at_a_device(tmp_path: Path) -> None:
+    from tierstore.offload import _lock_dir
+
+    lock = _lock_dir() / f"tierstore-io-{os.stat(tmp_path).st_dev:x}-0.lock"
+    code = (
+        "import fcntl, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o666)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('held', flush=True)\n"
+        "time.sleep(1.5)\n"
+    )
+    for exclusive in (True, False):
+        holder = subprocess.Popen([sys.executable, "-c", code, str(lock)], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        t0 = time.perf_counter()
+        model = _model()
+        opt = offload(
+            torch.optim.AdamW,
+            model.parameters(),
+            lr=1e-3,
+            tiers=[HostTier(0), DiskTier(str(tmp_path / str(exclusive)))],
+            exclusive_io=exclusive,
+        )
+        _step(model, opt, 0)
+        opt.wait_io()
+        waited = time.perf_counter() - t0
+        holder.wait(timeout=30)
+        holder.stdout.close()
+        opt.close()
+        if exclusive:
+            assert waited > 1.0, waited  # the other process streamed first
+            assert sum(d.lock_wait_s for d in opt.devices) > 0.5
+        else:
+            assert waited < 1.0, waited
+
+
+# ------------------------------------------------------------------------------------------------
+# faults
+
+
+def test_a_full_path_hands_its_share_to_the_others(tmp_path: Path, tmpfs: Path) -> None:
+    torch.manual_seed(0)
+    m_ref = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])  # 50 MiB of state
+    m_off = copy.deepcopy(m_ref)
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-3)
+    opt = offload(
+        torch.optim.AdamW,
+        m_off.parameters(),
+        lr=1e-3,
+        tiers=[HostTier(0), DiskTier([str(tmpfs), str(tmp_path)])],
+        subgroup_bytes="1MiB",
+        balance="even",  # half of the state does not fit in the 16 MiB file system
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            for m, o in ((m_ref, ref), (m_off, opt)):
+                m(torch.randn(8, 1024, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+                o.step()
+                o.zero_grad()
+        opt.wait_io()
+    assert any(f"{tmpfs} is full" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert all(torch.equal(a, b) for a, b in zip(m_ref.parameters(), m_off.parameters(), strict=True))
+    placed = opt.placement()
+    assert placed[str(tmp_path)] > placed[str(tmpfs)]
+    opt.close()
+
+
+def test_a_path_full_at_start_is_left_out(tmp_path: Path, tmpfs: Path) -> None:
+    (tmpfs / "filler").write_bytes(b"\0" * ((16 << 20) - 4096 * 4))
+    model = _model()
+    tiers = [HostTier(0), DiskTier([str(tmpfs), str(tmp_path)])]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = offload(torch.optim.AdamW, model.parameters(), lr=1e-3, tiers=tiers)
+        _step(model, opt, 0)
+    assert any(f"{tmpfs} is full" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert opt.placement()[str(tmpfs)] == 0
+    opt.close()
+
+
+_KILLED_JOB = """
+import sys, time, torch
+from tierstore import DiskTier, HostTier, offload
+torch.manual_seed(0)
+model = torch.nn.Linear(256, 256)
+opt = offload(torch.optim.AdamW, model.parameters(), lr=1e-3, tiers=[HostTier(0), DiskTier(sys.argv[1])])
+for step in range(1000):
+    model(torch.randn(8, 256)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    if step == 2:
+        print("stepping", flush=True)
+"""
+
+
+def test_a_killed_process_leaves_nothing_taken_for_valid(tmp_path: Path) -> None:
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_JOB, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == "stepping"
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)
+    child.stdout.close()
+    dead = [d for d in tmp_path.iterdir() if d.name.startswith("session-")]
+    assert len(dead) == 1 and any(dead[0].glob("sg-*.bin"))
+    # A restart never reads that session: it removes it and starts from the model.
+    model = _model()
+    opt = offload(torch.optim.AdamW, model.parameters(), lr=1e-3, tiers=[HostTier(0), DiskTier(str(tmp_path))])
+    assert not dead[0].exists()
+    _step(model, opt, 0)
+    opt.close()
+    assert not any(tmp_path.iterdir())
+
+
+def test_damaged_state_is_reported(tmp_path: Path) -> None:
+    model = _model()
+    tiers = [HostTier(0), DiskTier(str(tmp_path))]
+    opt = offload(torch.optim.AdamW, model.parameters(), lr=1e-3, tiers=tiers, subgroup_bytes="64KiB")
+    _step(model, opt, 0)
+    opt.wait_io()
+    sg = next(s for s in opt.subgroups if s.buf is None and s.file is not None)
+    with open(sg.file, "r+b") as f:
+        f.seek(10)
+        b = f.read(1)
+        f.seek(10)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(ChecksumError, match=f"{sg.file}: .* subgroup {sg.index} is damaged"):
+        _step(model, opt, 1)
     opt.close()

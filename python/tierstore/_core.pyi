@@ -163,4 +163,15 @@ def read_ranges(
     background: bool = False,
     direct: bool = False,
 ) -> int: ...
+def write_ranges(
+    engine: Engine,
+    path: _Path,
+    offsets: list[int],
+    lengths: list[int],
+    srcs: list[int],
+    *,
+    size: int = 0,
+    background: bool = False,
+    direct: bool = False,
+) -> int: ...
 def crc32_regions(regions: list[tuple[int, int]], threads: int = 2) -> list[int]: ...

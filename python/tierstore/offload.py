@@ -1,28 +1,44 @@
-"""Optimizer state offloaded to host memory and disk paths (first version).
+"""Optimizer state offloaded to host memory and several disk paths.
 
 ::
 
     opt = tierstore.offload(torch.optim.AdamW, model.parameters(), lr=3e-4,
-                            tiers=[tierstore.HostTier("4GiB"), tierstore.DiskTier(["/nvme0/off", "/nvme1/off"])])
+                            tiers=[tierstore.HostTier("4GiB"),
+                                   tierstore.DiskTier(["/nvme0/off", "/nvme1/off"]),
+                                   tierstore.DiskTier("/pfs/job42/off")])
     loss.backward(); opt.step(); opt.zero_grad()
 
 The fp32 master weights and every state tensor of the wrapped optimizer live
-in *subgroups*: flat host buffers of about ``subgroup_bytes`` that are written
-to the disk paths when the host budget is exceeded and read back for their
-update. A step walks the subgroups in an order that alternates every step (the
-subgroups touched last are still in memory), reads subgroup i+1 and writes
-back i-1 while i is updated, converts each gradient to fp32 only for its
-update, and copies the updated master back into the model parameter. Each
-subgroup's update is the wrapped optimizer's own step on those parameters, so
+in *subgroups*: flat, page-aligned host buffers of about ``subgroup_bytes``
+that live on the disk paths when the host budget does not hold them. Each
+subgroup's update is the wrapped optimizer's own step on its parameters, so
 results equal the in-memory optimizer's (bitwise on the CPU).
 
-Paths get subgroups in proportion to their bandwidth: probed at start, then
-re-estimated from every read and write, so a path that slows down receives
-less. A machine-wide lock per path (a lock file under ``/dev/shm``) keeps
-several processes from thrashing one device. Files are tierstore containers:
-each read is checked against the CRC-32 written with it, and files live in a
-per-process directory that is removed at close, so nothing a killed process
-leaves is taken for valid state.
+A step walks the subgroups in an order that alternates every step; the last
+subgroups of one step stay in host memory and are the first of the next
+(MLP-Offload's cache-friendly order), so a step moves only what does not fit.
+While subgroup *i* is updated, the next ones are read ahead as far as the host
+budget allows and the updated ones are written back, each path working on its
+own queue; reads and writes are O_DIRECT, in place, from and into reused
+page-aligned buffers. Gradients stay in their training dtype and are converted
+to fp32 only inside the update, into one reused buffer.
+
+Subgroups are placed over every path of every disk tier in proportion to the
+path's bandwidth: probed at start, then re-estimated from the engine's timing
+of each transfer, so a path that slows down receives less. A write-back may
+go to another path at no extra cost (every updated subgroup is written
+anyway); a full path hands its share to the others with a warning.
+
+Several processes on one machine (one per GPU) share devices through a
+machine-wide lock per device (``io_slots`` lock files in ``/dev/shm`` per
+device, flock: released by the kernel when a process dies), taken for each
+transfer, so they stream in turn instead of thrashing the device. Offload I/O
+is foreground-class engine work; checkpoint flushes are background-class.
+
+Every read is checked against the CRC-32 computed when the subgroup was
+written; damaged state raises :class:`~tierstore.errors.ChecksumError`.
+Files live in a per-process session directory that only its process reads;
+a killed process's session is removed by the next optimizer on that path.
 """
 
 from __future__ import annotations
@@ -30,7 +46,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
+import heapq
+import itertools
 import os
 import secrets
 import shutil
@@ -38,7 +55,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -48,11 +65,13 @@ import torch
 from tierstore import _core
 from tierstore._engine import get_engine
 from tierstore.checkpointer import DiskTier, HostTier, parse_size
-from tierstore.errors import ChecksumError
+from tierstore.errors import ChecksumError, TierstoreError
 
 __all__ = ["OffloadedOptimizer", "offload"]
 
 _PAGE = 4096
+_SESSION = "session-"
+_ALPHA = 0.3  # weight of a new bandwidth sample in the estimate
 
 
 def _default_tiers() -> list[HostTier | DiskTier]:
@@ -60,83 +79,199 @@ def _default_tiers() -> list[HostTier | DiskTier]:
     return [HostTier(os.environ.get("TIERSTORE_OFFLOAD_HOST", "1GiB")), DiskTier(scratch)]
 
 
-class _PathLock:
-    """A machine-wide lock per device path (flock on a file in /dev/shm)."""
+def _lock_dir() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
-    def __init__(self, path: Path) -> None:
-        key = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:16]
-        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        self.file = base / f"tierstore-offload-{key}.lock"
-        self.fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o666)
-        # flock excludes other processes; this process's reader and writer
-        # threads take turns through the mutex (one transfer per device at a time).
-        self.mutex = threading.Lock()
 
-    def __enter__(self) -> None:
-        self.mutex.acquire()
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+# ----------------------------------------------------------------------------------------------
+# concurrency control
 
-    def __exit__(self, *exc: object) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        self.mutex.release()
+
+class _Device:
+    """Turns at one device (one ``st_dev``) for the transfers of this process
+    and, with ``exclusive``, of every process on the machine.
+
+    In the process: at most ``slots`` transfers at a time, granted by ticket
+    (first come, first served, except that a read the training thread is
+    waiting for goes first). Across processes: each granted transfer also
+    holds one of ``slots`` lock files (flock), so that several processes
+    offloading to one device take turns instead of thrashing it. A process
+    that dies releases its locks with its descriptors."""
+
+    def __init__(self, dev: int, slots: int, exclusive: bool) -> None:
+        self.dev = dev
+        self.slots = max(1, slots)
+        self.cond = threading.Condition()
+        self.busy = 0
+        self.waiting: list[tuple[int, int]] = []  # heap of (priority, ticket)
+        self.tickets = itertools.count()
+        self.fds: list[int] = []
+        self.free_fds: list[int] = []
+        self.lock_wait_s = 0.0  # time spent waiting for other processes
+        if exclusive:
+            base = _lock_dir()
+            for i in range(self.slots):
+                f = base / f"tierstore-io-{dev:x}-{i}.lock"
+                fd = os.open(f, os.O_RDWR | os.O_CREAT, 0o666)
+                self.fds.append(fd)
+            self.free_fds = list(self.fds)
+
+    def ticket(self) -> tuple[int, int]:
+        """A place in line, taken when a transfer is queued."""
+        return (1, next(self.tickets))
+
+    @contextlib.contextmanager
+    def turn(self, ticket: tuple[int, int]) -> Any:
+        with self.cond:
+            heapq.heappush(self.waiting, ticket)
+            while self.busy >= self.slots or self.waiting[0] != ticket:
+                self.cond.wait()
+            heapq.heappop(self.waiting)
+            self.busy += 1
+            fd = self.free_fds.pop() if self.free_fds else -1
+            self.cond.notify_all()
+        try:
+            if fd >= 0:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    t0 = time.perf_counter()
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    self.lock_wait_s += time.perf_counter() - t0
+            yield
+        finally:
+            if fd >= 0:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            with self.cond:
+                self.busy -= 1
+                if fd >= 0:
+                    self.free_fds.append(fd)
+                self.cond.notify_all()
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+        self.free_fds = []
+
+
+# ----------------------------------------------------------------------------------------------
+# paths
 
 
 class _Path:
-    def __init__(self, root: Path, exclusive: bool) -> None:
-        self.dir = root
-        self.lock = _PathLock(root) if exclusive else None
-        self.bw = 0.0  # bytes per second (EMA)
-        self.bytes = 0  # bytes of state stored here now
+    """One directory of a disk tier: its session directory, its device's
+    turns, its bandwidth estimate and the bytes of state stored on it."""
 
-    def observe(self, nbytes: int, seconds: float) -> None:
+    def __init__(self, root: Path, session: str, device: _Device, pool: ThreadPoolExecutor) -> None:
+        self.root = root
+        self.dir = root / session
+        self.device = device
+        self.pool = pool
+        self.rate = {"read": 0.0, "write": 0.0}  # bytes per second
+        self.samples = {"read": 0, "write": 0}
+        self.stored = 0  # bytes of current subgroup files here
+        self.full = False
+        self.moved = {"read": 0, "write": 0}
+        self.busy_s = {"read": 0.0, "write": 0.0}
+
+    def observe(self, what: str, nbytes: int, seconds: float) -> None:
+        self.moved[what] += nbytes
+        self.busy_s[what] += seconds
         if seconds <= 0 or nbytes < (1 << 20):
             return
         bw = nbytes / seconds
-        self.bw = bw if self.bw == 0 else 0.7 * self.bw + 0.3 * bw
+        old = self.rate[what]
+        self.rate[what] = bw if old == 0 else (1 - _ALPHA) * old + _ALPHA * bw
+        self.samples[what] += 1
 
-    def io(self) -> Any:
-        return self.lock if self.lock is not None else _nolock
+    def speed(self) -> float:
+        """Bytes per second of a subgroup that is read and written back once:
+        both directions share the device."""
+        r, w = self.rate["read"], self.rate["write"]
+        if r <= 0 or w <= 0:
+            return max(r, w, 1.0)
+        return 1.0 / (1.0 / r + 1.0 / w)
 
 
-class _NoLock:
-    def __enter__(self) -> None:
-        return None
+def _remove_dead_sessions(root: Path) -> None:
+    """Removes session directories whose process is gone (its lock file is
+    no longer held): nothing a killed process left is ever read."""
+    if not root.is_dir():
+        return
+    for d in root.iterdir():
+        if not d.name.startswith(_SESSION) or not d.is_dir():
+            continue
+        lock = d / ".alive"
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except FileNotFoundError:
+            # Created and killed before it took its lock, or not ours: only
+            # remove it when it is old enough not to be starting right now.
+            with contextlib.suppress(OSError):
+                if time.time() - d.stat().st_mtime > 60:
+                    shutil.rmtree(d, ignore_errors=True)
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # its process is alive
+        shutil.rmtree(d, ignore_errors=True)
+        os.close(fd)
 
-    def __exit__(self, *exc: object) -> None:
-        return None
 
+# ----------------------------------------------------------------------------------------------
+# subgroups
 
-_nolock = _NoLock()
+# layout entry: (index of the parameter in the subgroup, state key or None for
+# the master, byte offset, byte length, dtype, shape)
+_Entry = tuple[int, str | None, int, int, torch.dtype, tuple[int, ...]]
 
 
 class _Subgroup:
-    def __init__(self, index: int, group: int, params: list[torch.Tensor]) -> None:
+    def __init__(self, index: int, group: int, params: list[torch.Tensor], first: int) -> None:
         self.index = index
         self.group = group
         self.params = params
-        self.masters = [torch.empty(0) for _ in params]  # fp32 leaves; .data points into `buf`
+        self.first = first  # index of its first parameter among all parameters
+        self.masters: list[torch.Tensor] = []
         self.inner: torch.optim.Optimizer | None = None
         self.buf: torch.Tensor | None = None  # resident flat bytes
-        self.layout: list[tuple[int, str | None, int, int, torch.dtype, tuple[int, ...]]] = []
+        self.layout: list[_Entry] = []
         self.nbytes = 0
         self.path: _Path | None = None
         self.file: Path | None = None
-        self.data_offset = 0
+        self.file_bytes = 0  # bytes of state in `file`
         self.crc = 0
-        self.pending: Future[None] | None = None  # read or write in flight
-        self.last_used = -1
-        self.stored = 0  # bytes of its file counted on `path`
+        self.dirty = True  # resident and changed since its file was written
+        self.reading: Future[None] | None = None
+        self.writing: Future[None] | None = None
+        self.pinned = False  # its file is linked by a checkpoint: rewrite elsewhere
+        self.generation = 0
+        self.numel = sum(p.numel() for p in params)
+
+    @property
+    def resident(self) -> bool:
+        return self.buf is not None
 
 
-class OffloadedOptimizer:
+class OffloadedOptimizer(torch.optim.Optimizer):
     """Behaves like the wrapped optimizer (``step``, ``zero_grad``,
-    ``state_dict``, ``load_state_dict``, ``param_groups``) while its fp32
-    master weights and state live in the tiers."""
+    ``state_dict``, ``load_state_dict``, ``param_groups``, step hooks, LR
+    schedulers) while its fp32 master weights and state live in the tiers.
+
+    ``subgroup_bytes``: size of a subgroup (master + state), the unit of I/O.
+    ``io_slots``: transfers in flight per device, machine-wide.
+    ``exclusive_io``: take those turns across processes (lock files); False
+    limits only this process. ``balance``: ``"bandwidth"`` (measured) or
+    ``"even"`` placement over the paths. ``pipeline=False``: the naive
+    synchronous baseline (each subgroup read, updated and written in turn,
+    nothing kept in memory, nothing overlapped)."""
 
     def __init__(
         self,
@@ -145,66 +280,166 @@ class OffloadedOptimizer:
         *,
         tiers: list[HostTier | DiskTier] | None = None,
         subgroup_bytes: int | str = "64MiB",
+        io_slots: int = 1,
         exclusive_io: bool = True,
+        balance: str = "bandwidth",
         pipeline: bool = True,
         **optimizer_kwargs: Any,
     ) -> None:
+        if balance not in ("bandwidth", "even"):
+            raise ValueError(f"balance must be 'bandwidth' or 'even', got {balance!r}")
         tiers = tiers if tiers is not None else _default_tiers()
         hosts = [t for t in tiers if isinstance(t, HostTier)]
         disks = [t for t in tiers if isinstance(t, DiskTier)]
         if not disks:
-            raise ValueError("offload needs at least one DiskTier")
+            raise ValueError("offload needs at least one DiskTier (a directory for the state that does not fit)")
+        if len(hosts) > 1:
+            raise ValueError("offload takes at most one HostTier")
         self.budget = int(hosts[0].budget) if hosts else parse_size("1GiB")
-        self.subgroup_bytes = parse_size(subgroup_bytes)
-        self.pipeline = pipeline  # False: the naive baseline (read, update, write, one at a time)
+        self.subgroup_bytes = max(_PAGE, parse_size(subgroup_bytes))
+        self.pipeline = pipeline
+        self.balance = balance
         self.cls = optimizer_class
         self.kwargs = optimizer_kwargs
         self.engine = get_engine()
-        session = f"{os.getpid()}-{secrets.token_hex(4)}"
+        probe = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
+        super().__init__(params, dict(probe.defaults))
+        del probe
+        # --- paths
+        self.session = f"{_SESSION}{os.getpid()}-{secrets.token_hex(4)}"
         self.paths: list[_Path] = []
+        devices: dict[int, _Device] = {}
+        self._alive_fds: list[int] = []
+        roots: list[Path] = []
         for t in disks:
             for p in t.paths:  # type: ignore[union-attr]
-                d = Path(p) / f"session-{session}"
-                d.mkdir(parents=True, exist_ok=True)
-                self.paths.append(_Path(d, exclusive_io))
-        # Hyperparameters and defaults exactly as the wrapped optimizer would set them.
-        probe = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
-        self.defaults = dict(probe.defaults)
-        groups = list(params)
-        if not groups or not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
-        self.param_groups: list[dict[str, Any]] = []
-        for g in groups:
-            full = {**self.defaults, **{k: v for k, v in g.items() if k != "params"}}
-            full["params"] = list(g["params"])
-            self.param_groups.append(full)
+                root = Path(p).resolve()
+                if root in roots:
+                    continue
+                roots.append(root)
+        for root in roots:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_dead_sessions(root)
+            (root / self.session).mkdir()
+            fd = os.open(root / self.session / ".alive", os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._alive_fds.append(fd)
+            dev = os.stat(root).st_dev
+            if dev not in devices:
+                devices[dev] = _Device(dev, io_slots, exclusive_io)
+            # Two workers per path: one transfers while the other checksums.
+            pool = ThreadPoolExecutor(2, thread_name_prefix=f"tierstore-offload-{len(self.paths)}")
+            self.paths.append(_Path(root, self.session, devices[dev], pool))
+        self.devices = list(devices.values())
+        # --- host memory
+        self._mem = threading.Condition()
+        self._held = 0  # bytes of buffers allocated (resident, in flight, free)
+        self._writes_in_flight = 0
         self._free: dict[int, list[torch.Tensor]] = {}
-        self._free_bytes = 0
-        self._free_lock = threading.Lock()
+        self._grad32: torch.Tensor | None = None  # the reused fp32 gradient buffer
+        self._errors: list[BaseException] = []
+        self._warned: set[str] = set()
+        self._pending_warnings: list[str] = []
+        self.steps = 0
+        self._closed = False
+        self.stats: dict[str, float] = {
+            "read_bytes": 0,
+            "write_bytes": 0,
+            "read_s": 0.0,
+            "write_s": 0.0,
+            "wait_s": 0.0,
+            "update_s": 0.0,
+            "alloc_bytes": 0,
+        }
+        # --- subgroups, masters packed; what does not fit goes to the paths
         self.subgroups: list[_Subgroup] = []
+        first = 0
         for gi, g in enumerate(self.param_groups):
             cur: list[torch.Tensor] = []
             size = 0
             for p in g["params"]:
-                # master + about two state tensors of fp32 per element
-                need = 12 * p.numel()
+                need = 12 * p.numel()  # master + two state tensors of fp32, for sizing
                 if cur and size + need > self.subgroup_bytes:
-                    self.subgroups.append(_Subgroup(len(self.subgroups), gi, cur))
+                    self.subgroups.append(_Subgroup(len(self.subgroups), gi, cur, first))
+                    first += len(cur)
                     cur, size = [], 0
                 cur.append(p)
                 size += need
             if cur:
-                self.subgroups.append(_Subgroup(len(self.subgroups), gi, cur))
-        for sg in self.subgroups:
-            sg.masters = [p.detach().to(torch.float32, copy=True).cpu() for p in sg.params]
-            self._pack(sg)
+                self.subgroups.append(_Subgroup(len(self.subgroups), gi, cur, first))
+                first += len(cur)
         self._probe_paths()
-        self.io = ThreadPoolExecutor(2, thread_name_prefix="tierstore-offload")
-        self.steps = 0
-        self._uses = 0
-        self._closed = False
-        self.stats: dict[str, float] = {"read_bytes": 0, "write_bytes": 0, "read_s": 0.0, "write_s": 0.0}
-        self._enforce_budget(keep=[])
+        resident = 0
+        for sg in self.subgroups:
+            sg.masters = [p.detach().to("cpu", torch.float32, copy=True) for p in sg.params]
+            self._pack(sg)
+            resident += sg.nbytes
+            if resident > self._keep_budget():
+                self._write_sync(sg)
+                resident -= sg.nbytes
+
+    # -------------------------------------------------------------------------------------------
+    # host memory
+
+    def _keep_budget(self) -> int:
+        """Bytes of subgroups that stay resident between steps; the rest of
+        the budget is room for reads ahead and writes behind."""
+        big = max((sg.nbytes for sg in self.subgroups), default=0) or self.subgroup_bytes
+        stream = min(self.budget // 2, 3 * big)
+        return max(0, self.budget - stream)
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        """A page-aligned host buffer of ``nbytes`` (reused when one is free).
+        The caller has reserved the room (:meth:`_try_reserve`)."""
+        with self._mem:
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
+            self._held += nbytes
+            self.stats["alloc_bytes"] += nbytes
+        raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % _PAGE
+        return raw[start : start + nbytes]
+
+    def _release(self, buf: torch.Tensor) -> None:
+        """Returns a buffer for reuse (fresh memory costs page faults on every
+        step), or to the system while more than the budget is held."""
+        with self._mem:
+            if self._held > self.budget:
+                self._held -= buf.numel()
+            else:
+                self._free.setdefault(buf.numel(), []).append(buf)
+            self._mem.notify_all()
+
+    def _in_use(self) -> int:
+        return self._held - sum(len(v) * n for n, v in self._free.items())
+
+    def _try_reserve(self, nbytes: int, force: bool = False) -> bool:
+        """Whether a buffer of ``nbytes`` fits the budget now (dropping free
+        buffers of other sizes to make room). ``force``: the working minimum,
+        one subgroup in use, is always allowed."""
+        with self._mem:
+            over = self._held - self.budget + (0 if self._free.get(nbytes) else nbytes)
+            for n in sorted(self._free, reverse=True):
+                while over > 0 and self._free[n] and n != nbytes:
+                    self._free[n].pop()
+                    self._held -= n
+                    over -= n
+            return over <= 0 or force or self._in_use() == 0
+
+    def _wait_room(self, nbytes: int) -> None:
+        """Waits until a buffer of ``nbytes`` fits the budget: write-backs in
+        flight free their buffers; with none in flight, it goes ahead anyway
+        (the working minimum of one subgroup)."""
+        while not self._try_reserve(nbytes, force=self._writes_in_flight == 0):
+            with self._mem:
+                self._mem.wait(0.05)
+            self._reap_writes()
+
+    def _reap_writes(self) -> None:
+        for sg in self.subgroups:
+            if sg.writing is not None and sg.writing.done():
+                self._settle(sg)
 
     # -------------------------------------------------------------------------------------------
     # layout of a subgroup's flat buffer
@@ -221,9 +456,9 @@ class OffloadedOptimizer:
         return out
 
     def _pack(self, sg: _Subgroup) -> None:
-        """Moves the subgroup's tensors into one flat buffer (new layout)."""
+        """Moves the subgroup's tensors into one flat buffer (a new layout)."""
         items = self._tensors(sg)
-        layout = []
+        layout: list[_Entry] = []
         off = 0
         for i, k, t in items:
             n = t.numel() * t.element_size()
@@ -231,11 +466,16 @@ class OffloadedOptimizer:
             layout.append((i, k, off, n, t.dtype, tuple(t.shape)))
             off += n
         nbytes = -(-max(off, 1) // _PAGE) * _PAGE
+        self._wait_room(nbytes)
         buf = self._alloc(nbytes)
         for (_i, _k, o, n, dt, shape), (_i2, _k2, t) in zip(layout, items, strict=True):
             buf[o : o + n].view(dt).view(shape).copy_(t)
+        old = sg.buf
         sg.layout, sg.nbytes = layout, nbytes
         self._attach(sg, buf)
+        if old is not None:
+            self._release(old)
+        sg.dirty = True
 
     def _attach(self, sg: _Subgroup, buf: torch.Tensor) -> None:
         """Points masters and state tensors at views of ``buf``."""
@@ -249,239 +489,416 @@ class OffloadedOptimizer:
                 sg.inner.state[sg.masters[i]][k] = v
 
     def _detach(self, sg: _Subgroup) -> None:
+        empty = torch.empty(0)
         for i, k, *_ in sg.layout:
             if k is None:
-                sg.masters[i].data = torch.empty(0)
+                sg.masters[i].data = empty
             else:
                 assert sg.inner is not None
-                sg.inner.state[sg.masters[i]][k] = torch.empty(0)
+                sg.inner.state[sg.masters[i]][k] = empty
         if sg.buf is not None:
             self._release(sg.buf)
         sg.buf = None
 
-    def _alloc(self, nbytes: int) -> torch.Tensor:
-        """A host buffer of ``nbytes``, reused from evicted subgroups when one fits
-        (fresh memory costs page faults on every step)."""
-        with self._free_lock:
-            free = self._free.get(nbytes)
-            if free:
-                self._free_bytes -= nbytes
-                return free.pop()
-        # Page-aligned, so that reads can use O_DIRECT straight into it.
+    # -------------------------------------------------------------------------------------------
+    # paths and transfers
+
+    def _probe_paths(self) -> None:
+        """A write and a read of a few MiB per path: the starting estimate
+        (refined by every transfer after)."""
+        n = 8 << 20
+        probe = self._aligned(n)
+        probe.fill_(7)
+        for p in self.paths:
+            f = p.dir / "probe.bin"
+            try:
+                for what in ("write", "read"):
+                    fn = _core.write_ranges if what == "write" else _core.read_ranges
+                    with p.device.turn(p.device.ticket()):
+                        t0 = time.perf_counter()
+                        fn(self.engine, f, [0], [n], [probe.data_ptr()], direct=True)
+                        p.observe(what, n, time.perf_counter() - t0)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                p.full = True
+                self._warn(f"tierstore offload: {p.root} is full; it gets no optimizer state")
+            finally:
+                f.unlink(missing_ok=True)
+        if all(p.full for p in self.paths):
+            raise TierstoreError("offload: every path is full: " + ", ".join(str(p.root) for p in self.paths))
+
+    @staticmethod
+    def _aligned(nbytes: int) -> torch.Tensor:
         raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
         start = -raw.data_ptr() % _PAGE
         return raw[start : start + nbytes]
 
-    def _release(self, buf: torch.Tensor) -> None:
-        with self._free_lock:
-            # Keep about two subgroups' worth for reuse; the rest goes back to the system.
-            if self._free_bytes + buf.numel() <= 2 * max(self.subgroup_bytes, buf.numel()):
-                self._free.setdefault(buf.numel(), []).append(buf)
-                self._free_bytes += buf.numel()
+    def _warn(self, msg: str) -> None:
+        """Queues a warning (workers call this); the training thread issues it."""
+        if msg not in self._warned:
+            self._warned.add(msg)
+            self._pending_warnings.append(msg)
 
-    # -------------------------------------------------------------------------------------------
-    # paths and I/O
+    def _flush_warnings(self) -> None:
+        while self._pending_warnings:
+            warnings.warn(self._pending_warnings.pop(0), stacklevel=3)
 
-    def _probe_paths(self) -> None:
-        """A short write+read per path: the starting bandwidth estimate."""
-        probe = torch.full((8 << 20,), 7, dtype=torch.uint8)
-        for p in self.paths:
-            f = p.dir / "probe.bin"
-            _off, _crc, dt = self._write_file(f, probe, p, durable=True)
-            p.observe(probe.numel() * 4, dt * 4)  # scaled: a tiny file overstates latency
-            p.bw = max(p.bw, 1.0)
-            f.unlink(missing_ok=True)
+    def _targets(self) -> dict[_Path, float]:
+        live = [p for p in self.paths if not p.full]
+        if self.balance == "even":
+            return {p: 1.0 / len(live) for p in live}
+        total = sum(p.speed() for p in live)
+        return {p: p.speed() / total for p in live}
 
-    def _choose_path(self, nbytes: int) -> _Path:
-        """The path whose share of the stored bytes is furthest below its
-        share of the measured bandwidth."""
-        total_bw = sum(p.bw for p in self.paths) or 1.0
-        total = sum(p.bytes for p in self.paths) + nbytes
-        return max(self.paths, key=lambda p: p.bw / total_bw * total - p.bytes)
+    def _choose_path(self, sg: _Subgroup) -> _Path:
+        """Where ``sg`` is written back: its current path unless that path
+        holds more than its share of the measured bandwidth, else the path
+        furthest below its share."""
+        targets = self._targets()
+        total = sum(p.stored for p in self.paths) + (sg.nbytes if sg.path is None else sg.nbytes - sg.file_bytes)
+        cur = sg.path
+        if cur is not None and cur in targets:
+            others = cur.stored - sg.file_bytes
+            if others + sg.nbytes <= targets[cur] * total + sg.nbytes / 2:
+                return cur
+        return max(targets, key=lambda p: targets[p] * total - (p.stored - (sg.file_bytes if p is sg.path else 0)))
 
-    def _write_file(self, f: Path, buf: torch.Tensor, p: _Path, durable: bool = False) -> tuple[int, int, float]:
-        """Writes ``buf`` as a one-record container; (data offset, CRC, seconds
-        of transfer, not counting the wait for the path's lock)."""
-        with p.io():
-            t0 = time.perf_counter()
-            w = _core.create_writer(self.engine, f, durable=durable)
-            w.add_memory("s/data/0", buf.data_ptr(), buf.numel(), buf)
-            crcs = w.write_data()
-            off = w.entries()[0][2]
-            w.commit()
-            dt = time.perf_counter() - t0
-        crc = crcs[0]
-        assert crc is not None
-        return off, crc, dt
-
-    def _write_back(self, sg: _Subgroup) -> None:
+    def _write(self, sg: _Subgroup, p: _Path | None = None, ticket: tuple[int, int] | None = None) -> None:
+        """Writes the resident subgroup to path ``p`` (default: the one
+        :meth:`_choose_path` picks) on a path worker or the training thread;
+        its buffer stays attached."""
         assert sg.buf is not None
         buf = sg.buf
-        if sg.path is not None:  # its old copy no longer counts for the choice
-            sg.path.bytes -= sg.stored
-            sg.stored = 0
-        p = self._choose_path(sg.nbytes)
-        f = p.dir / f"sg-{sg.index:06d}.pt"
-        try:
-            off, crc, dt = self._write_file(f, buf, p)
-        except OSError as e:
-            if e.errno != errno.ENOSPC or len(self.paths) == 1:
-                raise
-            warnings.warn(f"tierstore offload: {p.dir} is full; its share moves to the other paths", stacklevel=1)
-            self.paths.remove(p)
-            self._write_back(sg)
-            return
-        p.observe(sg.nbytes, dt)
-        self.stats["write_bytes"] += sg.nbytes
-        self.stats["write_s"] += dt
-        if sg.file is not None and sg.file != f:
-            sg.file.unlink(missing_ok=True)
-        p.bytes += sg.nbytes
-        sg.path, sg.file, sg.data_offset, sg.crc, sg.stored = p, f, off, crc, sg.nbytes
+        (crc,) = _core.crc32_regions([(buf.data_ptr(), sg.nbytes)], 1)
+        while True:
+            p = p if p is not None and not p.full else self._choose_path(sg)
+            if sg.path is p and not sg.pinned and sg.file is not None:
+                f = sg.file
+            else:
+                sg.generation += 1
+                f = p.dir / f"sg-{sg.index:06d}.{sg.generation}.bin"
+            tk = ticket if ticket is not None else p.device.ticket()
+            try:
+                with p.device.turn(tk):
+                    t0 = time.perf_counter()
+                    _core.write_ranges(self.engine, f, [0], [sg.nbytes], [buf.data_ptr()], size=sg.nbytes, direct=True)
+                    dt = time.perf_counter() - t0
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                if f != sg.file:
+                    f.unlink(missing_ok=True)
+                p.full = True
+                if all(q.full for q in self.paths):
+                    raise
+                self._warn(
+                    f"tierstore offload: {p.root} is full; its share of the optimizer state moves to the other paths"
+                )
+                p, ticket = None, None
+                continue
+            break
+        p.observe("write", sg.nbytes, dt)
+        old_path, old_file = sg.path, sg.file
+        with self._mem:
+            if old_path is not None:
+                old_path.stored -= sg.file_bytes
+            p.stored += sg.nbytes
+            self.stats["write_bytes"] += sg.nbytes
+            self.stats["write_s"] += dt
+        if old_file is not None and old_file != f:
+            old_file.unlink(missing_ok=True)  # a checkpoint's pin keeps its own link
+        sg.path, sg.file, sg.file_bytes, sg.crc, sg.pinned = p, f, sg.nbytes, crc, False
+        sg.dirty = False
 
-    def _read(self, sg: _Subgroup) -> torch.Tensor:
+    def _read(self, sg: _Subgroup, buf: torch.Tensor, ticket: tuple[int, int] | None = None) -> None:
+        """Reads the subgroup's file into ``buf`` and checks it."""
         assert sg.file is not None and sg.path is not None
-        buf = self._alloc(sg.nbytes)
-        with sg.path.io():
+        p = sg.path
+        with p.device.turn(ticket if ticket is not None else p.device.ticket()):
             t0 = time.perf_counter()
-            _core.read_ranges(self.engine, sg.file, [sg.data_offset], [sg.nbytes], [buf.data_ptr()], direct=True)
+            _core.read_ranges(self.engine, sg.file, [0], [sg.nbytes], [buf.data_ptr()], direct=True)
             dt = time.perf_counter() - t0
-        sg.path.observe(sg.nbytes, dt)
-        self.stats["read_bytes"] += sg.nbytes
-        self.stats["read_s"] += dt
-        (crc,) = _core.crc32_regions([(buf.data_ptr(), sg.nbytes)])
+        p.observe("read", sg.nbytes, dt)
+        with self._mem:
+            self.stats["read_bytes"] += sg.nbytes
+            self.stats["read_s"] += dt
+        (crc,) = _core.crc32_regions([(buf.data_ptr(), sg.nbytes)], 1)
         if crc != sg.crc:
             raise ChecksumError(
                 f"{sg.file}: offloaded optimizer state of subgroup {sg.index} is damaged "
-                f"(CRC-32 {crc:08x}, written {sg.crc:08x})",
+                f"(CRC-32 {crc:08x}, written {sg.crc:08x}); it is not used",
                 path=str(sg.file),
-                record="s/data/0",
+                record=f"subgroup {sg.index}",
             )
-        return buf
+
+    def _write_sync(self, sg: _Subgroup) -> None:
+        self._write(sg)
+        self._detach(sg)
+
+    def _load_sync(self, sg: _Subgroup) -> None:
+        """Makes ``sg`` resident now (waiting for its I/O in flight)."""
+        self._settle(sg)
+        if sg.resident:
+            return
+        self._try_reserve(sg.nbytes, force=True)
+        buf = self._alloc(sg.nbytes)
+        try:
+            self._read(sg, buf)
+        except BaseException:
+            self._release(buf)
+            raise
+        self._attach(sg, buf)
+        sg.dirty = False
 
     def _start_read(self, sg: _Subgroup) -> None:
-        if sg.buf is None and sg.pending is None:
-            sg.pending = self.io.submit(lambda: self._attach(sg, self._read(sg)))
+        assert sg.path is not None and sg.reading is None
+        buf = self._alloc(sg.nbytes)
+        ticket = sg.path.device.ticket()
+
+        def job() -> None:
+            try:
+                self._read(sg, buf, ticket)
+            except BaseException:
+                self._release(buf)
+                raise
+            self._attach(sg, buf)
+            sg.dirty = False
+
+        sg.reading = self._submit(sg.path, job)
 
     def _start_write(self, sg: _Subgroup) -> None:
-        def job() -> None:
-            self._write_back(sg)
-            self._detach(sg)
+        """Writes ``sg`` back and frees its buffer when done."""
+        assert sg.writing is None
+        p = self._choose_path(sg)
+        ticket = p.device.ticket()
 
-        if sg.buf is not None and sg.pending is None:
-            sg.pending = self.io.submit(job)
+        def job() -> None:
+            try:
+                self._write(sg, p, ticket)
+                self._detach(sg)
+            finally:
+                with self._mem:
+                    self._writes_in_flight -= 1
+
+        with self._mem:
+            self._writes_in_flight += 1
+        sg.writing = self._submit(p, job)
+
+    def _submit(self, p: _Path, job: Callable[[], None]) -> Future[None]:
+        def run() -> None:
+            try:
+                job()
+            finally:
+                with self._mem:
+                    self._mem.notify_all()
+
+        return p.pool.submit(run)
 
     def _settle(self, sg: _Subgroup) -> None:
-        if sg.pending is not None:
-            f, sg.pending = sg.pending, None
-            f.result()
-
-    def _resident(self) -> int:
-        return sum(sg.nbytes for sg in self.subgroups if sg.buf is not None or sg.pending is not None)
-
-    def _enforce_budget(self, keep: list[_Subgroup]) -> None:
-        """Writes back subgroups (oldest use first, not those in ``keep``)
-        until the resident bytes fit the host budget."""
-        for sg in sorted(self.subgroups, key=lambda s: s.last_used):
-            if self._resident() <= self.budget:
-                break
-            if sg in keep or sg.buf is None:
-                continue
-            self._settle(sg)
-            self._start_write(sg)
+        """Waits for the subgroup's read or write in flight; raises its error."""
+        for attr in ("reading", "writing"):
+            f = getattr(sg, attr)
+            if f is not None:
+                try:
+                    f.result()
+                finally:
+                    setattr(sg, attr, None)
 
     # -------------------------------------------------------------------------------------------
-    # the optimizer interface
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_()
-                    p.grad.zero_()
-
-    def _sync_hyper(self, sg: _Subgroup) -> None:
-        g = self.param_groups[sg.group]
-        assert sg.inner is not None
-        for k, v in g.items():
-            if k != "params":
-                sg.inner.param_groups[0][k] = v
+    # the step
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if self._closed:
+            raise TierstoreError("this offloaded optimizer is closed")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         order = self.subgroups if self.steps % 2 == 0 else self.subgroups[::-1]
-        for n, sg in enumerate(order):
-            self._load(sg)
-            if self.pipeline and n + 1 < len(order) and order[n + 1].pending is None:
-                self._start_read(order[n + 1])  # prefetch i+1 while i is updated
-            self._uses += 1
-            sg.last_used = self._uses
-            if sg.inner is None:
-                hyper = {k: v for k, v in self.param_groups[sg.group].items() if k != "params"}
-                sg.inner = self.cls([{"params": sg.masters, **hyper}], **self.kwargs)
-            self._sync_hyper(sg)
-            for p, m in zip(sg.params, sg.masters, strict=True):
-                m.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
-            before = len(self._tensors(sg))
-            sg.inner.step()
-            for m in sg.masters:
-                m.grad = None
-            if len(self._tensors(sg)) != before:  # the first step created state: repack
-                self._pack(sg)
-            for p, m in zip(sg.params, sg.masters, strict=True):
-                p.copy_(m)
-            if not self.pipeline:
-                self._write_back(sg)
-                self._detach(sg)
-                continue
-            self._enforce_budget(keep=[sg, *order[n + 1 : n + 2]])
-        # Eviction goes by last use, so what stays within the budget is what
-        # this step touched last: the first subgroups of the next (reversed) step.
-        self._enforce_budget(keep=[])
+        active = [sg for sg in order if any(p.grad is not None for p in sg.params)]
+        try:
+            if self.pipeline:
+                self._step_pipelined(active)
+            else:
+                for sg in active:
+                    self._load_sync(sg)
+                    self._update(sg)
+                    self._write_sync(sg)
+        finally:
+            self._flush_warnings()
         self.steps += 1
         return loss
 
+    def _step_pipelined(self, order: list[_Subgroup]) -> None:
+        # What stays resident for the next step (the last subgroups of this
+        # order, the first of the next one).
+        keep: set[int] = set()
+        room = self._keep_budget()
+        for sg in reversed(order):
+            size = sg.nbytes if sg.inner is not None else 3 * sg.nbytes  # state is created in the first step
+            if size > room:
+                continue  # the tail need not be contiguous: smaller ones may still fit
+            keep.add(sg.index)
+            room -= size
+        # A subgroup resident now but not wanted until much later is written
+        # back first, making room for the reads this step needs soon.
+        nxt = 0  # next position in `order` to read ahead
+        for pos, sg in enumerate(order):
+            nxt = max(nxt, pos)
+            nxt = self._read_ahead(order, nxt)
+            t0 = time.perf_counter()
+            while True:
+                f = sg.writing or sg.reading
+                if f is not None:
+                    if f.done():
+                        self._settle(sg)
+                        continue
+                elif sg.resident:
+                    break
+                elif self._try_reserve(sg.nbytes, force=self._writes_in_flight == 0):
+                    # Not started for lack of room; there is room now (or
+                    # nothing in flight will make any: the working minimum).
+                    self._start_read(sg)
+                    continue
+                with self._mem:
+                    self._mem.wait(0.05)
+                nxt = self._read_ahead(order, nxt)
+            self.stats["wait_s"] += time.perf_counter() - t0
+            self._update(sg)
+            if sg.index not in keep:
+                self._start_write(sg)
+            self._check_errors(order[: pos + 1])
+        # The write-backs finish during the next forward and backward.
+
+    def _read_ahead(self, order: list[_Subgroup], nxt: int) -> int:
+        """Starts reads of ``order[nxt:]`` while the budget has room; returns
+        the first position not started."""
+        while nxt < len(order):
+            sg = order[nxt]
+            if sg.writing is not None and sg.writing.done():
+                self._settle(sg)
+            if sg.resident or sg.reading is not None:
+                nxt += 1
+                continue
+            if sg.writing is not None:
+                break  # its write-back is still running
+            if not self._try_reserve(sg.nbytes):
+                break
+            self._start_read(sg)
+            nxt += 1
+        return nxt
+
+    def _check_errors(self, done: list[_Subgroup]) -> None:
+        for sg in done:
+            f = sg.writing
+            if f is not None and f.done() and f.exception() is not None:
+                self._settle(sg)
+
+    def _sync_hyper(self, sg: _Subgroup) -> None:
+        assert sg.inner is not None
+        for k, v in self.param_groups[sg.group].items():
+            if k != "params":
+                sg.inner.param_groups[0][k] = v
+
+    def _grad_buffer(self, numel: int) -> torch.Tensor:
+        if self._grad32 is None or self._grad32.numel() < numel:
+            self._grad32 = torch.empty(numel, dtype=torch.float32)
+        return self._grad32[:numel]
+
+    def _update(self, sg: _Subgroup) -> None:
+        """The wrapped optimizer's step on the resident subgroup; the updated
+        masters are copied into the model parameters."""
+        t0 = time.perf_counter()
+        if sg.inner is None:
+            hyper = {k: v for k, v in self.param_groups[sg.group].items() if k != "params"}
+            sg.inner = self.cls([{"params": sg.masters, **hyper}], **self.kwargs)
+        self._sync_hyper(sg)
+        # Gradients are converted to fp32 here only, into one reused buffer.
+        scratch = self._grad_buffer(sg.numel)
+        off = 0
+        for p, m in zip(sg.params, sg.masters, strict=True):
+            g = p.grad
+            if g is None:
+                m.grad = None
+                continue
+            if g.dtype == torch.float32 and g.device.type == "cpu" and not g.is_sparse:
+                m.grad = g.detach()
+            else:
+                view = scratch[off : off + g.numel()].view(g.shape)
+                view.copy_(g.detach())
+                m.grad = view
+                off += g.numel()
+        before = len(self._tensors(sg))
+        sg.inner.step()
+        for m in sg.masters:
+            m.grad = None
+        if len(self._tensors(sg)) != before:
+            self._pack(sg)  # the first step created state: into the flat buffer
+        for p, m in zip(sg.params, sg.masters, strict=True):
+            p.copy_(m)
+        sg.dirty = True
+        self.stats["update_s"] += time.perf_counter() - t0
+
+    # -------------------------------------------------------------------------------------------
+    # the rest of the optimizer interface
+
     def wait_io(self) -> None:
-        """Waits for the reads and write-backs in flight."""
+        """Waits for the reads and write-backs in flight; raises their errors."""
         for sg in self.subgroups:
             self._settle(sg)
+        self._flush_warnings()
 
     def placement(self) -> dict[str, int]:
-        """Bytes of optimizer state (masters included) in host memory and on each path."""
-        out = {"host": sum(sg.nbytes for sg in self.subgroups if sg.buf is not None)}
+        """Bytes of optimizer state (fp32 masters included) resident in host
+        memory (``"host"``) and stored on each path (by directory)."""
+        self.wait_io()
+        out = {"host": sum(sg.nbytes for sg in self.subgroups if sg.resident)}
         for p in self.paths:
-            out[str(p.dir.parent)] = out.get(str(p.dir.parent), 0) + sum(
-                sg.nbytes for sg in self.subgroups if sg.buf is None and sg.path is p
-            )
+            out[str(p.root)] = sum(sg.nbytes for sg in self.subgroups if not sg.resident and sg.path is p)
         return out
 
-    def _load(self, sg: _Subgroup) -> None:
-        """Makes the subgroup resident (after any write or read in flight)."""
-        self._settle(sg)
-        self._start_read(sg)
-        self._settle(sg)
+    def bandwidth(self) -> dict[str, dict[str, float]]:
+        """The current estimate per path: read and write bytes per second,
+        the share of state it is given, the bytes moved."""
+        targets = self._targets()
+        return {
+            str(p.root): {
+                "read": p.rate["read"],
+                "write": p.rate["write"],
+                "share": targets.get(p, 0.0),
+                "read_bytes": p.moved["read"],
+                "write_bytes": p.moved["write"],
+                "full": float(p.full),
+            }
+            for p in self.paths
+        }
+
+    def host_bytes(self) -> int:
+        """Bytes of host memory held for state (resident, in flight and free buffers)."""
+        with self._mem:
+            return self._held
+
+    def _index(self) -> dict[int, int]:
+        return {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's format: state by parameter index, param_groups."""
         state: dict[int, dict[str, Any]] = {}
-        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        index = self._index()
         for sg in self.subgroups:
-            self._load(sg)
-            if sg.inner is None:
-                continue
-            for p, m in zip(sg.params, sg.masters, strict=True):
-                st = sg.inner.state.get(m)
-                if st:
-                    state[index[id(p)]] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
-            self._enforce_budget(keep=[sg])
+            was = sg.resident
+            self._load_sync(sg)
+            if sg.inner is not None:
+                for p, m in zip(sg.params, sg.masters, strict=True):
+                    st = sg.inner.state.get(m)
+                    if st:
+                        state[index[id(p)]] = {
+                            k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()
+                        }
+            if not was and not sg.dirty:
+                self._detach(sg)  # its file is still valid
         groups = []
         for g in self.param_groups:
             g2 = {k: v for k, v in g.items() if k != "params"}
@@ -490,8 +907,10 @@ class OffloadedOptimizer:
         return {"state": state, "param_groups": groups}
 
     @torch.no_grad()
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        params = [p for g in self.param_groups for p in g["params"]]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads the wrapped optimizer's state dict (or one of ours): fp32
+        masters from the model parameters, state into the tiers."""
+        sd = state_dict
         if len(sd["param_groups"]) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         for g, g2 in zip(self.param_groups, sd["param_groups"], strict=True):
@@ -499,40 +918,58 @@ class OffloadedOptimizer:
                 raise ValueError(
                     "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
                 )
+        for g, g2 in zip(self.param_groups, sd["param_groups"], strict=True):
             g.update({k: v for k, v in g2.items() if k != "params"})
-        where = {id(p): i for i, p in enumerate(params)}
+        index = self._index()
+        resident = 0
         for sg in self.subgroups:
-            self._load(sg)
+            self._load_sync(sg)
             hyper = {k: v for k, v in self.param_groups[sg.group].items() if k != "params"}
             if sg.inner is None:
                 sg.inner = self.cls([{"params": sg.masters, **hyper}], **self.kwargs)
             for p, m in zip(sg.params, sg.masters, strict=True):
                 m.copy_(p.detach().to(torch.float32))
-                st = sd["state"].get(where[id(p)])
+                st = sd["state"].get(index[id(p)])
                 if st is not None:
                     sg.inner.state[m] = {
-                        k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()
+                        k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
+                        for k, v in st.items()
                     }
+                else:
+                    sg.inner.state.pop(m, None)
             self._pack(sg)
-            self._enforce_budget(keep=[sg])
+            resident += sg.nbytes
+            if resident > self._keep_budget():
+                self._write_sync(sg)
+                resident -= sg.nbytes
 
     def close(self) -> None:
         """Removes this process's offload files (the optimizer is unusable after)."""
-        if self._closed:
+        if getattr(self, "_closed", True):
             return
         self._closed = True
         for sg in self.subgroups:
             with contextlib.suppress(Exception):
                 self._settle(sg)
-        self.io.shutdown(wait=True)
         for p in self.paths:
+            p.pool.shutdown(wait=True)
             shutil.rmtree(p.dir, ignore_errors=True)
-            if p.lock is not None:
-                p.lock.close()
+        for d in self.devices:
+            d.close()
+        for fd in self._alive_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._alive_fds = []
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"OffloadedOptimizer({self.cls.__name__}, {len(self.subgroups)} subgroups, "
+            f"host budget {self.budget / 2**20:.0f} MiB, paths {[str(p.root) for p in self.paths]})"
+        )
 
 
 def offload(
@@ -544,10 +981,10 @@ def offload(
 ) -> OffloadedOptimizer:
     """Wraps ``optimizer_class`` so that its fp32 master weights and state live
     in ``tiers`` (default: ``TIERSTORE_OFFLOAD_HOST`` of host memory, 1 GiB,
-    and a scratch directory ``TIERSTORE_OFFLOAD_DIR``). ``subgroup_bytes`` and
-    ``exclusive_io`` (the per-path machine-wide lock) and ``pipeline``
-    (False: the naive synchronous baseline) may be passed among them."""
-    extra = {
-        k: optimizer_kwargs.pop(k) for k in ("subgroup_bytes", "exclusive_io", "pipeline") if k in optimizer_kwargs
-    }
+    and the scratch directory ``TIERSTORE_OFFLOAD_DIR``). The options of
+    :class:`OffloadedOptimizer` (``subgroup_bytes``, ``io_slots``,
+    ``exclusive_io``, ``balance``, ``pipeline``) may be passed among the
+    optimizer's keyword arguments."""
+    names = ("subgroup_bytes", "io_slots", "exclusive_io", "balance", "pipeline")
+    extra = {k: optimizer_kwargs.pop(k) for k in names if k in optimizer_kwargs}
     return OffloadedOptimizer(optimizer_class, params, tiers=tiers, **extra, **optimizer_kwargs)

@@ -43,6 +43,51 @@ fn open_raw(path: &Path, flags: i32, mode: libc::mode_t) -> io::Result<File> {
     Ok(unsafe { File::from_raw_fd(fd) })
 }
 
+/// Opens `path` with `flags`, adding O_DIRECT when `want_direct` and the
+/// file system accepts it; returns the file, whether it is direct, and why
+/// not when it is not. Errors name `report` (the path the user gave).
+fn open_maybe_direct(
+    path: &Path,
+    flags: i32,
+    mode: libc::mode_t,
+    want_direct: bool,
+    report: &Path,
+    what: &'static str,
+) -> Result<(File, bool, Option<String>)> {
+    if want_direct {
+        match open_raw(path, flags | libc::O_DIRECT, mode) {
+            Ok(f) => return Ok((f, true, None)),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                let f = open_raw(path, flags, mode).map_err(|e| Error::io(report, what, e))?;
+                return Ok((
+                    f,
+                    false,
+                    Some("the file system refuses O_DIRECT".to_owned()),
+                ));
+            }
+            Err(e) => return Err(Error::io(report, what, e)),
+        }
+    }
+    let f = open_raw(path, flags, mode).map_err(|e| Error::io(report, what, e))?;
+    Ok((f, false, Some("buffered I/O requested".to_owned())))
+}
+
+/// fallocate of `[0, len)`; file systems without it are not an error.
+fn reserve_fd(file: &File, len: u64) -> io::Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    // SAFETY: valid fd; fallocate has no memory arguments.
+    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) };
+    if rc != 0 {
+        let e = io::Error::last_os_error();
+        if !matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS)) {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
 /// A file opened for engine I/O.
 pub struct EngineFile {
     pub file: File,
@@ -74,37 +119,53 @@ impl EngineFile {
                 io::Error::from_raw_os_error(libc::EISDIR),
             ));
         }
-        let mut reason = None;
-        let mut file = None;
-        if want_direct {
-            match open_raw(path, libc::O_RDONLY | libc::O_DIRECT, 0) {
-                Ok(f) => file = Some(f),
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    reason = Some("the file system refuses O_DIRECT".to_owned());
-                }
-                Err(e) => return Err(Error::io(path, "open", e)),
+        let (file, direct, reason) =
+            open_maybe_direct(path, libc::O_RDONLY, 0, want_direct, path, "open")?;
+        Ok(Self::wrap(file, path, direct, reason, meta.len()))
+    }
+
+    /// Opens `path` for rewriting ranges in place (created when missing), with
+    /// O_DIRECT when `want_direct` and the file system allows it. A file
+    /// shorter than `len` is extended with space reserved, so that a full disk
+    /// fails here, before any data is written, and not in the middle of it.
+    pub fn open_write(path: &Path, want_direct: bool, len: u64) -> Result<Self> {
+        let (file, direct, reason) = open_maybe_direct(
+            path,
+            libc::O_RDWR | libc::O_CREAT,
+            0o644,
+            want_direct,
+            path,
+            "open for writing",
+        )?;
+        let have = file
+            .metadata()
+            .map_err(|e| Error::io(path, "stat", e))?
+            .len();
+        if have < len {
+            reserve_fd(&file, len).map_err(|e| Error::io(path, "reserve space", e))?;
+            if file.metadata().map_or(0, |m| m.len()) < len {
+                file.set_len(len)
+                    .map_err(|e| Error::io(path, "extend", e))?;
             }
-        } else {
-            reason = Some("buffered I/O requested".to_owned());
         }
-        let direct = file.is_some();
-        let file = match file {
-            Some(f) => f,
-            None => open_raw(path, libc::O_RDONLY, 0).map_err(|e| Error::io(path, "open", e))?,
-        };
+        Ok(Self::wrap(file, path, direct, reason, have.max(len)))
+    }
+
+    fn wrap(file: File, path: &Path, direct: bool, reason: Option<String>, len: u64) -> Self {
+        use std::os::unix::fs::MetadataExt;
         let dio = dio_align_of(&file);
         let align = if direct { dio.io_align() } else { 1 };
-        use std::os::unix::fs::MetadataExt;
-        Ok(EngineFile {
+        let dev = file.metadata().map_or(0, |m| m.dev());
+        EngineFile {
             file,
             path: path.to_path_buf(),
             direct,
             buffered_reason: reason,
             align,
             dio,
-            len: meta.len(),
-            dev: meta.dev(),
-        })
+            len,
+            dev,
+        }
     }
 
     /// Plain positioned read of a small range through a buffered descriptor.
@@ -185,41 +246,16 @@ impl AtomicFile {
             std::process::id()
         );
         let tmp = dir.join(tmp_name);
-        let base = libc::O_CREAT | libc::O_EXCL | libc::O_RDWR;
-        let mut reason = None;
-        let mut file = None;
-        if want_direct {
-            match open_raw(&tmp, base | libc::O_DIRECT, 0o644) {
-                Ok(f) => file = Some(f),
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    reason = Some("the file system refuses O_DIRECT".to_owned());
-                }
-                Err(e) => return Err(Error::io(final_path, "create temporary file", e)),
-            }
-        } else {
-            reason = Some("buffered I/O requested".to_owned());
-        }
-        let direct = file.is_some();
-        let file = match file {
-            Some(f) => f,
-            None => open_raw(&tmp, base, 0o644)
-                .map_err(|e| Error::io(final_path, "create temporary file", e))?,
-        };
-        let dio = dio_align_of(&file);
-        let align = if direct { dio.io_align() } else { 1 };
-        use std::os::unix::fs::MetadataExt;
-        let dev = file.metadata().map_or(0, |m| m.dev());
+        let (file, direct, reason) = open_maybe_direct(
+            &tmp,
+            libc::O_CREAT | libc::O_EXCL | libc::O_RDWR,
+            0o644,
+            want_direct,
+            final_path,
+            "create temporary file",
+        )?;
         Ok(AtomicFile {
-            inner: EngineFile {
-                file,
-                path: tmp,
-                direct,
-                buffered_reason: reason,
-                align,
-                dio,
-                len: 0,
-                dev,
-            },
+            inner: EngineFile::wrap(file, &tmp, direct, reason, 0),
             final_path: final_path.to_path_buf(),
             dir,
             committed: false,
@@ -232,19 +268,8 @@ impl AtomicFile {
 
     /// Reserves `len` bytes so that a full disk fails before any data is written.
     pub fn reserve(&self, len: u64) -> Result<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        // SAFETY: valid fd; fallocate has no memory arguments.
-        let rc = unsafe { libc::fallocate(self.inner.fd(), 0, 0, len as libc::off_t) };
-        if rc != 0 {
-            let e = io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::EOPNOTSUPP | libc::ENOSYS) => {}
-                _ => return Err(Error::io(&self.final_path, "reserve space", e)),
-            }
-        }
-        Ok(())
+        reserve_fd(&self.inner.file, len)
+            .map_err(|e| Error::io(&self.final_path, "reserve space", e))
     }
 
     /// Sets the final length (after aligned writes that ran past it).

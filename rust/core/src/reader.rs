@@ -543,7 +543,7 @@ fn check_crcs(file: &EngineFile, specs: &[ReadSpec], mut pieces: Vec<CrcPiece>) 
 }
 
 /// Checks that every range lies inside `file`; returns their total length.
-fn check_ranges(file: &EngineFile, ranges: &[RangeRead]) -> Result<u64> {
+fn check_ranges(file: &EngineFile, ranges: &[IoRange]) -> Result<u64> {
     let mut total = 0u64;
     for r in ranges {
         if r.offset
@@ -563,55 +563,94 @@ fn check_ranges(file: &EngineFile, ranges: &[RangeRead]) -> Result<u64> {
     Ok(total)
 }
 
-/// One transfer of `len` bytes at file `offset` into caller memory at `dest`.
+/// One transfer of `len` bytes between file `offset` and caller memory at
+/// `buf` (the destination of a read, the source of a write).
 #[derive(Clone, Copy, Debug)]
-pub struct RangeRead {
+pub struct IoRange {
     pub offset: u64,
     pub len: usize,
-    pub dest: *mut u8,
+    pub buf: *mut u8,
 }
 
-// SAFETY: `read_ranges`'s contract makes the caller keep `dest` valid and
-// unaliased until the task ends.
-unsafe impl Send for RangeRead {}
-// SAFETY: shared access only reads the fields; each range's destination is
-// written by exactly one thread.
-unsafe impl Sync for RangeRead {}
+// SAFETY: the contracts of `read_ranges` and `write_ranges` make the caller
+// keep `buf` valid and unaliased until the task ends.
+unsafe impl Send for IoRange {}
+// SAFETY: shared access only reads the fields; each range's memory is
+// accessed by exactly one request at a time.
+unsafe impl Sync for IoRange {}
 
-/// Reads byte ranges of `file` straight into caller memory (resharding loads:
-/// many exact ranges, no alignment, so the file is read through the page
-/// cache). The task returns the number of bytes read.
+/// Reads byte ranges of `file` straight into caller memory (resharding loads,
+/// offloaded optimizer state). The task returns the number of bytes read.
 ///
 /// # Safety
 ///
-/// Every `dest` must be valid for writes of `len` bytes, the ranges must not
+/// Every `buf` must be valid for writes of `len` bytes, the ranges must not
 /// overlap in memory, and nothing else may access that memory until the task
 /// has ended (joined or dropped).
 pub unsafe fn read_ranges(
     engine: &Arc<Engine>,
     file: Arc<EngineFile>,
-    ranges: Vec<RangeRead>,
+    ranges: Vec<IoRange>,
     class: Class,
     state: Arc<TaskState>,
 ) -> Result<Task<u64>> {
     check_ranges(&file, &ranges)?;
+    // SAFETY: forwarded contract.
+    unsafe { transfer_ranges(engine, file, ranges, Op::Read, class, state) }
+}
+
+/// Writes caller memory into byte ranges of `file` in place (a file opened
+/// with [`EngineFile::open_write`], already long enough). Nothing is synced:
+/// this is scratch space (offloaded optimizer state), not a commit. The task
+/// returns the number of bytes written.
+///
+/// # Safety
+///
+/// Every `buf` must be valid for reads of `len` bytes and must not be written
+/// by anything else until the task has ended (joined or dropped).
+pub unsafe fn write_ranges(
+    engine: &Arc<Engine>,
+    file: Arc<EngineFile>,
+    ranges: Vec<IoRange>,
+    class: Class,
+    state: Arc<TaskState>,
+) -> Result<Task<u64>> {
+    check_ranges(&file, &ranges)?;
+    // SAFETY: forwarded contract.
+    unsafe { transfer_ranges(engine, file, ranges, Op::Write, class, state) }
+}
+
+/// The request loop shared by [`read_ranges`] and [`write_ranges`]: long
+/// ranges are split into chunks so that many requests are in flight.
+unsafe fn transfer_ranges(
+    engine: &Arc<Engine>,
+    file: Arc<EngineFile>,
+    ranges: Vec<IoRange>,
+    op: Op,
+    class: Class,
+    state: Arc<TaskState>,
+) -> Result<Task<u64>> {
     let engine = Arc::clone(engine);
-    Task::spawn("tierstore-ranges", state, move |st| {
+    let name = if op == Op::Read {
+        "tierstore-ranges"
+    } else {
+        "tierstore-wranges"
+    };
+    Task::spawn(name, state, move |st| {
         let slot = engine.path_slot(file.dev);
         let window = (engine.config().queue_depth * 2).max(8);
         let chunk = engine.config().chunk_size;
-        // Split long ranges so that many requests are in flight.
-        let mut work: Vec<RangeRead> = Vec::with_capacity(ranges.len());
+        let mut work: Vec<IoRange> = Vec::with_capacity(ranges.len());
         for r in ranges {
             let mut o = 0;
             while o < r.len {
                 let n = chunk.min(r.len - o);
                 // SAFETY: within the caller's range (contract above).
-                let dest = unsafe { r.dest.add(o) };
-                work.push(RangeRead {
+                let buf = unsafe { r.buf.add(o) };
+                work.push(IoRange {
                     offset: r.offset + o as u64,
                     len: n,
-                    dest,
+                    buf,
                 });
                 o += n;
             }
@@ -629,14 +668,14 @@ pub unsafe fn read_ranges(
                 let done = Box::new(move |got: std::io::Result<usize>| {
                     let _ = tx.send((i, got));
                 });
-                // SAFETY: `dest` is valid for `len` bytes until the task ends
-                // (contract of `read_ranges`), and this loop waits for every
-                // submitted request before returning.
+                // SAFETY: `buf` is valid for `len` bytes until the task ends
+                // (contracts of the public functions), and this loop waits for
+                // every submitted request before returning.
                 let req = unsafe {
                     Request::new(
-                        Op::Read,
+                        op,
                         file.fd(),
-                        r.dest,
+                        r.buf,
                         r.len,
                         r.offset,
                         class,
@@ -664,7 +703,11 @@ pub unsafe fn read_ranges(
                                 work[i].offset
                             ),
                         )),
-                        Err(e) => st.fail(Error::io(&file.path, "read", e)),
+                        Err(e) => st.fail(Error::io(
+                            &file.path,
+                            if op == Op::Read { "read" } else { "write" },
+                            e,
+                        )),
                     }
                 }
                 Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
@@ -688,7 +731,7 @@ pub unsafe fn read_ranges(
 /// no other access until the call returns.
 pub unsafe fn copy_ranges_mapped(
     file: &EngineFile,
-    ranges: &[RangeRead],
+    ranges: &[IoRange],
     threads: usize,
 ) -> Result<u64> {
     let total = check_ranges(file, ranges)?;
@@ -727,7 +770,7 @@ pub unsafe fn copy_ranges_mapped(
                     // SAFETY: source inside the mapping (checked above); the
                     // destination per this function's contract.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(map.0.add(r.offset as usize), r.dest, r.len);
+                        std::ptr::copy_nonoverlapping(map.0.add(r.offset as usize), r.buf, r.len);
                     };
                 }
             });

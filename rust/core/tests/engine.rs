@@ -272,3 +272,57 @@ fn aligned_and_gated_memory_is_written_directly() {
         assert!(back[1].1.iter().all(|&b| b == 0x5A), "{mode}");
     }
 }
+
+#[test]
+fn ranges_are_rewritten_in_place() {
+    use tierstore_core::buf::AlignedBuf;
+    use tierstore_core::reader::{read_ranges, write_ranges, IoRange};
+    for mode in modes() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("scratch.bin");
+        let e = engine(mode);
+        let n = 3 * 64 * 1024 + 8192; // several chunks, page multiple
+        let mut a = AlignedBuf::new(n, 4096).unwrap();
+        let mut round = |fill: u8| {
+            for (i, b) in a.as_mut_slice()[..n].iter_mut().enumerate() {
+                *b = (i % 251) as u8 ^ fill;
+            }
+            let f = EngineFile::open_write(&p, mode.direct(), 2 * n as u64).unwrap();
+            assert_eq!(f.len, 2 * n as u64, "{mode}: extended to the size asked");
+            let r = vec![IoRange {
+                offset: n as u64,
+                len: n,
+                buf: a.as_mut_ptr(),
+            }];
+            // SAFETY: `a` outlives the joined task and nothing else touches it.
+            let t =
+                unsafe { write_ranges(&e, Arc::new(f), r, Class::Foreground, TaskState::new()) };
+            assert_eq!(t.unwrap().join().unwrap(), n as u64);
+            let mut b = AlignedBuf::new(n, 4096).unwrap();
+            let f = EngineFile::open_read(&p, mode.direct()).unwrap();
+            let r = vec![IoRange {
+                offset: n as u64,
+                len: n,
+                buf: b.as_mut_ptr(),
+            }];
+            // SAFETY: as above.
+            let t = unsafe { read_ranges(&e, Arc::new(f), r, Class::Foreground, TaskState::new()) };
+            t.unwrap().join().unwrap();
+            assert_eq!(b.as_slice()[..n], a.as_slice()[..n], "{mode}");
+        };
+        round(0);
+        round(0xA5); // the same file rewritten, not recreated
+        assert_eq!(std::fs::metadata(&p).unwrap().len(), 2 * n as u64);
+        // A range beyond the end is refused before any I/O.
+        let f = EngineFile::open_read(&p, false).unwrap();
+        let mut b = vec![0u8; 16];
+        let r = vec![IoRange {
+            offset: 2 * n as u64,
+            len: 16,
+            buf: b.as_mut_ptr(),
+        }];
+        // SAFETY: `b` outlives the call.
+        let err = unsafe { read_ranges(&e, Arc::new(f), r, Class::Foreground, TaskState::new()) };
+        assert!(err.is_err(), "{mode}");
+    }
+}

@@ -317,8 +317,47 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(crc32_regions, m)?)?;
     m.add_function(wrap_pyfunction!(start_read, m)?)?;
     m.add_function(wrap_pyfunction!(read_ranges, m)?)?;
+    m.add_function(wrap_pyfunction!(write_ranges, m)?)?;
     m.add_class::<PendingRead>()?;
     Ok(())
+}
+
+/// Checks that the three lists agree and builds the ranges; `file` falls back
+/// to buffered I/O (reopened by `reopen`) when any offset, length or address
+/// is not aligned for O_DIRECT.
+fn build_ranges(
+    py: Python<'_>,
+    mut file: EngineFile,
+    offsets: &[u64],
+    lengths: &[usize],
+    addrs: &[usize],
+    reopen: impl FnOnce() -> tierstore_core::Result<EngineFile> + Send,
+) -> PyResult<(EngineFile, Vec<reader::IoRange>)> {
+    if offsets.len() != lengths.len() || offsets.len() != addrs.len() {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "offsets, lengths and addresses differ in length",
+        ));
+    }
+    if file.direct {
+        let a = file.align.max(1);
+        let aligned = offsets.iter().all(|o| o % a == 0)
+            && lengths.iter().all(|l| *l as u64 % a == 0)
+            && addrs.iter().all(|d| *d as u64 % a == 0);
+        if !aligned {
+            file = py.detach(reopen).py_err(py)?;
+        }
+    }
+    let ranges = offsets
+        .iter()
+        .zip(lengths)
+        .zip(addrs)
+        .map(|((&offset, &len), &addr)| reader::IoRange {
+            offset,
+            len,
+            buf: addr as *mut u8,
+        })
+        .collect();
+    Ok((file, ranges))
 }
 
 /// Reads byte ranges of `path` straight into memory: range `i` is
@@ -340,38 +379,15 @@ pub fn read_ranges(
     background: bool,
     direct: bool,
 ) -> PyResult<u64> {
-    if offsets.len() != lengths.len() || offsets.len() != dests.len() {
-        return Err(pyo3::exceptions::PyValueError::new_err(
-            "offsets, lengths and dests differ in length",
-        ));
-    }
     // `direct`: O_DIRECT when the engine and the file system allow it and
     // every offset, length and address is aligned for it; else buffered.
     let want_direct = direct && engine.inner.mode().direct();
-    let mut file = py
+    let file = py
         .detach(|| EngineFile::open_read(&path, want_direct))
         .py_err(py)?;
-    if file.direct {
-        let a = file.align.max(1);
-        let aligned = offsets.iter().all(|o| o % a == 0)
-            && lengths.iter().all(|l| *l as u64 % a == 0)
-            && dests.iter().all(|d| *d as u64 % a == 0);
-        if !aligned {
-            file = py
-                .detach(|| EngineFile::open_read(&path, false))
-                .py_err(py)?;
-        }
-    }
-    let ranges: Vec<reader::RangeRead> = offsets
-        .iter()
-        .zip(&lengths)
-        .zip(&dests)
-        .map(|((&offset, &len), &dest)| reader::RangeRead {
-            offset,
-            len,
-            dest: dest as *mut u8,
-        })
-        .collect();
+    let (file, ranges) = build_ranges(py, file, &offsets, &lengths, &dests, || {
+        EngineFile::open_read(&path, false)
+    })?;
     let class = class_of(background);
     // Many small ranges: copy through a mapping instead of one request each.
     let small = !file.direct
@@ -379,10 +395,9 @@ pub fn read_ranges(
         && lengths.iter().sum::<usize>() / lengths.len() < MAPPED_BELOW;
     if small {
         let threads = engine.inner.config().cpu_threads;
-        let r: Vec<reader::RangeRead> = ranges;
         // SAFETY: as below; the copy finishes before this call returns.
         return py
-            .detach(|| unsafe { reader::copy_ranges_mapped(&file, &r, threads) })
+            .detach(|| unsafe { reader::copy_ranges_mapped(&file, &ranges, threads) })
             .py_err(py);
     }
     // SAFETY: the caller's contract above (the Python side passes the data
@@ -393,6 +408,55 @@ pub fn read_ranges(
             Arc::new(file),
             ranges,
             class,
+            TaskState::new(),
+        )
+    }
+    .py_err(py)?;
+    wait_task(py, task, None)
+}
+
+/// Writes memory into byte ranges of `path` in place: range `i` is
+/// `lengths[i]` bytes from address `srcs[i]` to file offset `offsets[i]`.
+/// The file is created when missing and extended (space reserved first) to
+/// `size` bytes when shorter. Nothing is fsynced: scratch space, not a
+/// commit. Returns the bytes written.
+///
+/// The caller keeps the source memory alive and unchanged during the call.
+#[pyfunction]
+#[pyo3(signature = (engine, path, offsets, lengths, srcs, *, size=0, background=false, direct=false))]
+#[allow(clippy::too_many_arguments)]
+pub fn write_ranges(
+    py: Python<'_>,
+    engine: &PyEngine,
+    path: PathBuf,
+    offsets: Vec<u64>,
+    lengths: Vec<usize>,
+    srcs: Vec<usize>,
+    size: u64,
+    background: bool,
+    direct: bool,
+) -> PyResult<u64> {
+    let want_direct = direct && engine.inner.mode().direct();
+    let end = offsets
+        .iter()
+        .zip(&lengths)
+        .map(|(o, l)| o + *l as u64)
+        .max()
+        .unwrap_or(0);
+    let size = size.max(end);
+    let file = py
+        .detach(|| EngineFile::open_write(&path, want_direct, size))
+        .py_err(py)?;
+    let (file, ranges) = build_ranges(py, file, &offsets, &lengths, &srcs, || {
+        EngineFile::open_write(&path, false, size)
+    })?;
+    // SAFETY: the caller's contract above.
+    let task = unsafe {
+        reader::write_ranges(
+            &engine.inner,
+            Arc::new(file),
+            ranges,
+            class_of(background),
             TaskState::new(),
         )
     }
