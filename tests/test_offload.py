@@ -443,3 +443,80 @@ def test_damaged_state_is_reported(tmp_path: Path) -> None:
     with pytest.raises(ChecksumError, match=f"{sg.file}: .* subgroup {sg.index} is damaged"):
         _step(model, opt, 1)
     opt.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoints of offloaded state
+
+
+def test_checkpoint_takes_offloaded_state_from_the_tiers(tmp_path: Path) -> None:
+    m_ref, m_off = _big_model(), _big_model()
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-3)
+    opt = offload(
+        torch.optim.AdamW,
+        m_off.parameters(),
+        lr=1e-3,
+        tiers=[HostTier("4MiB"), DiskTier(str(tmp_path / "scratch"))],
+        subgroup_bytes="1MiB",
+    )
+    ck = tierstore.Checkpointer(
+        tmp_path / "ck", tiers=[HostTier("64MiB"), DiskTier("local"), tierstore.RemoteTier("remote")]
+    )
+    for step in range(3):
+        _big_step(m_ref, ref, step)
+        _big_step(m_off, opt, step)
+    opt.wait_io()
+    placed = opt.placement()
+    assert placed["host"] > 0 and placed[str(tmp_path / "scratch")] > 0  # both kinds of subgroup
+    at_save = copy.deepcopy(ref.state_dict())
+    m_saved = copy.deepcopy(m_ref)
+    read_before = opt.stats["read_bytes"]
+    ck.save(3, {"model": m_off.state_dict(), "optim": opt})
+    assert opt.stats["read_bytes"] == read_before  # nothing read back to save
+    _big_step(m_off, opt, 3)  # at once: the checkpoint keeps the values of step 3
+    _big_step(m_ref, ref, 3)
+    ck.wait()
+    files = sorted(p.name for p in (tmp_path / "ck" / "local").glob("step-*/offload-*"))
+    assert files and files == sorted(p.name for p in (tmp_path / "ck" / "remote").glob("step-*/offload-*"))
+    assert not list((tmp_path / "scratch").glob("session-*/pin-*"))  # pins dropped once copied
+
+    # Without `into`: the wrapped optimizer's ordinary state dict.
+    back = ck.load_latest()
+    assert back["optim"]["param_groups"] == at_save["param_groups"]
+    assert set(back["optim"]["state"]) == set(at_save["state"])
+    for i, st in at_save["state"].items():
+        for k, v in st.items():
+            assert torch.equal(back["optim"]["state"][i][k], v), (i, k)
+
+    # Into a fresh model and offloaded optimizer: the next steps match the reference.
+    m_new = _big_model(seed=7)
+    opt_new = offload(
+        torch.optim.AdamW,
+        m_new.parameters(),
+        lr=1e-3,
+        tiers=[HostTier("4MiB"), DiskTier(str(tmp_path / "scratch2"))],
+        subgroup_bytes="1MiB",
+    )
+    ref2 = torch.optim.AdamW(m_saved.parameters(), lr=1e-3)
+    ref2.load_state_dict(at_save)
+    ck2 = tierstore.Checkpointer(tmp_path / "ck", tiers=[DiskTier("local"), tierstore.RemoteTier("remote")])
+    ck2.load_latest(into={"model": m_new.state_dict(), "optim": opt_new})
+    assert ck2.restored is not None and ck2.restored["step"] == 3
+    for step in range(3, 6):
+        _big_step(m_saved, ref2, step)
+        _big_step(m_new, opt_new, step)
+    assert all(torch.equal(a, b) for a, b in zip(m_saved.parameters(), m_new.parameters(), strict=True))
+
+    # A damaged subgroup file in the local copy: the remote copy is used, with a warning.
+    local_file = next((tmp_path / "ck" / "local").glob("step-*/offload-*"))
+    data = bytearray(local_file.read_bytes())
+    data[100] ^= 0xFF
+    local_file.write_bytes(bytes(data))
+    opt3 = offload(torch.optim.AdamW, _big_model().parameters(), lr=1e-3, tiers=[DiskTier(str(tmp_path / "s3"))])
+    with pytest.warns(UserWarning, match="damaged"):
+        ck2.load_latest(into={"optim": opt3})
+    assert ck2.restored is not None and ck2.restored["tier"] == "remote"
+    for o in (opt, opt_new, opt3):
+        o.close()
+    ck.close()
+    ck2.close()

@@ -38,7 +38,7 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -399,6 +399,9 @@ class _Snapshot:
         # tensor as soon as its capture passes this gate (item index + 1).
         self.gate: _core.Gate | None = None
         self.gates: dict[int, tuple[_core.Gate, int]] = {}
+        # Offloaded optimizers' subgroup files pinned at save: (link, name in the checkpoint).
+        self.offload_pins: list[tuple[Path, str]] = []
+        self.has_offload = False  # restored from disk only (its pinned files are not kept in memory)
 
     def release_sources(self) -> None:
         """Drops the references to the training tensors."""
@@ -589,7 +592,10 @@ class Checkpointer:
             raise ValueError(f"step must be non-negative, got {step}")
         handle = CheckpointHandle(step, self.tier_names)
         snap = _Snapshot(step, self._ordinal, handle)
+        state, offload_buffers = self._expand_offloaded(state, snap)
         owned = self._owned_storages() if (self._optimizers and self.eager_unowned) else None
+        if owned is not None and offload_buffers:
+            owned = owned | offload_buffers  # changed by the next step: captured lazily, before it
         plan: list[tuple[torch.Tensor, Any]] = []
         memo: dict[int, Any] = {}
         nbytes = [0]
@@ -614,6 +620,7 @@ class Checkpointer:
         elif slab is None and block:
             slab = self.pool.reserve(nbytes[0], snap, block=True)
         if slab is None:
+            self._drop_offload_pins(snap)
             for name in self.tier_names:
                 handle._set(name, "skipped")
             busy = [s.step for s in self._snaps if not s.evictable]
@@ -661,6 +668,60 @@ class Checkpointer:
             self._flush_q.put(snap)  # pipelined: writes follow the capture
         handle.timings["blocked"] = time.perf_counter() - t0
         return handle
+
+    def _expand_offloaded(self, state: Mapping[str, Any], snap: _Snapshot) -> tuple[Mapping[str, Any], set[int]]:
+        """Replaces each offloaded optimizer in ``state`` by its checkpoint
+        parts (resident subgroups as tensors, the others as pinned files that
+        the flush copies), attaching it so that its next step waits for the
+        capture. Returns the new state and the storages of those tensors."""
+        from tierstore.offload import OffloadedOptimizer
+
+        buffers: set[int] = set()
+        count = [0]
+
+        def walk(obj: Any) -> Any:
+            if isinstance(obj, OffloadedOptimizer):
+                if obj not in self._optimizers:
+                    self.attach(obj)
+                prefix = f"r{self.rank:05d}-o{count[0]}-" if self.world > 1 else f"o{count[0]}-"
+                tag = f"{os.getpid()}-{snap.ordinal}-{count[0]}"
+                parts, pins = obj._checkpoint_parts(prefix, tag, f"offload-{self.rank:05d}.")
+                count[0] += 1
+                snap.has_offload = True
+                snap.offload_pins.extend(pins)
+                for v in parts.values():
+                    if isinstance(v, torch.Tensor):
+                        buffers.add(v.untyped_storage().data_ptr())
+                if self.world > 1:
+                    parts["__tierstore_offload__"] = PerRank(parts["__tierstore_offload__"])
+                return parts
+            if isinstance(obj, Mapping) and not isinstance(obj, torch.Tensor):
+                if not any(isinstance(v, (OffloadedOptimizer, Mapping)) for v in obj.values()):
+                    return obj
+                out = dict(obj)
+                for k, v in obj.items():
+                    out[k] = walk(v)
+                return out
+            return obj
+
+        return walk(state), buffers
+
+    def _copy_offload_pins(self, snap: _Snapshot, d: Path) -> None:
+        """Copies the pinned subgroup files of offloaded optimizers into the
+        checkpoint directory ``d`` (reflink where the file system can)."""
+        if not snap.offload_pins:
+            return
+        d.mkdir(parents=True, exist_ok=True)
+        engine = get_engine()
+        for pin, name in snap.offload_pins:
+            _core.copy_file(engine, pin, d / name, background=True)
+
+    @staticmethod
+    def _drop_offload_pins(snap: _Snapshot) -> None:
+        for pin, _name in snap.offload_pins:
+            with contextlib.suppress(OSError):
+                pin.unlink()
+        snap.offload_pins = []
 
     def _adapt_interval(self) -> None:
         """With ``max_overhead``: sets the interval so that the blocking time of
@@ -737,7 +798,13 @@ class Checkpointer:
         with self._lock:
             snaps = list(self._snaps)
         for s in snaps:
-            if s.in_host and s.captured.is_set() and s.error is None and s.handle.tiers.get("host") == "captured":
+            if (
+                s.in_host
+                and not s.has_offload
+                and s.captured.is_set()
+                and s.error is None
+                and s.handle.tiers.get("host") == "captured"
+            ):
                 out.append({"step": s.step, "tier": self.host.name, "path": None, "rank": 0, "_snap": s})
         for ti, t in enumerate(self.disks):
             for p in self._tier_paths(t):
@@ -932,6 +999,7 @@ class Checkpointer:
                 self._flush_q.put(snap)
 
     def _fail_snapshot(self, snap: _Snapshot, e: BaseException) -> None:
+        self._drop_offload_pins(snap)
         if snap.gate is not None:
             snap.gate.fail()  # a flush already writing this snapshot stops
         snap.error = e
@@ -1015,6 +1083,7 @@ class Checkpointer:
             try:
                 fn(snap)
             except BaseException as e:  # reported through the handle and wait()
+                self._drop_offload_pins(snap)
                 snap.handle.error = e
                 self._errors.append(e)
                 for name, st in snap.handle.tiers.items():
@@ -1057,6 +1126,7 @@ class Checkpointer:
                 self._busy_dirs.add(d)
             try:
                 self._write_meta(d, snap)
+                self._copy_offload_pins(snap, d)
                 save_sharded(snap.state, d, process_group=self._pg_flush, background=True, _gates=snap.gates)
                 snap.captured.wait()
                 if snap.error is not None:
@@ -1122,11 +1192,14 @@ class Checkpointer:
                         if snap.error is not None:
                             return
                         self._write_meta(d, snap)
+                        self._copy_offload_pins(snap, d)
                         save_sharded(snap.state, d, process_group=self._pg_promote, background=True)
                         snap.local_dir = d
                     h.paths[t.name] = str(d)
                     h.timings["to_remote"] = time.perf_counter() - snap.t_save
                     h.timings["promote"] = time.perf_counter() - t0
+                    if t is self.disks[-1]:
+                        self._drop_offload_pins(snap)  # before wait() can return
                     h._set(t.name, "durable")
                     self._gc(t)
                 except (OSError, TierstoreError) as e:
@@ -1140,6 +1213,7 @@ class Checkpointer:
                     with self._lock:
                         self._busy_dirs.discard(d)
         finally:
+            self._drop_offload_pins(snap)
             if self.disks[0].name in h.paths:
                 with self._lock:
                     self._busy_dirs.discard(Path(h.paths[self.disks[0].name]))
@@ -1165,7 +1239,8 @@ class Checkpointer:
         mine = [
             f
             for f in sorted(os.listdir(src))
-            if f".{sid}." in f and (f.startswith((f"rank-{self.rank:05d}.", f"objects-{self.rank:05d}.")))
+            if (f".{sid}." in f and f.startswith((f"rank-{self.rank:05d}.", f"objects-{self.rank:05d}.")))
+            or f.startswith(f"offload-{self.rank:05d}.")
         ]
         if self.rank == 0 and (src / META).exists():
             mine.append(META)
@@ -1228,16 +1303,106 @@ class Checkpointer:
             return _clone_tree(snap.state)
         d = Path(c["path"])
         if into is not None:
-            return load_sharded(d, into, process_group=None, per_rank_policy=per_rank_policy, weights_only=weights_only)
+            return self._load_into(d, into, weights_only, per_rank_policy)
         flat = consolidate(d, weights_only=weights_only)
         meta_p = d / META
         if not meta_p.exists():
-            return flat
+            return _offload_state_dicts(flat, d)
         try:
             meta = json.loads(meta_p.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise TierstoreError(f"{meta_p}: not valid JSON ({e})") from None
-        return _unflatten(flat, meta.get("tree", []))
+        return _offload_state_dicts(_unflatten(flat, meta.get("tree", [])), d)
+
+    def _load_into(self, d: Path, into: Any, weights_only: bool, per_rank_policy: Any) -> Any:
+        """``load_sharded`` into ``into``, where offloaded optimizers get their
+        saved subgroups back as they are (no per-parameter work)."""
+        from tierstore.offload import OffloadedOptimizer, offload_meta
+
+        found: list[tuple[MutableMapping[str, Any], str, OffloadedOptimizer]] = []
+
+        def walk(obj: Any) -> Any:
+            if isinstance(obj, Mapping) and not isinstance(obj, torch.Tensor):
+                out = dict(obj)
+                for k, v in obj.items():
+                    if isinstance(v, OffloadedOptimizer):
+                        out[k] = {"__tierstore_offload__": None}
+                        found.append((out, k, v))
+                    else:
+                        out[k] = walk(v)
+                return out
+            return obj
+
+        template = walk(into) if isinstance(into, Mapping) else into
+        if not found:
+            return load_sharded(d, into, process_group=None, per_rank_policy=per_rank_policy, weights_only=weights_only)
+        # The offload entries' metadata first (small), then every tensor in one load.
+        probe = _only_offload_meta(template)
+        load_sharded(d, probe, process_group=None, per_rank_policy=per_rank_policy, weights_only=weights_only)
+        metas = [offload_meta(m["__tierstore_offload__"], str(d)) for m in _offload_entries(probe)]
+        for (parent, k, _opt), meta in zip(found, metas, strict=True):
+            entry: dict[str, Any] = {"__tierstore_offload__": None}
+            for e in meta["subgroups"]:
+                if "tensor" in e:
+                    entry[e["tensor"]] = torch.empty(e["nbytes"], dtype=torch.uint8)
+            parent[k] = entry
+        load_sharded(d, template, process_group=None, per_rank_policy=per_rank_policy, weights_only=weights_only)
+        for (parent, k, opt), meta in zip(found, metas, strict=True):
+            tensors = {n: t for n, t in parent[k].items() if isinstance(t, torch.Tensor)}
+            opt._restore_from_checkpoint(meta, tensors, d)
+        _copy_back(into, template)
+        return into
+
+
+def _only_offload_meta(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a load template that holds offload metadata entries."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping) and "__tierstore_offload__" in v:
+            out[k] = {"__tierstore_offload__": None}
+        elif isinstance(v, Mapping):
+            sub = _only_offload_meta(v)
+            if sub:
+                out[k] = sub
+    return out
+
+
+def _offload_entries(tree: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    for v in tree.values():
+        if isinstance(v, Mapping) and "__tierstore_offload__" in v:
+            yield v
+        elif isinstance(v, Mapping):
+            yield from _offload_entries(v)
+
+
+def _copy_back(into: Any, template: Any) -> None:
+    """Puts what ``load_sharded`` filled into a template back into ``into``
+    (offloaded optimizers stay in place: they restored themselves)."""
+    from tierstore.offload import OffloadedOptimizer
+
+    if not isinstance(into, MutableMapping):
+        return
+    for k, v in into.items():
+        t = template.get(k)
+        if isinstance(v, OffloadedOptimizer):
+            continue
+        if isinstance(v, Mapping) and not isinstance(v, torch.Tensor):
+            _copy_back(v, t)
+        elif not isinstance(v, torch.Tensor):
+            into[k] = t  # non-tensor values are replaced by the saved ones
+
+
+def _offload_state_dicts(obj: Any, d: Path) -> Any:
+    """Turns offloaded optimizers' checkpoint entries into the wrapped
+    optimizer's ordinary state dict."""
+    from tierstore.offload import OFFLOAD_KEY, is_offload_parts, offload_meta, restore_state_dict
+
+    if is_offload_parts(obj):
+        tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+        return restore_state_dict(offload_meta(obj[OFFLOAD_KEY], str(d)), tensors, d)
+    if isinstance(obj, dict):
+        return {k: _offload_state_dicts(v, d) for k, v in obj.items()}
+    return obj
 
 
 def _clone_tree(obj: Any) -> Any:

@@ -71,6 +71,8 @@ __all__ = ["OffloadedOptimizer", "offload"]
 
 _PAGE = 4096
 _SESSION = "session-"
+OFFLOAD_KEY = "__tierstore_offload__"  # an offloaded optimizer's entry in a checkpoint
+OFFLOAD_FORMAT = "tierstore-offload/1"
 _ALPHA = 0.3  # weight of a new bandwidth sample in the estimate
 
 
@@ -943,6 +945,145 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self._write_sync(sg)
                 resident -= sg.nbytes
 
+    # -------------------------------------------------------------------------------------------
+    # checkpoints (called by tierstore.Checkpointer)
+
+    def _checkpoint_parts(
+        self, prefix: str, pin_tag: str, file_prefix: str = ""
+    ) -> tuple[dict[str, Any], list[tuple[Path, str]]]:
+        """The state as a checkpoint takes it, between steps, without reading
+        anything back: resident subgroups (and those whose write-back is in
+        flight: their buffers are unchanged until the next step) as flat byte
+        tensors, to be captured before the next step changes them; the others
+        as their files, pinned by a hard link (a later write-back goes to a new
+        file, never into a pinned one) and copied by the checkpointer.
+
+        Returns ``({"__tierstore_offload__": ("tierstore-offload/1", meta),
+        "<prefix>sg-000003": tensor,
+        ...}, [(pin, file name in the checkpoint), ...])``."""
+        self._flush_warnings()
+        index = self._index()
+        parts: dict[str, Any] = {}
+        pins: list[tuple[Path, str]] = []
+        subgroups = []
+        for sg in self.subgroups:
+            entry: dict[str, Any] = {
+                "index": sg.index,
+                "group": sg.group,
+                "first": sg.first,
+                "count": len(sg.params),
+                "nbytes": sg.nbytes,
+                "layout": [
+                    [i, k, o, n, str(dt).removeprefix("torch."), list(shape)] for i, k, o, n, dt, shape in sg.layout
+                ],
+                "objects": self._objects(sg),
+            }
+            if sg.buf is None and sg.reading is not None:
+                self._settle(sg)  # only a state_dict() read can be in flight here
+            if sg.buf is not None:
+                entry["tensor"] = f"{prefix}sg-{sg.index:06d}"
+                parts[entry["tensor"]] = sg.buf
+            else:
+                assert sg.file is not None
+                name = f"{file_prefix}{prefix}sg-{sg.index:06d}.bin"
+                pin = sg.file.parent / f"pin-{pin_tag}-sg-{sg.index:06d}.bin"
+                try:
+                    os.link(sg.file, pin)
+                    sg.pinned = True
+                except OSError:  # no hard links here: take the bytes now
+                    buf = self._aligned(sg.nbytes)
+                    self._read(sg, buf)
+                    entry["tensor"] = f"{prefix}sg-{sg.index:06d}"
+                    parts[entry["tensor"]] = buf
+                else:
+                    entry["file"] = name
+                    entry["crc32"] = sg.crc
+                    pins.append((pin, name))
+            subgroups.append(entry)
+        groups = []
+        for g in self.param_groups:
+            g2 = {k: v for k, v in g.items() if k != "params"}
+            g2["params"] = [index[id(p)] for p in g["params"]]
+            groups.append(g2)
+        meta = {
+            "optimizer": f"{self.cls.__module__}.{self.cls.__qualname__}",
+            "steps": self.steps,
+            "param_groups": groups,
+            "params": [
+                {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
+                for g in self.param_groups
+                for p in g["params"]
+            ],
+            "subgroups": subgroups,
+        }
+        # A (format, meta) pair: saved as one object, not flattened into keys.
+        parts[OFFLOAD_KEY] = (OFFLOAD_FORMAT, meta)
+        return parts, pins
+
+    def _objects(self, sg: _Subgroup) -> dict[str, dict[str, Any]]:
+        """Non-tensor state values (kept in memory), by parameter index in the subgroup."""
+        out: dict[str, dict[str, Any]] = {}
+        if sg.inner is None:
+            return out
+        for i, m in enumerate(sg.masters):
+            st = sg.inner.state.get(m, {})
+            o = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
+            if o:
+                out[str(i)] = o
+        return out
+
+    def _matches(self, meta: dict[str, Any]) -> bool:
+        """Whether a checkpoint's subgroups are this optimizer's (same
+        parameters, same partition), so that its bytes go in as they are."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        if meta.get("optimizer") != f"{self.cls.__module__}.{self.cls.__qualname__}":
+            return False
+        if [tuple(q["shape"]) for q in meta["params"]] != [tuple(p.shape) for p in params]:
+            return False
+        mine = [(sg.group, sg.first, len(sg.params)) for sg in self.subgroups]
+        return mine == [(e["group"], e["first"], e["count"]) for e in meta["subgroups"]]
+
+    @torch.no_grad()
+    def _restore_from_checkpoint(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], d: Path) -> None:
+        """Puts a checkpoint's offloaded state back (see :meth:`_checkpoint_parts`):
+        each subgroup's bytes, checked, straight into host memory or a path;
+        with another partition, through the wrapped optimizer's state dict."""
+        if not self._matches(meta):
+            self.load_state_dict(restore_state_dict(meta, tensors, d))
+            return
+        self.wait_io()
+        for g, g2 in zip(self.param_groups, meta["param_groups"], strict=True):
+            g.update({k: v for k, v in g2.items() if k != "params"})
+        resident = 0
+        for sg, e in zip(self.subgroups, meta["subgroups"], strict=True):
+            if sg.buf is not None:
+                self._detach(sg)
+            self._wait_room(e["nbytes"])
+            buf = self._alloc(e["nbytes"])
+            try:
+                _subgroup_bytes(e, tensors, d, out=buf)
+            except BaseException:
+                self._release(buf)
+                raise
+            if sg.inner is None:
+                hyper = {k: v for k, v in self.param_groups[sg.group].items() if k != "params"}
+                sg.inner = self.cls([{"params": sg.masters, **hyper}], **self.kwargs)
+            sg.inner.state.clear()
+            for i, objs in e["objects"].items():
+                sg.inner.state[sg.masters[int(i)]].update(objs)
+            sg.layout = [(i, k, o, n, _dtype(dt), tuple(shape)) for i, k, o, n, dt, shape in e["layout"]]
+            sg.nbytes = e["nbytes"]
+            for i, k, *_ in sg.layout:
+                if k is not None:
+                    sg.inner.state.setdefault(sg.masters[i], {})
+            self._attach(sg, buf)
+            sg.dirty = True
+            resident += sg.nbytes
+            if resident > self._keep_budget():
+                self._write_sync(sg)
+                resident -= sg.nbytes
+        self.steps = int(meta.get("steps", 0))
+
     def close(self) -> None:
         """Removes this process's offload files (the optimizer is unusable after)."""
         if getattr(self, "_closed", True):
@@ -970,6 +1111,76 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             f"OffloadedOptimizer({self.cls.__name__}, {len(self.subgroups)} subgroups, "
             f"host budget {self.budget / 2**20:.0f} MiB, paths {[str(p.root) for p in self.paths]})"
         )
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise TierstoreError(f"offloaded optimizer state: unknown dtype {name!r}")
+    return dt
+
+
+def _subgroup_bytes(
+    e: dict[str, Any], tensors: dict[str, torch.Tensor], d: Path, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One saved subgroup's flat bytes (from its tensor, or its file checked
+    against the CRC-32 recorded at save)."""
+    n = int(e["nbytes"])
+    buf = out if out is not None else OffloadedOptimizer._aligned(n)
+    if "tensor" in e:
+        t = tensors.get(e["tensor"])
+        if t is None or t.numel() != n:
+            raise TierstoreError(f"{d}: offloaded optimizer subgroup {e['index']}: tensor {e['tensor']!r} is missing")
+        buf.copy_(t.view(torch.uint8).reshape(-1))
+        return buf
+    f = d / e["file"]
+    if not f.exists():
+        raise TierstoreError(f"{f}: file of offloaded optimizer subgroup {e['index']} is missing")
+    got = _core.read_ranges(get_engine(), f, [0], [n], [buf.data_ptr()], direct=True)
+    (crc,) = _core.crc32_regions([(buf.data_ptr(), n)], 1)
+    if got != n or crc != e["crc32"]:
+        raise ChecksumError(
+            f"{f}: offloaded optimizer state of subgroup {e['index']} is damaged "
+            f"(CRC-32 {crc:08x}, saved {e['crc32']:08x}, {got} of {n} bytes)",
+            path=str(f),
+            record=f"subgroup {e['index']}",
+        )
+    return buf
+
+
+def restore_state_dict(meta: dict[str, Any], tensors: dict[str, torch.Tensor], d: Path) -> dict[str, Any]:
+    """The wrapped optimizer's ordinary state dict (``{"state": {param index:
+    {...}}, "param_groups": [...]}``) from an offloaded optimizer's checkpoint
+    parts, each subgroup checked."""
+    state: dict[int, dict[str, Any]] = {}
+    for e in meta["subgroups"]:
+        buf = _subgroup_bytes(e, tensors, d)
+        for i, k, o, n, dt, shape in e["layout"]:
+            if k is None:
+                continue
+            v = buf[o : o + n].view(_dtype(dt)).view(tuple(shape)).clone()
+            state.setdefault(e["first"] + i, {})[k] = v
+        for i, objs in e["objects"].items():
+            state.setdefault(e["first"] + int(i), {}).update(objs)
+    return {"state": dict(sorted(state.items())), "param_groups": meta["param_groups"]}
+
+
+def is_offload_parts(obj: Any) -> bool:
+    """Whether ``obj`` is an offloaded optimizer's checkpoint entry."""
+    return isinstance(obj, dict) and OFFLOAD_KEY in obj
+
+
+def offload_meta(value: Any, where: str) -> dict[str, Any]:
+    """The metadata of an offloaded optimizer's checkpoint entry (its
+    ``__tierstore_offload__`` value), checked."""
+    if (
+        not isinstance(value, (tuple, list))
+        or len(value) != 2
+        or value[0] != OFFLOAD_FORMAT
+        or not isinstance(value[1], dict)
+    ):
+        raise TierstoreError(f"{where}: not the checkpoint of an offloaded optimizer ({OFFLOAD_FORMAT})")
+    return value[1]
 
 
 def offload(
