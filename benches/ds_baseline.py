@@ -48,6 +48,7 @@ import argparse
 import contextlib
 import gc
 import json
+import logging
 import os
 import shutil
 import socket
@@ -105,6 +106,12 @@ def _import_deepspeed() -> Any:
         import deepspeed
     except ImportError as e:
         raise DeepSpeedUnavailableError(f"DeepSpeed is not importable by {sys.executable} ({e}); {SETUP_HINT}") from e
+    from deepspeed.utils.logging import logger
+
+    # DeepSpeed logs to stdout: send it to stderr, so that stdout carries only results.
+    for h in logger.handlers:
+        if isinstance(h, logging.StreamHandler) and h.stream is sys.stdout:
+            h.setStream(sys.stderr)
     return deepspeed
 
 
@@ -215,7 +222,9 @@ def run_deepspeed_swapper(
     The swapper's ``buffer_count`` is chosen so that its pinned swap buffers
     (one per tensor of a sub-group in flight, each of the largest sub-group)
     take about ``host_budget_bytes``; the pipelined swapper needs 12 of them
-    (three sub-groups in flight: master, exp_avg, exp_avg_sq, gradient).
+    (three sub-groups in flight: master, exp_avg, exp_avg_sq, gradient) and
+    never uses more: DeepSpeed allocates and page-locks (mlock) them all, but
+    has no use for host memory beyond that (it keeps no sub-group resident).
     ``aio`` overrides DeepSpeed's aio defaults (block_size 1 MiB, queue_depth 8,
     intra_op_parallelism 1, single_submit False, overlap_events True).
 
@@ -223,9 +232,9 @@ def run_deepspeed_swapper(
     read and written per step (counted at the aio submissions), and ``checksum``:
     the float64 sum of the final fp32 masters, read back from the swap files.
     """
+    if steps < 1:
+        raise ValueError("steps must be at least 1")
     deepspeed = _import_deepspeed()
-    _check_aio_op(allow_build)
-    _init_comm()
     from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
 
     aio_config = get_aio_config({"aio": dict(aio or {})})
@@ -244,6 +253,10 @@ def run_deepspeed_swapper(
             f"{'pipelined' if pipeline else 'partitioned'} swapper needs {need} (at least {need * buffer_elems * 4} B):"
             " use smaller sub-groups or a larger budget"
         )
+    # DeepSpeed prints ("... built successfully") to stdout: to stderr with it.
+    with contextlib.redirect_stdout(sys.stderr):
+        _check_aio_op(allow_build)
+        _init_comm()
 
     run_dir = Path(tempfile.mkdtemp(prefix="ds-swap-", dir=swap_dir))
     try:
@@ -448,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         ref = reference_in_memory(int(args.params), args.steps, args.seed)
         ok = ref == r["checksum"]
-        print(f"in-memory fused AdamW checksum {ref!r}: {'equal' if ok else 'DIFFERENT'}")
+        print(f"in-memory fused AdamW checksum {ref!r}: {'equal' if ok else 'DIFFERENT'}", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1))
     return 0 if ok else 1

@@ -15,8 +15,9 @@
 # into <venv>/torch_extensions (a few minutes on 2 cores); later runs load it
 # at once. Safe to run again and from several shells at once (flock).
 #
-# Needs: libaio-dev (Debian package), a C++ compiler, the project's shared
-# dependencies (built here with the Makefile's own rule if missing).
+# Needs: a C++ compiler, libaio-dev (the Debian package, installed here with
+# apt-get when missing and run as root), the project's shared dependencies
+# (built here with the Makefile's own rule if missing).
 # Environment: PY (python3), CACHE (~/.cache/tierstore), DS_VERSION (0.19.8).
 set -euo pipefail
 
@@ -59,6 +60,15 @@ if [ ! -f "$VENV/.complete" ]; then
     # Built in place (not in a temporary folder moved afterwards): console
     # scripts such as bin/ninja, which the JIT build runs, carry the absolute
     # path of the environment. A half-built one has no .complete and is redone.
+    if ! dpkg -s libaio-dev >/dev/null 2>&1; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+            log "installing libaio-dev (headers for DeepSpeed's aio op)"
+            apt-get install -y -q libaio-dev >&2 || { apt-get update -q >&2 && apt-get install -y -q libaio-dev >&2; }
+        else
+            log "libaio-dev is missing: install it (apt-get install libaio-dev) and run again"
+            exit 1
+        fi
+    fi
     rm -rf "$VENV"
     # No pip or setuptools of its own: those of the shared environment (seen
     # through the .pth file) install into this one and build DeepSpeed's sdist.

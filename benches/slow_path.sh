@@ -70,7 +70,7 @@ up)
 	echo "$dev $img" >"$state"
 	mkfs.ext4 -q -F -E nodiscard "$dev"
 	mkdir -p "$mnt"
-	mount "$dev" "$mnt" || {
+	mount -o discard "$dev" "$mnt" || {
 		"$0" down "$name"
 		unavailable "could not mount $dev"
 	}

@@ -318,7 +318,7 @@ def test_schedulers_and_hooks_see_an_optimizer(tmp_path: Path) -> None:
 def test_other_processes_take_turns_at_a_device(tmp_path: Path) -> None:
     from tierstore.offload import _lock_dir
 
-    lock = _lock_dir() / f"tierstore-io-{os.stat(tmp_path).st_dev:x}-0.lock"
+    lock = _lock_dir() / f"tierstore-io-{os.stat(tmp_path).st_dev:x}-w0.lock"
     code = (
         "import fcntl, os, sys, time\n"
         "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o666)\n"

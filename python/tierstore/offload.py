@@ -55,7 +55,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -90,41 +90,38 @@ def _lock_dir() -> Path:
 # concurrency control
 
 
-class _Device:
-    """Turns at one device (one ``st_dev``) for the transfers of this process
-    and, with ``exclusive``, of every process on the machine.
+class _Lane:
+    """Turns in one direction (reads or writes) at one device (one
+    ``st_dev``), for the transfers of this process and, with ``exclusive``,
+    of every process on the machine.
 
     In the process: at most ``slots`` transfers at a time, granted by ticket
-    (first come, first served, except that a read the training thread is
-    waiting for goes first). Across processes: each granted transfer also
+    (first come, first served). Across processes: each granted transfer also
     holds one of ``slots`` lock files (flock), so that several processes
     offloading to one device take turns instead of thrashing it. A process
     that dies releases its locks with its descriptors."""
 
-    def __init__(self, dev: int, slots: int, exclusive: bool) -> None:
-        self.dev = dev
+    def __init__(self, dev: int, what: str, slots: int, exclusive: bool) -> None:
         self.slots = max(1, slots)
         self.cond = threading.Condition()
         self.busy = 0
         self.waiting: list[tuple[int, int]] = []  # heap of (priority, ticket)
         self.tickets = itertools.count()
         self.fds: list[int] = []
-        self.free_fds: list[int] = []
         self.lock_wait_s = 0.0  # time spent waiting for other processes
         if exclusive:
             base = _lock_dir()
             for i in range(self.slots):
-                f = base / f"tierstore-io-{dev:x}-{i}.lock"
-                fd = os.open(f, os.O_RDWR | os.O_CREAT, 0o666)
-                self.fds.append(fd)
-            self.free_fds = list(self.fds)
+                f = base / f"tierstore-io-{dev:x}-{what[0]}{i}.lock"
+                self.fds.append(os.open(f, os.O_RDWR | os.O_CREAT, 0o666))
+        self.free_fds = list(self.fds)
 
     def ticket(self) -> tuple[int, int]:
         """A place in line, taken when a transfer is queued."""
         return (1, next(self.tickets))
 
     @contextlib.contextmanager
-    def turn(self, ticket: tuple[int, int]) -> Any:
+    def turn(self, ticket: tuple[int, int]) -> Iterator[None]:
         with self.cond:
             heapq.heappush(self.waiting, ticket)
             while self.busy >= self.slots or self.waiting[0] != ticket:
@@ -157,6 +154,31 @@ class _Device:
                 os.close(fd)
         self.fds = []
         self.free_fds = []
+
+
+class _Device:
+    """The two lanes of a device: a read and a write may run at once (devices
+    serve both directions concurrently), each direction one stream at a time
+    (``slots``) machine-wide."""
+
+    def __init__(self, dev: int, slots: int, exclusive: bool) -> None:
+        self.dev = dev
+        self.lanes = {w: _Lane(dev, w, slots, exclusive) for w in ("read", "write")}
+
+    def ticket(self, what: str) -> tuple[int, int]:
+        return self.lanes[what].ticket()
+
+    def turn(self, what: str, ticket: tuple[int, int] | None = None) -> contextlib.AbstractContextManager[None]:
+        lane = self.lanes[what]
+        return lane.turn(ticket if ticket is not None else lane.ticket())
+
+    @property
+    def lock_wait_s(self) -> float:
+        return sum(lane.lock_wait_s for lane in self.lanes.values())
+
+    def close(self) -> None:
+        for lane in self.lanes.values():
+            lane.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,7 +290,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     schedulers) while its fp32 master weights and state live in the tiers.
 
     ``subgroup_bytes``: size of a subgroup (master + state), the unit of I/O.
-    ``io_slots``: transfers in flight per device, machine-wide.
+    ``io_slots``: transfers in flight per device and direction, machine-wide.
     ``exclusive_io``: take those turns across processes (lock files); False
     limits only this process. ``balance``: ``"bandwidth"`` (measured) or
     ``"even"`` placement over the paths. ``pipeline=False``: the naive
@@ -516,7 +538,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             try:
                 for what in ("write", "read"):
                     fn = _core.write_ranges if what == "write" else _core.read_ranges
-                    with p.device.turn(p.device.ticket()):
+                    with p.device.turn(what):
                         t0 = time.perf_counter()
                         fn(self.engine, f, [0], [n], [probe.data_ptr()], direct=True)
                         p.observe(what, n, time.perf_counter() - t0)
@@ -580,9 +602,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             else:
                 sg.generation += 1
                 f = p.dir / f"sg-{sg.index:06d}.{sg.generation}.bin"
-            tk = ticket if ticket is not None else p.device.ticket()
             try:
-                with p.device.turn(tk):
+                with p.device.turn("write", ticket):
                     t0 = time.perf_counter()
                     _core.write_ranges(self.engine, f, [0], [sg.nbytes], [buf.data_ptr()], size=sg.nbytes, direct=True)
                     dt = time.perf_counter() - t0
@@ -617,7 +638,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Reads the subgroup's file into ``buf`` and checks it."""
         assert sg.file is not None and sg.path is not None
         p = sg.path
-        with p.device.turn(ticket if ticket is not None else p.device.ticket()):
+        with p.device.turn("read", ticket):
             t0 = time.perf_counter()
             _core.read_ranges(self.engine, sg.file, [0], [sg.nbytes], [buf.data_ptr()], direct=True)
             dt = time.perf_counter() - t0
@@ -656,7 +677,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _start_read(self, sg: _Subgroup) -> None:
         assert sg.path is not None and sg.reading is None
         buf = self._alloc(sg.nbytes)
-        ticket = sg.path.device.ticket()
+        ticket = sg.path.device.ticket("read")
 
         def job() -> None:
             try:
@@ -673,7 +694,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Writes ``sg`` back and frees its buffer when done."""
         assert sg.writing is None
         p = self._choose_path(sg)
-        ticket = p.device.ticket()
+        ticket = p.device.ticket("write")
 
         def job() -> None:
             try:
