@@ -1,23 +1,42 @@
-"""Optimizer step time with the state offloaded (first version of the benchmark).
+"""Optimizer step time with the optimizer state offloaded, every mode in one run.
 
-One run, the same parameters and gradients for every mode: AdamW fully in
-memory (the lower bound), the naive synchronous offload (each subgroup read,
-updated, written in turn, one path), tierstore's pipelined offload on one path
-(the disk), and on two paths of different bandwidth (the disk and a RAM file
-system). Also the I/O bandwidth achieved against the engine's raw write and
-read rate on the disk, measured in the same run.
+The model: ``--params`` bf16 parameters (4M-element tensors), their fp32
+master weights and AdamW state (12 bytes per parameter) several times larger
+than the host budget ``--host``. Every mode starts from the same fp32 values
+and gets the same bf16 gradients, runs torch's fused AdamW, and must end with
+the same fp32 masters (checked). Modes:
 
-    python benches/bench_offload.py [--params 50e6 --host 256MiB --subgroup 64MiB]
+* in memory: masters and state all in host memory (the lower bound: the same
+  update, no I/O);
+* naive: each subgroup read, updated and written back in turn, one path,
+  nothing kept, nothing overlapped (same engine, O_DIRECT);
+* tierstore: the pipelined offload on one path, and on two paths of different
+  bandwidth, split in proportion to the measured bandwidth and evenly;
+* DeepSpeed: its ZeRO-Infinity optimizer swapper (PipelinedOptimizerSwapper +
+  aio handle, built by benches/setup_deepspeed.sh) on the same bytes;
+* two processes offloading to one disk with the machine-wide device turns on
+  and off (total throughput).
+
+Paths: the disk under ``--dir``; ``fast`` and ``slow``: RAM-backed loop devices
+throttled by the kernel's block I/O controller to ``--fast-rate`` and
+``--slow-rate`` MiB/s per direction (benches/slow_path.sh; needs root). The
+ceiling of each path (engine write, read, and both at once, O_DIRECT, in
+subgroup-sized transfers) is measured in the same run.
+
+    python benches/bench_offload.py [--params 300e6 --host 1GiB --json docs/bench/offload.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import shutil
 import statistics
+import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,117 +46,384 @@ import torch
 import tierstore
 from tierstore import DiskTier, HostTier, _core
 
+HERE = Path(__file__).resolve().parent
+TENSOR = 4 << 20  # elements per parameter tensor
+
 
 def make_params(n: int, seed: int = 0) -> list[torch.nn.Parameter]:
+    """fp32 values (as benches/ds_baseline.py makes them), as parameters."""
     g = torch.Generator().manual_seed(seed)
-    sizes = [4 << 20] * (n // (4 << 20)) + ([n % (4 << 20)] if n % (4 << 20) else [])
+    sizes = [TENSOR] * (n // TENSOR) + ([n % TENSOR] if n % TENSOR else [])
     return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in sizes]
 
 
 def set_grads(params: list[torch.nn.Parameter], step: int) -> None:
     g = torch.Generator().manual_seed(1000 + step)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+        p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(torch.bfloat16)
 
 
-def raw_ceiling(d: Path, nbytes: int) -> tuple[float, float]:
-    """Engine write (durable) and read rate of one large file on ``d``."""
-    buf = torch.ones(nbytes, dtype=torch.uint8)
-    f = d / "ceiling.pt"
+# ------------------------------------------------------------------------------------------------
+# ceilings
+
+
+def _aligned(n: int) -> torch.Tensor:
+    raw = torch.empty(n + 4096, dtype=torch.uint8)
+    s = -raw.data_ptr() % 4096
+    return raw[s : s + n]
+
+
+def ceiling(d: Path, nbytes: int, chunk: int) -> dict[str, float]:
+    """The engine's rate on ``d`` in the offload's own pattern: O_DIRECT
+    transfers of ``chunk`` bytes rewriting and reading files in place; write,
+    read, and both at once (one stream each way)."""
+    eng = tierstore.get_engine()
+    n = nbytes // chunk
+    bufs = [_aligned(chunk), _aligned(chunk)]
+    for b in bufs:
+        b.fill_(1)
+    files = [d / "ceiling-a.bin", d / "ceiling-b.bin"]
+
+    def stream(what: str, f: Path, buf: torch.Tensor, out: list[float]) -> None:
+        t0 = time.perf_counter()
+        for i in range(n):
+            fn = _core.write_ranges if what == "write" else _core.read_ranges
+            fn(eng, f, [i * chunk], [chunk], [buf.data_ptr()], direct=True)
+        out.append(time.perf_counter() - t0)
+
+    t: list[float] = []
+    for f in files:  # lay the files out first
+        stream("write", f, bufs[0], [])
+    stream("write", files[0], bufs[0], t)
+    stream("read", files[1], bufs[1], t)
+    both: list[float] = []
     t0 = time.perf_counter()
-    w = _core.create_writer(tierstore.get_engine(), f, durable=True)
-    w.add_memory("c/data/0", buf.data_ptr(), nbytes, buf)
-    w.write_data()
-    off = w.entries()[0][2]
-    w.commit()
-    wt = time.perf_counter() - t0
-    os.posix_fadvise(os.open(f, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
-    t0 = time.perf_counter()
-    _core.read_ranges(tierstore.get_engine(), f, [off], [nbytes], [buf.data_ptr()])
-    rt = time.perf_counter() - t0
-    f.unlink()
-    return nbytes / wt, nbytes / rt
+    th = [
+        threading.Thread(target=stream, args=("write", files[0], bufs[0], both)),
+        threading.Thread(target=stream, args=("read", files[1], bufs[1], both)),
+    ]
+    for x in th:
+        x.start()
+    for x in th:
+        x.join()
+    tb = time.perf_counter() - t0
+    for f in files:
+        f.unlink()
+    total = n * chunk
+    return {"write": total / t[0], "read": total / t[1], "both": 2 * total / tb}
 
 
-def run(mode: str, args: argparse.Namespace, disk: Path, fast: Path) -> dict[str, Any]:
+# ------------------------------------------------------------------------------------------------
+# modes
+
+
+def run_mode(name: str, args: argparse.Namespace, paths: list[Path], **kw: Any) -> dict[str, Any]:
     params = make_params(int(args.params))
-    kw = {"lr": 1e-4, "weight_decay": 0.01}
-    if mode == "in memory":
-        opt: Any = torch.optim.AdamW(params, **kw)
-    else:
-        paths = [str(disk)] if mode != "tierstore 2 paths" else [str(disk), str(fast)]
-        opt = tierstore.offload(
-            torch.optim.AdamW,
-            params,
-            tiers=[HostTier(args.host), DiskTier(paths)],
-            subgroup_bytes=args.subgroup,
-            pipeline=mode != "naive sync",
-            **kw,
-        )
-    times = []
-    for step in range(args.steps):
+    host = HostTier(kw.pop("host", args.host))
+    opt = tierstore.offload(
+        torch.optim.AdamW,
+        params,
+        tiers=[host, DiskTier([str(p) for p in paths])],
+        subgroup_bytes=args.subgroup,
+        lr=1e-4,
+        weight_decay=0.01,
+        fused=True,
+        **kw,
+    )
+    with torch.no_grad():  # the model in bf16; the optimizer took the fp32 masters
+        for p in params:
+            p.data = p.data.to(torch.bfloat16)
+    times: list[float] = []
+    moved: list[tuple[float, float]] = []
+    for step in range(args.steps + 1):
         set_grads(params, step)
+        r0, w0 = opt.stats["read_bytes"], opt.stats["write_bytes"]
         t0 = time.perf_counter()
         opt.step()
-        if hasattr(opt, "wait_io"):
-            opt.wait_io()
-        times.append(time.perf_counter() - t0)
-    out: dict[str, Any] = {"mode": mode, "step_s": statistics.median(times[1:]), "first_step_s": times[0]}
-    if hasattr(opt, "stats"):
-        moved = (opt.stats["read_bytes"] + opt.stats["write_bytes"]) / args.steps
-        out["moved_gib_per_step"] = moved / 2**30
-        out["io_gib_s"] = moved / 2**30 / out["step_s"]
-        out["placement_mib"] = {k: v / 2**20 for k, v in opt.placement().items()}
-        opt.close()
-    out["checksum"] = float(sum(p.detach().double().sum() for p in params))
+        opt.wait_io()
+        dt = time.perf_counter() - t0
+        if step > 0:  # the first step creates the state
+            times.append(dt)
+            moved.append((opt.stats["read_bytes"] - r0, opt.stats["write_bytes"] - w0))
+    masters = opt.master_params()
+    out: dict[str, Any] = {
+        "mode": name,
+        "step_s": statistics.median(times),
+        "steps_s": times,
+        "read_bytes": statistics.median(m[0] for m in moved),
+        "write_bytes": statistics.median(m[1] for m in moved),
+        "host_peak_bytes": opt.host_bytes(),
+        "placement": {k: v for k, v in opt.placement().items()},
+        "bandwidth": opt.bandwidth(),
+        "checksum": float(sum(m.double().sum() for m in masters)),
+        "crc": _core.crc32_regions([(m.data_ptr(), m.numel() * 4) for m in masters], 2),
+    }
+    opt.close()
     return out
+
+
+def run_deepspeed(args: argparse.Namespace, disk: Path) -> dict[str, Any] | None:
+    try:
+        py = subprocess.run(
+            ["bash", str(HERE / "setup_deepspeed.sh")], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except subprocess.CalledProcessError as e:
+        print(f"DeepSpeed baseline skipped: setup failed: {e.stderr.strip()[-500:]}", flush=True)
+        return None
+    out = disk / "ds.json"
+    host = tierstore.checkpointer.parse_size(args.host)
+    cmd = [py, str(HERE / "ds_baseline.py"), "--params", str(args.params), "--host", str(host)]
+    cmd += ["--dir", str(disk), "--steps", str(args.steps + 1), "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        print(f"DeepSpeed baseline failed: {r.stderr.strip()[-800:]}", flush=True)
+        return None
+    d = json.loads(out.read_text())
+    return {
+        "mode": "deepspeed, disk",
+        "step_s": d["step_s"],
+        "steps_s": d.get("step_times_s", []),
+        "read_bytes": d["read_bytes_per_step"],
+        "write_bytes": d["write_bytes_per_step"],
+        "checksum": d["checksum"],
+        "detail": {k: v for k, v in d.items() if k not in ("checksum",)},
+    }
+
+
+def _proc(args: argparse.Namespace, path: str, exclusive: bool, slots: int, barrier: Any, q: Any) -> None:
+    torch.set_num_threads(1)
+    params = make_params(int(args.params) // 2, seed=os.getpid())
+    host = tierstore.checkpointer.parse_size(args.host) // 2
+    opt = tierstore.offload(
+        torch.optim.AdamW,
+        params,
+        tiers=[HostTier(host), DiskTier(path)],
+        subgroup_bytes=args.subgroup,
+        exclusive_io=exclusive,
+        io_slots=slots,
+        fused=True,
+    )
+    with torch.no_grad():
+        for p in params:
+            p.data = p.data.to(torch.bfloat16)
+    set_grads(params, 0)
+    opt.step()
+    opt.wait_io()
+    barrier.wait()
+    b0 = opt.stats["read_bytes"] + opt.stats["write_bytes"]
+    t0 = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        set_grads(params, step)
+        opt.step()
+    opt.wait_io()
+    q.put((t0, time.perf_counter(), opt.stats["read_bytes"] + opt.stats["write_bytes"] - b0))
+    opt.close()
+
+
+def two_processes(args: argparse.Namespace, disk: Path, exclusive: bool, slots: int) -> float:
+    """Total bytes per second of two processes offloading to one disk."""
+    ctx = mp.get_context("spawn")
+    barrier, q = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_proc, args=(args, str(disk), exclusive, slots, barrier, q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    res = [q.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join()
+    start = min(r[0] for r in res)
+    end = max(r[1] for r in res)
+    return sum(r[2] for r in res) / (end - start)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def slow_path(name: str, size_mib: int, rate: int) -> Path | None:
+    r = subprocess.run(
+        ["bash", str(HERE / "slow_path.sh"), "up", name, str(size_mib), str(rate), "ram"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if r.returncode != 0:
+        print(f"throttled path {name} unavailable: {r.stderr.strip()}", flush=True)
+        return None
+    return Path(r.stdout.strip())
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", type=float, default=50e6)
-    ap.add_argument("--host", default="256MiB")
+    ap.add_argument("--params", type=float, default=300e6)
+    ap.add_argument("--host", default="1GiB")
     ap.add_argument("--subgroup", default="64MiB")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--dir", default=".")
-    ap.add_argument("--fast-dir", default="/dev/shm")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one that creates the state)")
+    ap.add_argument("--dir", default=".", help="a directory on the disk")
+    ap.add_argument("--fast-rate", type=int, default=600, help="MiB/s per direction of the fast loop device")
+    ap.add_argument("--slow-rate", type=int, default=300, help="MiB/s per direction of the slow loop device")
+    ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--no-two-processes", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    n = int(args.params)
+    state = 12 * n
+    print(
+        f"{n / 1e6:.0f} M bf16 parameters: {state / 2**30:.2f} GiB of fp32 master + AdamW state; host budget "
+        f"{args.host}, subgroups of {args.subgroup}; torch {torch.__version__}, {torch.get_num_threads()} threads",
+        flush=True,
+    )
     disk = Path(tempfile.mkdtemp(prefix="ts-offbench-", dir=args.dir))
-    fast = Path(tempfile.mkdtemp(prefix="ts-offbench-", dir=args.fast_dir))
+    ceiling_bytes = min(1 << 30, max(state // 2, 256 << 20))
+    size_mib = max(state, 2 * ceiling_bytes) // 2**20 + 512
+    fast = slow_path(f"bench{os.getpid()}f", size_mib, args.fast_rate)
+    slow = slow_path(f"bench{os.getpid()}s", size_mib, args.slow_rate)
+    chunk = 12 * TENSOR
+    results: list[dict[str, Any]] = []
+    ceilings: dict[str, dict[str, float]] = {}
+    two: dict[str, list[float]] = {}
     try:
-        state = int(args.params) * 12
-        print(
-            f"{args.params / 1e6:.0f} M parameters: {state / 2**30:.2f} GiB of fp32 master + AdamW state; "
-            f"host budget {args.host}, subgroups of {args.subgroup}",
-            flush=True,
-        )
-        wbw, rbw = raw_ceiling(disk, 512 << 20)
-        print(
-            f"disk ceiling (engine, same run): write {wbw / 2**30:.2f} GiB/s, read {rbw / 2**30:.2f} GiB/s", flush=True
-        )
-        results = []
-        for mode in ("in memory", "naive sync", "tierstore 1 path", "tierstore 2 paths"):
-            r = run(mode, args, disk, fast)
+        label = {disk: "disk"}
+        for name, d in (("disk", disk), ("fast", fast), ("slow", slow)):
+            if d is not None:
+                label[d] = name
+                ceilings[name] = ceiling(d, ceiling_bytes, chunk)
+                c = ceilings[name]
+                print(
+                    f"ceiling {name}: write {c['write'] / 2**30:.2f}, read {c['read'] / 2**30:.2f}, "
+                    f"both at once {c['both'] / 2**30:.2f} GiB/s",
+                    flush=True,
+                )
+        modes: list[tuple[str, list[Path], dict[str, Any]]] = [
+            ("in memory", [disk], {"host": f"{state * 2}B"}),
+            ("naive, disk", [disk], {"pipeline": False}),
+            ("tierstore, disk", [disk], {}),
+        ]
+        if fast is not None and slow is not None:
+            modes += [
+                ("naive, fast", [fast], {"pipeline": False}),
+                ("tierstore, fast", [fast], {}),
+                ("tierstore, slow", [slow], {}),
+                ("tierstore, fast+slow even", [fast, slow], {"balance": "even"}),
+                ("tierstore, fast+slow", [fast, slow], {}),
+            ]
+        for name, paths, kw in modes:
+            r = run_mode(name, args, paths, **kw)
+            r["paths"] = [label[p] for p in paths]
             results.append(r)
-            print(json.dumps(r), flush=True)
+            print(
+                f"{name:28} step {r['step_s']:6.2f} s  read {r['read_bytes'] / 2**30:5.2f} GiB  "
+                f"write {r['write_bytes'] / 2**30:5.2f} GiB  ({', '.join(f'{t:.2f}' for t in r['steps_s'])})",
+                flush=True,
+            )
+        if not args.no_deepspeed:
+            ds = run_deepspeed(args, disk)
+            if ds is not None:
+                ds["paths"] = ["disk"]
+                results.append(ds)
+                print(f"{ds['mode']:28} step {ds['step_s']:6.2f} s", flush=True)
+        if not args.no_two_processes:
+            variants = [("turns off", False, 1), ("turns on, 1 slot", True, 1), ("turns on, 2 slots", True, 2)]
+            for _round in range(3):
+                for key, exclusive, slots in variants:
+                    two.setdefault(key, []).append(two_processes(args, disk, exclusive, slots))
+                    print(f"two processes, one disk, {key}: {two[key][-1] / 2**30:.2f} GiB/s", flush=True)
     finally:
         shutil.rmtree(disk, ignore_errors=True)
-        shutil.rmtree(fast, ignore_errors=True)
-    sums = {r["checksum"] for r in results}
-    print()
-    print(f"{'mode':18} {'step s':>8} {'GiB moved':>10} {'I/O GiB/s':>10}")
-    for r in results:
-        print(f"{r['mode']:18} {r['step_s']:8.2f} {r.get('moved_gib_per_step', 0):10.2f} {r.get('io_gib_s', 0):10.2f}")
+        for d in (fast, slow):
+            if d is not None:
+                subprocess.run(["bash", str(HERE / "slow_path.sh"), "down", d.name.removeprefix("tierstore-")])
+    report(args, results, ceilings, two)
+    return 0
+
+
+def report(
+    args: argparse.Namespace,
+    results: list[dict[str, Any]],
+    ceilings: dict[str, dict[str, float]],
+    two: dict[str, list[float]],
+) -> None:
     by = {r["mode"]: r for r in results}
-    print(f"same parameters after every mode: {'yes' if len(sums) == 1 else 'NO'}")
-    print(f"pipelined 1 path vs naive: {by['naive sync']['step_s'] / by['tierstore 1 path']['step_s']:.2f}x faster")
-    print(f"2 paths vs 1 path: {by['tierstore 1 path']['step_s'] / by['tierstore 2 paths']['step_s']:.2f}x faster")
+    compute = by["in memory"]["step_s"]
+
+    def bound(r: dict[str, Any]) -> float:
+        """Bytes moved at the paths' ceilings (the better of one direction
+        after the other and both at once), plus the update compute."""
+        cs = [ceilings[p] for p in r["paths"]]
+        rd, wr = r["read_bytes"], r["write_bytes"]
+        serial = rd / sum(c["read"] for c in cs) + wr / sum(c["write"] for c in cs)
+        both = (rd + wr) / sum(c["both"] for c in cs)
+        return min(serial, both) + compute
+
+    print()
+    print(
+        f"{'mode':28} {'step s':>7} {'read GiB':>9} {'write GiB':>10} {'I/O GiB/s':>10} {'bound s':>8} {'x bound':>8}"
+    )
+    for r in results:
+        io = (r["read_bytes"] + r["write_bytes"]) / 2**30 / r["step_s"]
+        b = bound(r) if r["mode"] != "in memory" else compute
+        r["bound_s"] = b
+        print(
+            f"{r['mode']:28} {r['step_s']:7.2f} {r['read_bytes'] / 2**30:9.2f} {r['write_bytes'] / 2**30:10.2f} "
+            f"{io:10.2f} {b:8.2f} {r['step_s'] / b:8.2f}"
+        )
+    ours = [r for r in results if r["mode"] != "deepspeed, disk"]
+    same = len({tuple(r["crc"]) for r in ours}) == 1
+    ds_same = "deepspeed, disk" not in by or by["deepspeed, disk"]["checksum"] == by["in memory"]["checksum"]
+    print(f"\nsame fp32 masters after every mode: {'yes' if same and ds_same else 'NO'}")
+    checks: list[tuple[str, float, str, bool]] = []
+
+    def check(what: str, value: float, target: float, higher_is_better: bool) -> None:
+        ok = value >= target if higher_is_better else value <= target
+        checks.append((what, value, f"{'>=' if higher_is_better else '<='} {target}", ok))
+
+    for m in ("tierstore, disk", "tierstore, fast", "tierstore, fast+slow"):
+        if m in by:
+            check(f"{m}: step / bound", by[m]["step_s"] / by[m]["bound_s"], 1.15, False)
+    for ours_m, naive_m in (("tierstore, disk", "naive, disk"), ("tierstore, fast", "naive, fast")):
+        if ours_m in by and naive_m in by:
+            check(f"{ours_m} vs {naive_m}: speed-up", by[naive_m]["step_s"] / by[ours_m]["step_s"], 2.0, True)
+    if "tierstore, fast+slow" in by:
+        best_naive = min(by[m]["step_s"] for m in ("naive, disk", "naive, fast") if m in by)
+        check(
+            "tierstore, fast+slow vs best naive: speed-up", best_naive / by["tierstore, fast+slow"]["step_s"], 2.0, True
+        )
+    if "deepspeed, disk" in by:
+        check(
+            "tierstore, disk vs deepspeed: speed-up",
+            by["deepspeed, disk"]["step_s"] / by["tierstore, disk"]["step_s"],
+            1.0,
+            True,
+        )
+    if "tierstore, fast+slow" in by:
+        mp_s = by["tierstore, fast+slow"]["step_s"]
+        check(
+            "fast+slow vs best single path: speed-up",
+            min(by["tierstore, fast"]["step_s"], by["tierstore, slow"]["step_s"]) / mp_s,
+            1.0,
+            True,
+        )
+        check("fast+slow vs even split: speed-up", by["tierstore, fast+slow even"]["step_s"] / mp_s, 1.0, True)
+    if two:
+        off = statistics.median(two["turns off"])
+        for key in ("turns on, 1 slot", "turns on, 2 slots"):
+            check(f"two processes: {key} / turns off, throughput", statistics.median(two[key]) / off, 1.0, True)
+    print()
+    for what, value, target, ok in checks:
+        print(f"{'MET   ' if ok else 'MISSED'} {what}: {value:.2f} (target {target})")
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"args": vars(args), "results": results, "ceiling": [wbw, rbw]}, indent=1)
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "ceilings": ceilings,
+                    "results": results,
+                    "two_processes": two,
+                    "checks": [{"what": w, "value": v, "target": t, "met": ok} for w, v, t, ok in checks],
+                    "same_masters": same and ds_same,
+                    "torch": torch.__version__,
+                },
+                indent=1,
+            )
         )
-    return 0
 
 
 if __name__ == "__main__":

@@ -898,6 +898,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for p in self.paths
         }
 
+    def master_params(self) -> list[torch.Tensor]:
+        """Copies of the fp32 master weights, in parameter order (read back
+        from the tiers where they are not resident)."""
+        out: list[torch.Tensor] = []
+        for sg in self.subgroups:
+            was = sg.resident
+            self._load_sync(sg)
+            out.extend(m.detach().clone() for m in sg.masters)
+            if not was and not sg.dirty:
+                self._detach(sg)
+        return out
+
     def host_bytes(self) -> int:
         """Bytes of host memory held for state (resident, in flight and free buffers)."""
         with self._mem:
