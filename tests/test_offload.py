@@ -7,6 +7,7 @@ import copy
 import multiprocessing as mp
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -520,3 +521,31 @@ def test_checkpoint_takes_offloaded_state_from_the_tiers(tmp_path: Path) -> None
         o.close()
     ck.close()
     ck2.close()
+
+
+def test_how_a_device_serves_both_directions_is_measured(throttled: Callable[[int], Path]) -> None:
+    # A device throttled per direction serves a read and a write at once at
+    # twice the rate of one after the other: the optimizer finds that out.
+    path = throttled(32)  # transfers of 12 MiB are several times what the throttle lets through unchecked
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)])  # 75 MiB of state
+    opt = offload(
+        torch.optim.AdamW,
+        model.parameters(),
+        lr=1e-3,
+        tiers=[HostTier("48MiB"), DiskTier(str(path))],
+        subgroup_bytes="4MiB",
+    )
+    for step in range(5):
+        model(torch.randn(8, 1024, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    dev = opt.devices[0]
+    assert dev.rates[True] and dev.rates[False], dev.rates
+    assert statistics.median(dev.rates[True]) > statistics.median(dev.rates[False]), dev.rates
+    assert dev.duplex is True
+    assert opt.bandwidth()[str(path)]["duplex"] == 1.0
+    opt.close()
+    fixed = offload(torch.optim.AdamW, model.parameters(), tiers=[DiskTier(str(path))], duplex=False)
+    assert fixed.devices[0].duplex is False and not fixed.devices[0].adaptive
+    fixed.close()

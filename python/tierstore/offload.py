@@ -51,6 +51,7 @@ import itertools
 import os
 import secrets
 import shutil
+import statistics
 import tempfile
 import threading
 import time
@@ -105,8 +106,7 @@ class _Lane:
         self.slots = max(1, slots)
         self.cond = threading.Condition()
         self.busy = 0
-        self.waiting: list[tuple[int, int]] = []  # heap of (priority, ticket)
-        self.tickets = itertools.count()
+        self.waiting: list[tuple[int, int]] = []  # heap of (priority, ticket) of the transfers here now
         self.fds: list[int] = []
         self.lock_wait_s = 0.0  # time spent waiting for other processes
         if exclusive:
@@ -115,10 +115,6 @@ class _Lane:
                 f = base / f"tierstore-io-{dev:x}-{what[0]}{i}.lock"
                 self.fds.append(os.open(f, os.O_RDWR | os.O_CREAT, 0o666))
         self.free_fds = list(self.fds)
-
-    def ticket(self) -> tuple[int, int]:
-        """A place in line, taken when a transfer is queued."""
-        return (1, next(self.tickets))
 
     @contextlib.contextmanager
     def turn(self, ticket: tuple[int, int]) -> Iterator[None]:
@@ -157,20 +153,67 @@ class _Lane:
 
 
 class _Device:
-    """The two lanes of a device: a read and a write may run at once (devices
-    serve both directions concurrently), each direction one stream at a time
-    (``slots``) machine-wide."""
+    """The turns at one device, and how its two directions share it.
 
-    def __init__(self, dev: int, slots: int, exclusive: bool) -> None:
+    *Duplex*: a read lane and a write lane, a read and a write at once (a
+    device that serves both directions in parallel: most NVMe drives, and
+    devices throttled per direction). *Simplex*: one lane for both (a device
+    whose throughput drops when reads and writes interleave). With
+    ``duplex=None`` the mode is measured: a step each way, then the faster
+    (bytes per second of the device's busy time), with a step of the other
+    mode every 50 steps in case the device changed; the measure is bytes per
+    second of the training loop's time. Tickets are taken in one
+    order for both lanes, when a transfer is queued."""
+
+    EXPLORE_EVERY = 50
+
+    def __init__(self, dev: int, slots: int, exclusive: bool, duplex: bool | None) -> None:
         self.dev = dev
         self.lanes = {w: _Lane(dev, w, slots, exclusive) for w in ("read", "write")}
+        self.adaptive = duplex is None
+        self.duplex = True if duplex is None else duplex
+        self.tickets = itertools.count()
+        self.acct = threading.Lock()
+        self.bytes = 0  # moved since the last step began
+        self.period_start = time.perf_counter()
+        self.period = 0
+        self.rates: dict[bool, list[float]] = {True: [], False: []}
 
-    def ticket(self, what: str) -> tuple[int, int]:
-        return self.lanes[what].ticket()
+    def ticket(self, what: str = "") -> tuple[int, int]:
+        """A place in line, taken when a transfer is queued."""
+        return (1, next(self.tickets))
 
-    def turn(self, what: str, ticket: tuple[int, int] | None = None) -> contextlib.AbstractContextManager[None]:
-        lane = self.lanes[what]
-        return lane.turn(ticket if ticket is not None else lane.ticket())
+    @contextlib.contextmanager
+    def turn(self, what: str, nbytes: int, ticket: tuple[int, int] | None = None) -> Iterator[None]:
+        lane = self.lanes[what if self.duplex else "read"]
+        with lane.turn(ticket if ticket is not None else self.ticket()):
+            try:
+                yield
+            finally:
+                with self.acct:
+                    self.bytes += nbytes
+
+    def end_period(self) -> None:
+        """At each step: the rate of the mode used since the last step (bytes
+        moved at this device per second of the training loop's time, so that
+        what counts is what the loop waits for), and the mode for the next."""
+        now = time.perf_counter()
+        with self.acct:
+            nbytes, self.bytes = self.bytes, 0
+        elapsed, self.period_start = now - self.period_start, now
+        if self.period > 1 and nbytes >= (64 << 20) and elapsed > 0:  # the first step creates the state
+            self.rates[self.duplex].append(nbytes / elapsed)
+            del self.rates[self.duplex][:-3]
+        self.period += 1
+        if not self.adaptive:
+            return
+        if not self.rates[True] or self.period <= 2:
+            self.duplex = True
+        elif not self.rates[False] or self.period <= 3:
+            self.duplex = False
+        else:
+            best = statistics.median(self.rates[True]) >= statistics.median(self.rates[False])
+            self.duplex = best if self.period % self.EXPLORE_EVERY else not best
 
     @property
     def lock_wait_s(self) -> float:
@@ -189,11 +232,11 @@ class _Path:
     """One directory of a disk tier: its session directory, its device's
     turns, its bandwidth estimate and the bytes of state stored on it."""
 
-    def __init__(self, root: Path, session: str, device: _Device, pool: ThreadPoolExecutor) -> None:
+    def __init__(self, root: Path, session: str, device: _Device, pools: dict[str, ThreadPoolExecutor]) -> None:
         self.root = root
         self.dir = root / session
         self.device = device
-        self.pool = pool
+        self.pools = pools  # a worker pool per direction: reads never wait behind writes for a thread
         self.rate = {"read": 0.0, "write": 0.0}  # bytes per second
         self.samples = {"read": 0, "write": 0}
         self.stored = 0  # bytes of current subgroup files here
@@ -276,6 +319,7 @@ class _Subgroup:
         self.reading: Future[None] | None = None
         self.writing: Future[None] | None = None
         self.pinned = False  # its file is linked by a checkpoint: rewrite elsewhere
+        self.wanted = False  # stays resident after its write-back in flight
         self.generation = 0
         self.numel = sum(p.numel() for p in params)
 
@@ -291,6 +335,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     ``subgroup_bytes``: size of a subgroup (master + state), the unit of I/O.
     ``io_slots``: transfers in flight per device and direction, machine-wide.
+    ``duplex``: reads and writes at a device at once (True), in one line
+    (False), or whichever the device is measured to serve faster (None).
     ``exclusive_io``: take those turns across processes (lock files); False
     limits only this process. ``balance``: ``"bandwidth"`` (measured) or
     ``"even"`` placement over the paths. ``pipeline=False``: the naive
@@ -305,6 +351,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         tiers: list[HostTier | DiskTier] | None = None,
         subgroup_bytes: int | str = "64MiB",
         io_slots: int = 1,
+        duplex: bool | None = None,
         exclusive_io: bool = True,
         balance: str = "bandwidth",
         pipeline: bool = True,
@@ -350,10 +397,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._alive_fds.append(fd)
             dev = os.stat(root).st_dev
             if dev not in devices:
-                devices[dev] = _Device(dev, io_slots, exclusive_io)
-            # Two workers per path: one transfers while the other checksums.
-            pool = ThreadPoolExecutor(2, thread_name_prefix=f"tierstore-offload-{len(self.paths)}")
-            self.paths.append(_Path(root, self.session, devices[dev], pool))
+                devices[dev] = _Device(dev, io_slots, exclusive_io, duplex)
+            # Per direction, one worker more than the device's slots: one
+            # checksums while the others transfer.
+            pools = {
+                w: ThreadPoolExecutor(io_slots + 1, thread_name_prefix=f"tierstore-offload-{len(self.paths)}{w[0]}")
+                for w in ("read", "write")
+            }
+            self.paths.append(_Path(root, self.session, devices[dev], pools))
         self.devices = list(devices.values())
         # --- host memory
         self._mem = threading.Condition()
@@ -538,7 +589,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             try:
                 for what in ("write", "read"):
                     fn = _core.write_ranges if what == "write" else _core.read_ranges
-                    with p.device.turn(what):
+                    with p.device.turn(what, n):
                         t0 = time.perf_counter()
                         fn(self.engine, f, [0], [n], [probe.data_ptr()], direct=True)
                         p.observe(what, n, time.perf_counter() - t0)
@@ -603,7 +654,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 sg.generation += 1
                 f = p.dir / f"sg-{sg.index:06d}.{sg.generation}.bin"
             try:
-                with p.device.turn("write", ticket):
+                with p.device.turn("write", sg.nbytes, ticket):
                     t0 = time.perf_counter()
                     _core.write_ranges(self.engine, f, [0], [sg.nbytes], [buf.data_ptr()], size=sg.nbytes, direct=True)
                     dt = time.perf_counter() - t0
@@ -638,7 +689,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Reads the subgroup's file into ``buf`` and checks it."""
         assert sg.file is not None and sg.path is not None
         p = sg.path
-        with p.device.turn("read", ticket):
+        with p.device.turn("read", sg.nbytes, ticket):
             t0 = time.perf_counter()
             _core.read_ranges(self.engine, sg.file, [0], [sg.nbytes], [buf.data_ptr()], direct=True)
             dt = time.perf_counter() - t0
@@ -688,10 +739,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._attach(sg, buf)
             sg.dirty = False
 
-        sg.reading = self._submit(sg.path, job)
+        sg.reading = self._submit(sg.path, "read", job)
 
     def _start_write(self, sg: _Subgroup) -> None:
-        """Writes ``sg`` back and frees its buffer when done."""
+        """Writes ``sg`` back and frees its buffer when done (unless the step
+        has asked for it meanwhile: see :meth:`_want`)."""
         assert sg.writing is None
         p = self._choose_path(sg)
         ticket = p.device.ticket("write")
@@ -699,16 +751,26 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         def job() -> None:
             try:
                 self._write(sg, p, ticket)
-                self._detach(sg)
+                with self._mem:
+                    if not sg.wanted:  # else this step needs it again soon: it stays
+                        self._detach(sg)
             finally:
                 with self._mem:
                     self._writes_in_flight -= 1
 
         with self._mem:
             self._writes_in_flight += 1
-        sg.writing = self._submit(p, job)
+        sg.writing = self._submit(p, "write", job)
 
-    def _submit(self, p: _Path, job: Callable[[], None]) -> Future[None]:
+    def _want(self, sg: _Subgroup) -> bool:
+        """Asks a subgroup whose write-back is in flight to stay resident
+        after it (the step is about to use it again); whether it will."""
+        with self._mem:
+            if sg.resident:
+                sg.wanted = True
+            return sg.resident
+
+    def _submit(self, p: _Path, what: str, job: Callable[[], None]) -> Future[None]:
         def run() -> None:
             try:
                 job()
@@ -716,7 +778,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 with self._mem:
                     self._mem.notify_all()
 
-        return p.pool.submit(run)
+        return p.pools[what].submit(run)
 
     def _settle(self, sg: _Subgroup) -> None:
         """Waits for the subgroup's read or write in flight; raises its error."""
@@ -739,6 +801,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for d in self.devices:
+            d.end_period()
         order = self.subgroups if self.steps % 2 == 0 else self.subgroups[::-1]
         active = [sg for sg in order if any(p.grad is not None for p in sg.params)]
         try:
@@ -775,6 +839,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             while True:
                 f = sg.writing or sg.reading
                 if f is not None:
+                    if f is sg.writing:
+                        self._want(sg)
                     if f.done():
                         self._settle(sg)
                         continue
@@ -789,6 +855,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     self._mem.wait(0.05)
                 nxt = self._read_ahead(order, nxt)
             self.stats["wait_s"] += time.perf_counter() - t0
+            sg.wanted = False
             self._update(sg)
             if sg.index not in keep:
                 self._start_write(sg)
@@ -802,11 +869,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             sg = order[nxt]
             if sg.writing is not None and sg.writing.done():
                 self._settle(sg)
+            if sg.writing is not None and not self._want(sg):
+                break  # written back and let go: read it once the write is done
             if sg.resident or sg.reading is not None:
                 nxt += 1
                 continue
-            if sg.writing is not None:
-                break  # its write-back is still running
             if not self._try_reserve(sg.nbytes):
                 break
             self._start_read(sg)
@@ -894,6 +961,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 "read_bytes": p.moved["read"],
                 "write_bytes": p.moved["write"],
                 "full": float(p.full),
+                "duplex": float(p.device.duplex),
             }
             for p in self.paths
         }
@@ -1126,7 +1194,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             with contextlib.suppress(Exception):
                 self._settle(sg)
         for p in self.paths:
-            p.pool.shutdown(wait=True)
+            for pool in p.pools.values():
+                pool.shutdown(wait=True)
             shutil.rmtree(p.dir, ignore_errors=True)
         for d in self.devices:
             d.close()
@@ -1226,9 +1295,9 @@ def offload(
     """Wraps ``optimizer_class`` so that its fp32 master weights and state live
     in ``tiers`` (default: ``TIERSTORE_OFFLOAD_HOST`` of host memory, 1 GiB,
     and the scratch directory ``TIERSTORE_OFFLOAD_DIR``). The options of
-    :class:`OffloadedOptimizer` (``subgroup_bytes``, ``io_slots``,
+    :class:`OffloadedOptimizer` (``subgroup_bytes``, ``io_slots``, ``duplex``,
     ``exclusive_io``, ``balance``, ``pipeline``) may be passed among the
     optimizer's keyword arguments."""
-    names = ("subgroup_bytes", "io_slots", "exclusive_io", "balance", "pipeline")
+    names = ("subgroup_bytes", "io_slots", "duplex", "exclusive_io", "balance", "pipeline")
     extra = {k: optimizer_kwargs.pop(k) for k in names if k in optimizer_kwargs}
     return OffloadedOptimizer(optimizer_class, params, tiers=tiers, **extra, **optimizer_kwargs)
