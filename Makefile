@@ -21,7 +21,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
 
-.PHONY: help setup demo test test-rust test-py lint bench bench-checkpoint clean gpu-check
+.PHONY: help setup demo test test-rust test-py lint bench bench-checkpoint bench-offload clean gpu-check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -73,6 +73,9 @@ bench: setup ## save/load benchmark against torch.save, torch.load and safetenso
 
 bench-checkpoint: setup ## training loop with torch.save, DCP async_save and the Checkpointer
 	$(VPY) benches/bench_checkpoint.py --json docs/bench/checkpoint.json
+
+bench-offload: setup ## optimizer offload: in memory, naive, tierstore on 1 and 2 paths, DeepSpeed (needs root for loop devices)
+	$(VPY) benches/bench_offload.py --json docs/bench/offload.json | tee docs/bench/offload.txt
 
 gpu-check: setup ## GPU checks (on a machine with a GPU)
 	bash benches/gpu_check.sh

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Everything GPU-related in one call, for a machine with a GPU (make gpu-check).
-# Builds the package, then runs the checkpoint benchmark on the device: the
-# device-to-host capture (pinned buffers, side stream) overlapped with forward
-# and backward, next to torch.save and DCP async_save. Prints a short table.
+# Builds the package, runs the GPU-marked tests (the Checkpointer's device
+# capture, optimizer offload with bf16 parameters on the device), then the
+# checkpoint benchmark on the device: the device-to-host capture (pinned
+# buffers, side stream) overlapped with forward and backward, next to
+# torch.save and DCP async_save. Prints a short table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

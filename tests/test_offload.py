@@ -549,3 +549,35 @@ def test_how_a_device_serves_both_directions_is_measured(throttled: Callable[[in
     fixed = offload(torch.optim.AdamW, model.parameters(), tiers=[DiskTier(str(path))], duplex=False)
     assert fixed.devices[0].duplex is False and not fixed.devices[0].adaptive
     fixed.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_bf16_parameters_on_the_device(tmp_path: Path) -> None:
+    # The model in bf16 on the GPU; fp32 masters and AdamW state in the tiers,
+    # none of it on the device; bf16 gradients come to the host and become fp32
+    # only inside the update.
+    torch.manual_seed(0)
+    m32 = _big_model()
+    dev = copy.deepcopy(m32).to("cuda", torch.bfloat16)
+    ref = torch.optim.AdamW(m32.parameters(), lr=1e-3)
+    before = torch.cuda.memory_allocated()
+    opt = offload(
+        torch.optim.AdamW,
+        dev.parameters(),
+        lr=1e-3,
+        tiers=[HostTier("4MiB"), DiskTier(str(tmp_path))],
+        subgroup_bytes="1MiB",
+    )
+    for step in range(3):
+        x = torch.randn(32, 512, generator=torch.Generator().manual_seed(step))
+        m32(x).pow(2).mean().backward()
+        ref.step()
+        ref.zero_grad()
+        dev(x.to("cuda", torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.cuda.memory_allocated() <= before + (1 << 20)  # no optimizer state on the device
+    for a, b in zip(m32.parameters(), dev.parameters(), strict=True):
+        torch.testing.assert_close(b.float().cpu(), a, rtol=0.05, atol=0.02)
+    opt.close()
