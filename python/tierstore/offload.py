@@ -239,7 +239,7 @@ class _Path:
         self.pools = pools  # a worker pool per direction: reads never wait behind writes for a thread
         self.rate = {"read": 0.0, "write": 0.0}  # bytes per second
         self.samples = {"read": 0, "write": 0}
-        self.stored = 0  # bytes of current subgroup files here
+        self.stored = 0  # bytes of the subgroups whose home this is (written or being written)
         self.full = False
         self.moved = {"read": 0, "write": 0}
         self.busy_s = {"read": 0.0, "write": 0.0}
@@ -314,6 +314,8 @@ class _Subgroup:
         self.path: _Path | None = None
         self.file: Path | None = None
         self.file_bytes = 0  # bytes of state in `file`
+        self.home: _Path | None = None  # where it is written back (counted in that path's `stored`)
+        self.home_bytes = 0
         self.crc = 0
         self.dirty = True  # resident and changed since its file was written
         self.reading: Future[None] | None = None
@@ -460,7 +462,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Bytes of subgroups that stay resident between steps; the rest of
         the budget is room for reads ahead and writes behind."""
         big = max((sg.nbytes for sg in self.subgroups), default=0) or self.subgroup_bytes
-        stream = min(self.budget // 2, 3 * big)
+        # Room for a read and a write in flight on every path, and the one being updated.
+        lanes = 2 * max(1, sum(not p.full for p in self.paths)) + 1
+        stream = min(self.budget // 2, lanes * big)
         return max(0, self.budget - stream)
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
@@ -627,17 +631,28 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return {p: p.speed() / total for p in live}
 
     def _choose_path(self, sg: _Subgroup) -> _Path:
-        """Where ``sg`` is written back: its current path unless that path
-        holds more than its share of the measured bandwidth, else the path
-        furthest below its share."""
-        targets = self._targets()
-        total = sum(p.stored for p in self.paths) + (sg.nbytes if sg.path is None else sg.nbytes - sg.file_bytes)
-        cur = sg.path
-        if cur is not None and cur in targets:
-            others = cur.stored - sg.file_bytes
-            if others + sg.nbytes <= targets[cur] * total + sg.nbytes / 2:
-                return cur
-        return max(targets, key=lambda p: targets[p] * total - (p.stored - (sg.file_bytes if p is sg.path else 0)))
+        """Where ``sg`` is written back (and counted from now on, so that the
+        write-backs queued behind it see it there): its home path unless that
+        path holds more than its share of the measured bandwidth, else the
+        path furthest below its share."""
+        with self._mem:
+            targets = self._targets()
+            mine = sg.home_bytes
+            total = sum(p.stored for p in self.paths) - mine + sg.nbytes
+            cur = sg.home
+            if (
+                cur is not None
+                and cur in targets
+                and cur.stored - mine + sg.nbytes <= targets[cur] * total + sg.nbytes / 2
+            ):
+                p = cur
+            else:
+                p = max(targets, key=lambda q: targets[q] * total - (q.stored - (mine if q is cur else 0)))
+            if cur is not None:
+                cur.stored -= mine
+            p.stored += sg.nbytes
+            sg.home, sg.home_bytes = p, sg.nbytes
+            return p
 
     def _write(self, sg: _Subgroup, p: _Path | None = None, ticket: tuple[int, int] | None = None) -> None:
         """Writes the resident subgroup to path ``p`` (default: the one
@@ -673,11 +688,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 continue
             break
         p.observe("write", sg.nbytes, dt)
-        old_path, old_file = sg.path, sg.file
+        old_file = sg.file
         with self._mem:
-            if old_path is not None:
-                old_path.stored -= sg.file_bytes
-            p.stored += sg.nbytes
             self.stats["write_bytes"] += sg.nbytes
             self.stats["write_s"] += dt
         if old_file is not None and old_file != f:
