@@ -28,6 +28,7 @@ __all__ = [
     "read_records",
     "read_small",
     "start_read",
+    "write_ranges",
 ]
 
 __version__: str
