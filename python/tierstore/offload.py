@@ -179,7 +179,7 @@ class _Device:
         self.period = 0
         self.rates: dict[bool, list[float]] = {True: [], False: []}
 
-    def ticket(self, what: str = "") -> tuple[int, int]:
+    def ticket(self) -> tuple[int, int]:
         """A place in line, taken when a transfer is queued."""
         return (1, next(self.tickets))
 
@@ -740,7 +740,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _start_read(self, sg: _Subgroup) -> None:
         assert sg.path is not None and sg.reading is None
         buf = self._alloc(sg.nbytes)
-        ticket = sg.path.device.ticket("read")
+        ticket = sg.path.device.ticket()
 
         def job() -> None:
             try:
@@ -758,7 +758,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         has asked for it meanwhile: see :meth:`_want`)."""
         assert sg.writing is None
         p = self._choose_path(sg)
-        ticket = p.device.ticket("write")
+        ticket = p.device.ticket()
 
         def job() -> None:
             try:
