@@ -238,21 +238,17 @@ class _Path:
         self.device = device
         self.pools = pools  # a worker pool per direction: reads never wait behind writes for a thread
         self.rate = {"read": 0.0, "write": 0.0}  # bytes per second
-        self.samples = {"read": 0, "write": 0}
         self.stored = 0  # bytes of the subgroups whose home this is (written or being written)
         self.full = False
         self.moved = {"read": 0, "write": 0}
-        self.busy_s = {"read": 0.0, "write": 0.0}
 
     def observe(self, what: str, nbytes: int, seconds: float) -> None:
         self.moved[what] += nbytes
-        self.busy_s[what] += seconds
         if seconds <= 0 or nbytes < (1 << 20):
             return
         bw = nbytes / seconds
         old = self.rate[what]
         self.rate[what] = bw if old == 0 else (1 - _ALPHA) * old + _ALPHA * bw
-        self.samples[what] += 1
 
     def speed(self) -> float:
         """Bytes per second of a subgroup that is read and written back once:
@@ -313,7 +309,6 @@ class _Subgroup:
         self.nbytes = 0
         self.path: _Path | None = None
         self.file: Path | None = None
-        self.file_bytes = 0  # bytes of state in `file`
         self.home: _Path | None = None  # where it is written back (counted in that path's `stored`)
         self.home_bytes = 0
         self.crc = 0
@@ -694,7 +689,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self.stats["write_s"] += dt
         if old_file is not None and old_file != f:
             old_file.unlink(missing_ok=True)  # a checkpoint's pin keeps its own link
-        sg.path, sg.file, sg.file_bytes, sg.crc, sg.pinned = p, f, sg.nbytes, crc, False
+        sg.path, sg.file, sg.crc, sg.pinned = p, f, crc, False
         sg.dirty = False
 
     def _read(self, sg: _Subgroup, buf: torch.Tensor, ticket: tuple[int, int] | None = None) -> None:
