@@ -45,6 +45,7 @@ import torch
 
 import tierstore
 from tierstore import DiskTier, HostTier, _core
+from tierstore._engine import host_buffer
 
 HERE = Path(__file__).resolve().parent
 TENSOR = 4 << 20  # elements per parameter tensor
@@ -68,19 +69,13 @@ def set_grads(params: list[torch.nn.Parameter], step: int) -> None:
 # ceilings
 
 
-def _aligned(n: int) -> torch.Tensor:
-    raw = torch.empty(n + 4096, dtype=torch.uint8)
-    s = -raw.data_ptr() % 4096
-    return raw[s : s + n]
-
-
 def ceiling(d: Path, nbytes: int, chunk: int) -> dict[str, float]:
     """The engine's rate on ``d`` in the offload's own pattern: O_DIRECT
     transfers of ``chunk`` bytes rewriting and reading files in place; write,
     read, and both at once (one stream each way)."""
     eng = tierstore.get_engine()
     n = nbytes // chunk
-    bufs = [_aligned(chunk), _aligned(chunk)]
+    bufs = [host_buffer(chunk), host_buffer(chunk)]  # the offload's own kind of memory
     for b in bufs:
         b.fill_(1)
     files = [d / "ceiling-a.bin", d / "ceiling-b.bin"]

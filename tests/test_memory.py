@@ -22,3 +22,56 @@ def test_peak_rss_during_save(tmp_path: pathlib.Path) -> None:
     assert r.returncode == 0, r.stderr
     extra_mib = int(r.stdout.strip().splitlines()[-1])
     assert extra_mib <= 512, f"peak RSS grew by {extra_mib} MiB during a 1 GiB save"
+
+
+HOST_BUFFER = r"""
+import gc, torch
+from tierstore._engine import host_buffer
+
+def rss_kib():
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0])
+
+def huge_kib(addr):
+    # AnonHugePages of the mapping that holds ``addr``
+    cur = None
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            cur = lo <= addr < hi
+        elif cur and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+b = host_buffer(64 << 20)
+assert b.dtype == torch.uint8 and b.numel() == 64 << 20 and b.is_contiguous()
+assert b.data_ptr() % (2 << 20) == 0, hex(b.data_ptr())
+b.fill_(7)
+assert int(b[::4096].sum()) == 7 * (16 << 10)
+thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+if "[never]" not in thp:
+    print("huge", huge_kib(b.data_ptr()))
+v = b[100:200]
+del b
+gc.collect()
+assert int(v.sum()) == 700  # a view keeps the memory
+del v
+base = rss_kib()
+for _ in range(8):
+    x = host_buffer(256 << 20)
+    x.fill_(1)
+    del x
+print("grew", (rss_kib() - base) // 1024)
+assert host_buffer(0).numel() == 0
+"""
+
+
+def test_host_buffer_is_aligned_huge_and_returned(tmp_path: pathlib.Path) -> None:
+    """The O_DIRECT host buffers: 2 MiB aligned, on huge pages where the kernel
+    has them (full-size requests), and given back to the system when dropped."""
+    r = run_python(HOST_BUFFER)
+    assert r.returncode == 0, r.stderr
+    out = dict(line.split() for line in r.stdout.strip().splitlines())
+    assert int(out["grew"]) < 128, f"RSS grew {out['grew']} MiB over 8 dropped 256 MiB buffers"
+    if "huge" in out:
+        assert int(out["huge"]) >= 16 << 10, f"only {out['huge']} KiB of 64 MiB on huge pages"

@@ -14,13 +14,19 @@ staging buffers are created once and reused. It is configured by
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import threading
 from typing import Any
 
+import torch
+
 from tierstore import _core
 
-__all__ = ["configure", "get_engine", "info"]
+__all__ = ["configure", "get_engine", "host_buffer", "info"]
+
+_HUGE_PAGE = 2 << 20
 
 _lock = threading.Lock()
 _engine: _core.Engine | None = None
@@ -113,3 +119,26 @@ def info(path: str | os.PathLike[str] = ".") -> dict[str, Any]:
     d.update(get_engine().info())
     d["path"] = _core.probe_path(os.fspath(path))
     return d
+
+
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of host memory for O_DIRECT transfers: a uint8 tensor on
+    anonymous memory, aligned to 2 MiB and advised for transparent huge pages.
+
+    Direct I/O from physically contiguous memory is not split at the block
+    layer's segment limit (a virtio disk takes 254 segments of a page each, so
+    buffers of scattered 4 KiB pages make requests of at most ~1 MiB); here
+    that doubles what the disk delivers (measured: reads 1.4 -> 2.7 GiB/s,
+    reads and writes at once 2.4 -> 3.7 GiB/s). The memory goes back to the
+    system when the tensor and its views are gone; the unaligned margin is
+    never touched, so it costs address space, not memory.
+    """
+    if nbytes <= 0:
+        return torch.empty(0, dtype=torch.uint8)
+    m = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # THP off in this kernel: plain pages, still correct
+            m.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(m, dtype=torch.uint8)  # keeps ``m`` alive
+    start = -whole.data_ptr() % _HUGE_PAGE
+    return whole[start : start + nbytes]

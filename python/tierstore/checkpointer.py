@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from tierstore import _core
-from tierstore._engine import get_engine
+from tierstore._engine import get_engine, host_buffer
 from tierstore.errors import TierstoreError
 from tierstore.layout import Layout, layout_of
 from tierstore.layout import attach as attach_layout
@@ -244,7 +244,10 @@ class _HostPool:
         for v in take:
             self._evict(v)
             self.slabs.remove(v)
-        buf = torch.empty(nbytes + _PAGE, dtype=torch.uint8, pin_memory=self.pinned)
+        if self.pinned:
+            buf = torch.empty(nbytes + _PAGE, dtype=torch.uint8, pin_memory=True)
+        else:  # huge pages: the flush's direct writes go out in full-size requests
+            buf = host_buffer(nbytes + _PAGE)
         s = _Slab(buf)
         s.holder = snap
         self.slabs.append(s)

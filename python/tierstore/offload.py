@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 from tierstore import _core
-from tierstore._engine import get_engine
+from tierstore._engine import get_engine, host_buffer
 from tierstore.checkpointer import DiskTier, HostTier, parse_size
 from tierstore.errors import ChecksumError, TierstoreError
 
@@ -471,9 +471,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 return free.pop()
             self._held += nbytes
             self.stats["alloc_bytes"] += nbytes
-        raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
-        start = -raw.data_ptr() % _PAGE
-        return raw[start : start + nbytes]
+        return host_buffer(nbytes)
 
     def _release(self, buf: torch.Tensor) -> None:
         """Returns a buffer for reuse (fresh memory costs page faults on every
@@ -581,7 +579,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """A write and a read of a few MiB per path: the starting estimate
         (refined by every transfer after)."""
         n = 8 << 20
-        probe = self._aligned(n)
+        probe = host_buffer(n)
         probe.fill_(7)
         for p in self.paths:
             f = p.dir / "probe.bin"
@@ -601,12 +599,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 f.unlink(missing_ok=True)
         if all(p.full for p in self.paths):
             raise TierstoreError("offload: every path is full: " + ", ".join(str(p.root) for p in self.paths))
-
-    @staticmethod
-    def _aligned(nbytes: int) -> torch.Tensor:
-        raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
-        start = -raw.data_ptr() % _PAGE
-        return raw[start : start + nbytes]
 
     def _warn(self, msg: str) -> None:
         """Queues a warning (workers call this); the training thread issues it."""
@@ -1099,7 +1091,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     os.link(sg.file, pin)
                     sg.pinned = True
                 except OSError:  # no hard links here: take the bytes now
-                    buf = self._aligned(sg.nbytes)
+                    buf = host_buffer(sg.nbytes)
                     self._read(sg, buf)
                     entry["tensor"] = f"{prefix}sg-{sg.index:06d}"
                     parts[entry["tensor"]] = buf
@@ -1235,7 +1227,7 @@ def _subgroup_bytes(
     """One saved subgroup's flat bytes (from its tensor, or its file checked
     against the CRC-32 recorded at save)."""
     n = int(e["nbytes"])
-    buf = out if out is not None else OffloadedOptimizer._aligned(n)
+    buf = out if out is not None else host_buffer(n)
     if "tensor" in e:
         t = tensors.get(e["tensor"])
         if t is None or t.numel() != n:
