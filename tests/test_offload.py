@@ -3,7 +3,9 @@ memory, state in the tiers, multi-path placement, checksums, state_dict."""
 
 from __future__ import annotations
 
+
 import copy
+import itertools
 import multiprocessing as mp
 import os
 import signal
@@ -240,6 +242,34 @@ def test_multi_path_follows_measured_bandwidth(throttled: Callable[[int], Path])
     opt.close()
 
 
+def test_layout_interleaves_paths_by_share(tmp_path: Path) -> None:
+    """Consecutive subgroups (what is in flight at one time) span the paths in
+    proportion to their bandwidth, so every path works at once; a changed
+    share makes a new layout, a small wobble does not."""
+    paths = [tmp_path / "fast", tmp_path / "slow"]
+    params = [torch.nn.Parameter(torch.randn(1 << 14)) for _ in range(30)]
+    opt = offload(
+        torch.optim.AdamW,
+        params,
+        lr=1e-3,
+        tiers=[HostTier(0), DiskTier([str(p) for p in paths])],
+        subgroup_bytes="64KiB",
+    )
+    fast, slow = opt.paths
+    assert len(opt.subgroups) == 30
+    for p, r in ((fast, 2e9), (slow, 1e9)):
+        p.rate = {"read": r, "write": r}
+    on = [opt._layout()[sg.index] for sg in opt.subgroups]
+    for i in range(len(on) - 2):
+        assert on[i : i + 3].count(slow) == 1, [p is slow for p in on]
+    fast.rate = {"read": 2.1e9, "write": 2.1e9}  # within the wobble: same layout
+    assert [opt._layout()[sg.index] for sg in opt.subgroups] == on
+    fast.rate = {"read": 1e9, "write": 1e9}  # now equal: alternate
+    on = [opt._layout()[sg.index] for sg in opt.subgroups]
+    assert all(a is not b for a, b in itertools.pairwise(on)), [p is slow for p in on]
+    opt.close()
+
+
 def test_even_split_is_available_for_comparison(tmp_path: Path) -> None:
     paths = [tmp_path / "a", tmp_path / "b"]
     model = _big_model()
@@ -255,6 +285,27 @@ def test_even_split_is_available_for_comparison(tmp_path: Path) -> None:
         _big_step(model, opt, step)
     shares = _shares(opt)
     assert abs(shares[str(paths[0])] - 0.5) < 0.1, shares
+    opt.close()
+    # The layout interleaves the paths along the subgroups' order, so that the
+    # reads and write-backs in flight at one time keep every path busy.
+    params = [torch.nn.Parameter(torch.randn(1 << 16)) for _ in range(24)]
+    opt = offload(
+        torch.optim.AdamW,
+        params,
+        lr=1e-3,
+        tiers=[HostTier(0), DiskTier([str(p) for p in paths])],
+        subgroup_bytes="256KiB",
+        balance="even",
+    )
+    for step in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    opt.wait_io()
+    where = {int(f.name.split("-")[1].split(".")[0]): i for i, d in enumerate(paths) for f in d.rglob("sg-*.bin")}
+    assert len(where) == len(opt.subgroups) > 8, where
+    runs = [len(list(g)) for _, g in itertools.groupby(where[i] for i in sorted(where))]
+    assert max(runs) <= 2, [where[i] for i in sorted(where)]
     opt.close()
     with pytest.raises(ValueError, match="balance"):
         offload(torch.optim.AdamW, model.parameters(), tiers=[DiskTier(str(tmp_path))], balance="fast")

@@ -75,6 +75,7 @@ _SESSION = "session-"
 OFFLOAD_KEY = "__tierstore_offload__"  # an offloaded optimizer's entry in a checkpoint
 OFFLOAD_FORMAT = "tierstore-offload/1"
 _ALPHA = 0.3  # weight of a new bandwidth sample in the estimate
+_RELAYOUT = 0.05  # change of a path's share that makes a new layout
 
 
 def _default_tiers() -> list[HostTier | DiskTier]:
@@ -376,6 +377,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         # --- paths
         self.session = f"{_SESSION}{os.getpid()}-{secrets.token_hex(4)}"
         self.paths: list[_Path] = []
+        self._layout_map: dict[int, _Path] = {}
+        self._layout_shares: dict[_Path, float] = {}
+        self._layout_sizes: tuple[int, ...] = ()
         devices: dict[int, _Device] = {}
         self._alive_fds: list[int] = []
         roots: list[Path] = []
@@ -617,26 +621,42 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         total = sum(p.speed() for p in live)
         return {p: p.speed() / total for p in live}
 
+    def _layout(self) -> dict[int, _Path]:
+        """The path of each subgroup: interleaved over the subgroups' order in
+        proportion to the paths' shares (smooth weighted round robin), so that
+        any run of consecutive subgroups, the reads and write-backs in flight
+        at one time, spans the paths in those proportions and every path
+        works at once. Kept while the shares move by less than
+        ``_RELAYOUT`` (every write-back rewrites its subgroup anyway, so a new
+        layout costs no extra bytes, only new files)."""
+        targets = self._targets()
+        old = self._layout_shares
+        sizes = tuple(sg.nbytes for sg in self.subgroups)  # they grow when the state is created
+        if (
+            self._layout_map
+            and sizes == self._layout_sizes
+            and old.keys() == targets.keys()
+            and max(abs(targets[q] - old[q]) for q in targets) <= _RELAYOUT
+        ):
+            return self._layout_map
+        acc = dict.fromkeys(targets, 0.0)
+        seen = 0
+        layout: dict[int, _Path] = {}
+        for sg in self.subgroups:
+            seen += sg.nbytes
+            p = max(targets, key=lambda q: targets[q] * seen - acc[q])
+            acc[p] += sg.nbytes
+            layout[sg.index] = p
+        self._layout_map, self._layout_shares, self._layout_sizes = layout, targets, sizes
+        return layout
+
     def _choose_path(self, sg: _Subgroup) -> _Path:
-        """Where ``sg`` is written back (and counted from now on, so that the
-        write-backs queued behind it see it there): its home path unless that
-        path holds more than its share of the measured bandwidth, else the
-        path furthest below its share."""
+        """Where ``sg`` is written back (see :meth:`_layout`), counted there
+        from now on."""
         with self._mem:
-            targets = self._targets()
-            mine = sg.home_bytes
-            total = sum(p.stored for p in self.paths) - mine + sg.nbytes
-            cur = sg.home
-            if (
-                cur is not None
-                and cur in targets
-                and cur.stored - mine + sg.nbytes <= targets[cur] * total + sg.nbytes / 2
-            ):
-                p = cur
-            else:
-                p = max(targets, key=lambda q: targets[q] * total - (q.stored - (mine if q is cur else 0)))
-            if cur is not None:
-                cur.stored -= mine
+            p = self._layout()[sg.index]
+            if sg.home is not None:
+                sg.home.stored -= sg.home_bytes
             p.stored += sg.nbytes
             sg.home, sg.home_bytes = p, sg.nbytes
             return p
