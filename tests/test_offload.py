@@ -3,7 +3,6 @@ memory, state in the tiers, multi-path placement, checksums, state_dict."""
 
 from __future__ import annotations
 
-
 import copy
 import itertools
 import multiprocessing as mp
@@ -297,7 +296,7 @@ def test_even_split_is_available_for_comparison(tmp_path: Path) -> None:
         subgroup_bytes="256KiB",
         balance="even",
     )
-    for step in range(2):
+    for _ in range(2):
         for p in params:
             p.grad = torch.randn_like(p)
         opt.step()
