@@ -380,14 +380,21 @@ def report(
     for m in ("tierstore, disk", "tierstore, fast", "tierstore, fast+slow"):
         if m in by:
             check(f"{m}: step / bound", by[m]["step_s"] / by[m]["bound_s"], 1.15, False)
-    for ours_m, naive_m in (("tierstore, disk", "naive, disk"), ("tierstore, fast", "naive, fast")):
+    # Against the naive offload on the same paths (for two paths: on the
+    # better of the two). What 2x needs is set next to the bound: where the
+    # bound is above it, this device cannot give 2x for these bytes.
+    limits: list[str] = []
+    for ours_m, naive_m in (
+        ("tierstore, disk", "naive, disk"),
+        ("tierstore, fast", "naive, fast"),
+        ("tierstore, fast+slow", "naive, fast"),
+    ):
         if ours_m in by and naive_m in by:
             check(f"{ours_m} vs {naive_m}: speed-up", by[naive_m]["step_s"] / by[ours_m]["step_s"], 2.0, True)
-    if "tierstore, fast+slow" in by:
-        best_naive = min(by[m]["step_s"] for m in ("naive, disk", "naive, fast") if m in by)
-        check(
-            "tierstore, fast+slow vs best naive: speed-up", best_naive / by["tierstore, fast+slow"]["step_s"], 2.0, True
-        )
+            limits.append(
+                f"{ours_m}: 2x {naive_m} needs a step of {by[naive_m]['step_s'] / 2:.2f} s; "
+                f"its bytes at the ceilings plus the update take {by[ours_m]['bound_s']:.2f} s"
+            )
     if "deepspeed, disk" in by:
         check(
             "tierstore, disk vs deepspeed: speed-up",
@@ -411,6 +418,9 @@ def report(
     print()
     for what, value, target, ok in checks:
         print(f"{'MET   ' if ok else 'MISSED'} {what}: {value:.2f} (target {target})")
+    print()
+    for line in limits:
+        print(line)
     if args.json:
         Path(args.json).write_text(
             json.dumps(
@@ -419,6 +429,7 @@ def report(
                     "ceilings": ceilings,
                     "results": results,
                     "two_processes": two,
+                    "limits": limits,
                     "checks": [{"what": w, "value": v, "target": t, "met": ok} for w, v, t, ok in checks],
                     "same_masters": same and ds_same,
                     "torch": torch.__version__,
