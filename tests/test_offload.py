@@ -573,6 +573,61 @@ def test_checkpoint_takes_offloaded_state_from_the_tiers(tmp_path: Path) -> None
     ck2.close()
 
 
+def _offload_rank_job(rank: int, world: int, root: str) -> int:
+    """One rank of a data-parallel job with ZeRO-style partitioned optimizer
+    state: each rank offloads the state of its own parameters, saves it into
+    one shared checkpoint, and a fresh optimizer on each rank restores it."""
+    torch.manual_seed(100 + rank)  # each rank's own partition
+    part = [torch.nn.Parameter(torch.randn(1 << 16)) for _ in range(6)]
+    ref_part = [torch.nn.Parameter(p.detach().clone()) for p in part]
+    ref = torch.optim.AdamW(ref_part, lr=1e-3)
+
+    def grads(step: int) -> None:
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        for p, q in zip(part, ref_part, strict=True):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+
+    tiers = [HostTier("512KiB"), DiskTier(f"{root}/scratch-{rank}")]
+    opt = offload(torch.optim.AdamW, part, lr=1e-3, tiers=tiers, subgroup_bytes="256KiB")
+    ck = tierstore.Checkpointer(f"{root}/ck", tiers=[DiskTier("local")])
+    for step in range(3):
+        grads(step)
+        opt.step()
+        ref.step()
+    opt.wait_io()
+    assert opt.placement()[f"{root}/scratch-{rank}"] > 0  # some of it is on disk
+    ck.save(3, {"optim": opt, "rank": tierstore.PerRank(rank)})
+    ck.wait()
+    saved = [p.detach().clone() for p in part]
+    opt.close()
+
+    # A fresh optimizer on each rank (same parameters, values as saved) takes the state back.
+    part2 = [torch.nn.Parameter(t.clone()) for t in saved]
+    opt2 = offload(
+        torch.optim.AdamW, part2, lr=1e-3, tiers=[HostTier("512KiB"), DiskTier(f"{root}/fresh-{rank}")]
+    )
+    into: dict[str, Any] = {"optim": opt2, "rank": None}
+    ck.load_latest(into=into)
+    assert into["rank"] == rank
+    part[:] = part2
+    for step in range(3, 6):
+        grads(step)
+        opt2.step()
+        ref.step()
+    assert all(torch.equal(a, b) for a, b in zip(part2, ref_part, strict=True)), rank
+    opt2.close()
+    ck.close()
+    return len(list(Path(f"{root}/ck/local").glob(f"step-*/offload-{rank:05d}*")))
+
+
+def test_multi_rank_checkpoint_of_offloaded_state(tmp_path: Path) -> None:
+    from dist_util import run_world
+
+    counts = run_world(2, _offload_rank_job, str(tmp_path), method="spawn", timeout=240)
+    assert all(n > 0 for n in counts), counts  # each rank's subgroup files are in the checkpoint
+
+
 def test_how_a_device_serves_both_directions_is_measured(throttled: Callable[[int], Path]) -> None:
     # A device throttled per direction serves a read and a write at once at
     # twice the rate of one after the other: the optimizer finds that out.
