@@ -604,9 +604,7 @@ def _offload_rank_job(rank: int, world: int, root: str) -> int:
 
     # A fresh optimizer on each rank (same parameters, values as saved) takes the state back.
     part2 = [torch.nn.Parameter(t.clone()) for t in saved]
-    opt2 = offload(
-        torch.optim.AdamW, part2, lr=1e-3, tiers=[HostTier("512KiB"), DiskTier(f"{root}/fresh-{rank}")]
-    )
+    opt2 = offload(torch.optim.AdamW, part2, lr=1e-3, tiers=[HostTier("512KiB"), DiskTier(f"{root}/fresh-{rank}")])
     into: dict[str, Any] = {"optim": opt2, "rank": None}
     ck.load_latest(into=into)
     assert into["rank"] == rank
