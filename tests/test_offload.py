@@ -95,6 +95,45 @@ def test_other_optimizers_and_bf16_params(tmp_path: Path) -> None:
     optb.close()
 
 
+@pytest.mark.parametrize(
+    ("cls", "kw"),
+    [
+        (torch.optim.Adam, {"lr": 1e-3, "amsgrad": True}),
+        (torch.optim.Adagrad, {"lr": 1e-2}),
+        (torch.optim.RMSprop, {"lr": 1e-3, "momentum": 0.5, "centered": True}),
+        (torch.optim.NAdam, {"lr": 1e-3}),
+        (torch.optim.Rprop, {"lr": 1e-2}),
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else "",
+)
+def test_other_torch_optimizers(tmp_path: Path, cls: type[torch.optim.Optimizer], kw: dict[str, Any]) -> None:
+    """Any torch.optim class whose per-parameter state is tensors: the same
+    values as in memory, and its state dict goes into the wrapped class."""
+    torch.manual_seed(0)
+    m_ref = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    m_off = copy.deepcopy(m_ref)
+    ref = cls(m_ref.parameters(), **kw)
+    opt = offload(
+        cls, m_off.parameters(), tiers=[HostTier("16KiB"), DiskTier(str(tmp_path))], subgroup_bytes="8KiB", **kw
+    )
+    for step in range(5):
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step))
+        for m, o in ((m_ref, ref), (m_off, opt)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(m_ref.parameters(), m_off.parameters(), strict=True))
+    m_plain = copy.deepcopy(m_off)
+    plain = cls(m_plain.parameters(), **kw)
+    plain.load_state_dict(opt.state_dict())
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(99))
+    for m, o in ((m_ref, ref), (m_plain, plain)):
+        m(x).pow(2).mean().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(m_ref.parameters(), m_plain.parameters(), strict=True))
+    opt.close()
+
+
 def test_state_dict_round_trip(tmp_path: Path) -> None:
     m1 = _model()
     opt = offload(torch.optim.AdamW, m1.parameters(), lr=1e-3, tiers=[HostTier(0), DiskTier(str(tmp_path))])
