@@ -408,16 +408,20 @@ def test_schedulers_and_hooks_see_an_optimizer(tmp_path: Path) -> None:
 def test_other_processes_take_turns_at_a_device(tmp_path: Path) -> None:
     from tierstore.offload import _lock_dir
 
-    lock = _lock_dir() / f"tierstore-io-{os.stat(tmp_path).st_dev:x}-w0.lock"
+    def lock(i: int) -> str:
+        return str(_lock_dir() / f"tierstore-io-{os.stat(tmp_path).st_dev:x}-w{i}.lock")
+
     code = (
         "import fcntl, os, sys, time\n"
-        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o666)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "for f in sys.argv[1:]:\n"
+        "    fcntl.flock(os.open(f, os.O_RDWR | os.O_CREAT, 0o666), fcntl.LOCK_EX)\n"
         "print('held', flush=True)\n"
         "time.sleep(1.5)\n"
     )
-    for exclusive in (True, False):
-        holder = subprocess.Popen([sys.executable, "-c", code, str(lock)], stdout=subprocess.PIPE, text=True)
+    # (exclusive_io, io_slots, write slots another process holds, whether we wait)
+    cases = [(True, 1, [0], True), (False, 1, [0], False), (True, 2, [1], False), (True, 2, [0, 1], True)]
+    for n, (exclusive, slots, held, waits) in enumerate(cases):
+        holder = subprocess.Popen([sys.executable, "-c", code, *map(lock, held)], stdout=subprocess.PIPE, text=True)
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         t0 = time.perf_counter()
         model = _model()
@@ -425,8 +429,9 @@ def test_other_processes_take_turns_at_a_device(tmp_path: Path) -> None:
             torch.optim.AdamW,
             model.parameters(),
             lr=1e-3,
-            tiers=[HostTier(0), DiskTier(str(tmp_path / str(exclusive)))],
+            tiers=[HostTier(0), DiskTier(str(tmp_path / str(n)))],
             exclusive_io=exclusive,
+            io_slots=slots,
         )
         _step(model, opt, 0)
         opt.wait_io()
@@ -434,11 +439,11 @@ def test_other_processes_take_turns_at_a_device(tmp_path: Path) -> None:
         holder.wait(timeout=30)
         holder.stdout.close()
         opt.close()
-        if exclusive:
-            assert waited > 1.0, waited  # the other process streamed first
+        if waits:  # the other process streamed first
+            assert waited > 1.0, (exclusive, slots, held, waited)
             assert sum(d.lock_wait_s for d in opt.devices) > 0.5
-        else:
-            assert waited < 1.0, waited
+        else:  # not exclusive, or a slot was free
+            assert waited < 1.0, (exclusive, slots, held, waited)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -121,20 +121,23 @@ class _Lane:
     def turn(self, ticket: tuple[int, int]) -> Iterator[None]:
         with self.cond:
             heapq.heappush(self.waiting, ticket)
-            while self.busy >= self.slots or self.waiting[0] != ticket:
+            # (no free lock file: another transfer of ours is choosing one)
+            while self.busy >= self.slots or self.waiting[0] != ticket or (self.fds and not self.free_fds):
                 self.cond.wait()
             heapq.heappop(self.waiting)
             self.busy += 1
-            fd = self.free_fds.pop() if self.free_fds else -1
+            mine = list(self.free_fds)  # the slots no transfer of this process holds
+            self.free_fds.clear()
             self.cond.notify_all()
+        fd = -1
         try:
-            if fd >= 0:
+            if mine:
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    t0 = time.perf_counter()
-                    fcntl.flock(fd, fcntl.LOCK_EX)
-                    self.lock_wait_s += time.perf_counter() - t0
+                    fd = self._lock_any(mine)
+                finally:
+                    with self.cond:
+                        self.free_fds.extend(x for x in mine if x != fd)
+                        self.cond.notify_all()
             yield
         finally:
             if fd >= 0:
@@ -144,6 +147,22 @@ class _Lane:
                 if fd >= 0:
                     self.free_fds.append(fd)
                 self.cond.notify_all()
+
+    def _lock_any(self, fds: list[int]) -> int:
+        """Takes whichever of ``fds`` no other process holds, waiting (polled,
+        0.2 to 2 ms apart: a transfer takes tens of ms) while all are held."""
+        t0 = time.perf_counter()
+        pause = 0.0002
+        while True:
+            for fd in fds:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                self.lock_wait_s += time.perf_counter() - t0
+                return fd
+            time.sleep(pause)
+            pause = min(2 * pause, 0.002)
 
     def close(self) -> None:
         for fd in self.fds:
