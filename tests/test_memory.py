@@ -63,6 +63,10 @@ for _ in range(8):
     del x
 print("grew", (rss_kib() - base) // 1024)
 assert host_buffer(0).numel() == 0
+small = host_buffer(8 << 10)
+assert small.numel() == 8 << 10 and small.data_ptr() % 4096 == 0
+small.fill_(1)
+assert huge_kib(small.data_ptr()) == 0  # no huge page behind a small buffer
 """
 
 
