@@ -644,7 +644,13 @@ def _offload_rank_job(rank: int, world: int, root: str) -> int:
     ck.save(3, {"optim": opt, "rank": tierstore.PerRank(rank)})
     ck.wait()
     saved = [p.detach().clone() for p in part]
+    at_save = opt.state_dict()
     opt.close()
+    # Without `into`: this rank's own optimizer state dict and per-rank values.
+    plain = ck.load_latest()
+    assert plain["rank"] == rank and set(plain["optim"]["state"]) == set(at_save["state"])
+    for i, st in at_save["state"].items():
+        assert all(torch.equal(plain["optim"]["state"][i][k], v) for k, v in st.items()), (rank, i)
 
     # A fresh optimizer on each rank (same parameters, values as saved) takes the state back.
     part2 = [torch.nn.Parameter(t.clone()) for t in saved]
@@ -668,6 +674,13 @@ def test_multi_rank_checkpoint_of_offloaded_state(tmp_path: Path) -> None:
 
     counts = run_world(2, _offload_rank_job, str(tmp_path), method="spawn", timeout=240)
     assert all(n > 0 for n in counts), counts  # each rank's subgroup files are in the checkpoint
+    # One process reading the two ranks' checkpoint: per-rank entries need a choice.
+    ck = tierstore.Checkpointer(tmp_path / "ck", tiers=[DiskTier("local")])
+    with pytest.warns(UserWarning, match="per-rank objects .*__tierstore_offload__.* left out"):
+        assert "optim" not in ck.load_latest()
+    got = ck.load_latest(per_rank_policy="rank0")
+    assert got["rank"] == 0 and len(got["optim"]["state"]) == 6
+    ck.close()
 
 
 def test_how_a_device_serves_both_directions_is_measured(throttled: Callable[[int], Path]) -> None:

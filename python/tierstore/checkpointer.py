@@ -1307,7 +1307,7 @@ class Checkpointer:
         d = Path(c["path"])
         if into is not None:
             return self._load_into(d, into, weights_only, per_rank_policy)
-        flat = consolidate(d, weights_only=weights_only)
+        flat = consolidate(d, weights_only=weights_only, per_rank_policy=per_rank_policy)
         meta_p = d / META
         if not meta_p.exists():
             return _offload_state_dicts(flat, d)

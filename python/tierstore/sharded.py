@@ -29,6 +29,7 @@ import math
 import os
 import secrets
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -652,9 +653,17 @@ def _load_from_dcp(
     return state_dict
 
 
-def consolidate(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict[str, Any]:
+def consolidate(
+    path: str | os.PathLike[str],
+    *,
+    weights_only: bool = True,
+    per_rank_policy: str | Callable[[dict[int, Any]], Any] | None = None,
+) -> dict[str, Any]:
     """The whole checkpoint as one flat dict ``{global name: full tensor}``,
-    plus its replicated objects (for inference or upload)."""
+    plus its replicated objects (for inference or upload), plus its per-rank
+    objects where a value can be chosen: this rank's when the saving world
+    had this rank and size, else by ``per_rank_policy`` (as for
+    :func:`load_sharded`); without one they are left out."""
     from tierstore import dcp
 
     if not (Path(path) / MANIFEST).exists() and dcp.is_dcp(path):
@@ -663,9 +672,23 @@ def consolidate(path: str | os.PathLike[str], *, weights_only: bool = True) -> d
     sd: dict[str, Any] = {name: torch.empty(g["shape"], dtype=_dtype(g["dtype"])) for name, g in m["tensors"].items()}
     for key in m["objects"]:
         sd[key] = None
+    rank, world, _pg = _group_info(None)
+    left_out = []
+    for key, holders in m.get("per_rank_objects", {}).items():
+        if per_rank_policy is not None or (int(m["world_size"]) == world and str(rank) in holders):
+            sd[key] = None
+        else:
+            left_out.append(key)
+    if left_out:
+        warnings.warn(
+            f"{path}: per-rank objects {', '.join(sorted(left_out))} were saved by {m['world_size']} ranks and "
+            f"are left out (this is rank {rank} of {world}); pass per_rank_policy='rank0' or a function of "
+            "{rank: value} to get them",
+            stacklevel=2,
+        )
     flat_sd: dict[str, Any] = {}
     # load_sharded flattens nested dicts; global names are already flat keys.
-    load_sharded(path, sd, weights_only=weights_only)
+    load_sharded(path, sd, weights_only=weights_only, per_rank_policy=per_rank_policy)
     flat_sd.update(sd)
     return flat_sd
 
