@@ -351,10 +351,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     schedulers) while its fp32 master weights and state live in the tiers.
 
     ``subgroup_bytes``: size of a subgroup (master + state), the unit of I/O.
-    ``io_slots``: transfers in flight per device and direction, machine-wide
-    (default 2: a device keeps busy across the gap between one transfer and
-    the next; one-process steps here were 5-10% faster than with 1, and two
-    processes reached their throughput without turns).
+    ``io_slots``: transfers in flight per device and direction, machine-wide.
     ``duplex``: reads and writes at a device at once (True), in one line
     (False), or whichever the device is measured to serve faster (None).
     ``exclusive_io``: take those turns across processes (lock files); False
@@ -370,7 +367,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         *,
         tiers: list[HostTier | DiskTier] | None = None,
         subgroup_bytes: int | str = "64MiB",
-        io_slots: int = 2,
+        io_slots: int = 1,
         duplex: bool | None = None,
         exclusive_io: bool = True,
         balance: str = "bandwidth",
