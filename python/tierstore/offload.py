@@ -398,7 +398,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.paths: list[_Path] = []
         self._layout_map: dict[int, _Path] = {}
         self._layout_shares: dict[_Path, float] = {}
-        self._layout_sizes: tuple[int, ...] = ()
         devices: dict[int, _Device] = {}
         self._alive_fds: list[int] = []
         roots: list[Path] = []
@@ -567,6 +566,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             buf[o : o + n].view(dt).view(shape).copy_(t)
         old = sg.buf
         sg.layout, sg.nbytes = layout, nbytes
+        self._layout_map = {}  # sizes changed (the state was created): a new layout
         self._attach(sg, buf)
         if old is not None:
             self._release(old)
@@ -650,10 +650,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         layout costs no extra bytes, only new files)."""
         targets = self._targets()
         old = self._layout_shares
-        sizes = tuple(sg.nbytes for sg in self.subgroups)  # they grow when the state is created
         if (
             self._layout_map
-            and sizes == self._layout_sizes
             and old.keys() == targets.keys()
             and max(abs(targets[q] - old[q]) for q in targets) <= _RELAYOUT
         ):
@@ -666,7 +664,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             p = max(targets, key=lambda q: targets[q] * seen - acc[q])
             acc[p] += sg.nbytes
             layout[sg.index] = p
-        self._layout_map, self._layout_shares, self._layout_sizes = layout, targets, sizes
+        self._layout_map, self._layout_shares = layout, targets
         return layout
 
     def _choose_path(self, sg: _Subgroup) -> _Path:
@@ -1212,6 +1210,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 sg.inner.state[sg.masters[int(i)]].update(objs)
             sg.layout = [(i, k, o, n, _dtype(dt), tuple(shape)) for i, k, o, n, dt, shape in e["layout"]]
             sg.nbytes = e["nbytes"]
+            self._layout_map = {}
             for i, k, *_ in sg.layout:
                 if k is not None:
                     sg.inner.state.setdefault(sg.masters[i], {})
