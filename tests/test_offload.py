@@ -95,6 +95,96 @@ def test_other_optimizers_and_bf16_params(tmp_path: Path) -> None:
     optb.close()
 
 
+def _seeded_grads(params: list[torch.Tensor], step: int) -> None:
+    g = torch.Generator().manual_seed(500 + step)
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=g) * 1e-2).to(p.dtype)
+
+
+def test_split_masters_are_rebuilt_exactly(tmp_path: Path) -> None:
+    """bf16 parameters: only the low halves of the fp32 masters are stored
+    (the parameters hold the high halves), the masters come back bit for bit,
+    the parameters are the nearest bf16 (ties away from zero), fewer bytes
+    move; when the model turns fp32, the masters go on whole."""
+    model_w = _model().to(torch.bfloat16)
+    model_s = copy.deepcopy(model_w)
+    pw, ps = list(model_w.parameters()), list(model_s.parameters())
+    kw: dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.1, "subgroup_bytes": "64KiB"}
+    whole = offload(
+        torch.optim.AdamW, pw, split_masters=False, tiers=[HostTier(0), DiskTier(str(tmp_path / "w"))], **kw
+    )
+    split = offload(torch.optim.AdamW, ps, tiers=[HostTier(0), DiskTier(str(tmp_path / "s"))], **kw)
+    for step in range(5):
+        _seeded_grads(pw, step)
+        _seeded_grads(ps, step)
+        whole.step()
+        split.step()
+        mw, ms = whole.master_params(), split.master_params()
+        assert all(torch.equal(a, b) for a, b in zip(mw, ms, strict=True)), step
+    for p_w, p_s, m in zip(pw, ps, mw, strict=True):
+        assert torch.equal(p_w, m.to(torch.bfloat16))  # the whole masters' model: torch's rounding
+        low = m.view(torch.int32) & 0xFFFF
+        tie = low == 0x8000  # rare here; every low half is checked in rust/core/src/halves.rs
+        assert torch.equal(p_s[~tie], p_w[~tie])  # the nearest bf16 ...
+        away = (m[tie].abs() < p_s[tie].float().abs()) & ((p_s[tie].float() - m[tie]).abs() > 0)
+        assert bool(away.all())  # ... and at an exact tie, the one away from zero
+    stored_w, stored_s = sum(whole.placement().values()), sum(split.placement().values())
+    numel = sum(p.numel() for p in pw)
+    assert stored_w >= 12 * numel and stored_s < 10.5 * numel  # 4 + 4 + 4 bytes, against 2 + 4 + 4
+    assert split.stats["read_bytes"] < 0.9 * whole.stats["read_bytes"]
+    sdw, sds = whole.state_dict(), split.state_dict()
+    for i, st in sdw["state"].items():
+        assert all(torch.equal(sds["state"][i][k], v) for k, v in st.items())
+    # The model turns fp32: its values are the high halves, so the masters are
+    # rebuilt exactly once more and stored whole from then on.
+    with torch.no_grad():
+        for p in pw + ps:
+            p.data = p.data.float()
+    for step in range(5, 8):
+        _seeded_grads(pw, step)
+        _seeded_grads(ps, step)
+        whole.step()
+        split.step()
+    assert all(torch.equal(a, b) for a, b in zip(whole.master_params(), split.master_params(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(pw, ps, strict=True))
+    assert sum(split.placement().values()) >= 12 * numel
+    whole.close()
+    split.close()
+
+
+def test_checkpoint_of_split_masters(tmp_path: Path) -> None:
+    """A checkpoint of an optimizer with split masters, restored with its
+    model into fresh ones, goes on bit for bit as the original."""
+    model = _big_model().to(torch.bfloat16)
+    params = list(model.parameters())
+    tiers = [HostTier("4MiB"), DiskTier(str(tmp_path / "scratch"))]
+    opt = offload(torch.optim.AdamW, params, lr=1e-3, tiers=tiers, subgroup_bytes="1MiB")
+    ck = tierstore.Checkpointer(tmp_path / "ck", tiers=[DiskTier("local")])
+    for step in range(3):
+        _seeded_grads(params, step)
+        opt.step()
+    placed = opt.placement()
+    assert placed["host"] > 0 and placed[str(tmp_path / "scratch")] > 0
+    ck.save(3, {"model": model.state_dict(), "optim": opt})
+    ck.wait()
+    model2 = _big_model(seed=5).to(torch.bfloat16)
+    params2 = list(model2.parameters())
+    tiers2 = [HostTier("4MiB"), DiskTier(str(tmp_path / "s2"))]
+    opt2 = offload(torch.optim.AdamW, params2, lr=1e-3, tiers=tiers2, subgroup_bytes="1MiB")
+    ck.load_latest(into={"model": model2.state_dict(), "optim": opt2})
+    assert all(torch.equal(a, b) for a, b in zip(opt.master_params(), opt2.master_params(), strict=True))
+    for step in range(3, 6):
+        _seeded_grads(params, step)
+        _seeded_grads(params2, step)
+        opt.step()
+        opt2.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, params2, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(opt.master_params(), opt2.master_params(), strict=True))
+    opt.close()
+    opt2.close()
+    ck.close()
+
+
 @pytest.mark.parametrize(
     ("cls", "kw"),
     [

@@ -21,12 +21,14 @@ __all__ = [
     "fast_dumps",
     "fast_weights_only_load",
     "io_uring_status",
+    "join_halves",
     "probe_path",
     "read_directory",
     "read_directory_bytes",
     "read_ranges",
     "read_records",
     "read_small",
+    "split_halves",
     "start_read",
     "write_ranges",
 ]
@@ -176,3 +178,5 @@ def write_ranges(
     direct: bool = False,
 ) -> int: ...
 def crc32_regions(regions: list[tuple[int, int]], threads: int = 2) -> list[int]: ...
+def split_halves(src: int, hi: int, lo: int, n: int, threads: int = 1) -> None: ...
+def join_halves(hi: int, lo: int, out: int, n: int, threads: int = 1) -> None: ...

@@ -11,12 +11,14 @@
 //! - [`zip`] / [`plan`]: the on-disk structures and the byte plan of a write.
 //! - [`file`]: O_DIRECT opening and the atomic-replace protocol.
 //! - [`copy`]: whole-file copies (reflink or engine requests) for tier promotion.
+//! - [`halves`]: 32-bit words split into 16-bit halves and joined (the offload's split masters).
 
 pub mod buf;
 pub mod copy;
 pub mod engine;
 pub mod error;
 pub mod file;
+pub mod halves;
 pub mod io;
 pub mod plan;
 pub mod probe;

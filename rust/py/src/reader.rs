@@ -306,7 +306,81 @@ fn crc32_regions(py: Python<'_>, regions: Vec<(usize, usize)>, threads: usize) -
     })
 }
 
+/// Splits `n` 32-bit words at `src` into their rounded high halves at `hi`
+/// and their low halves at `lo` (see `tierstore_core::halves`).
+#[pyfunction]
+#[pyo3(signature = (src, hi, lo, n, threads = 1))]
+fn split_halves(
+    py: Python<'_>,
+    src: usize,
+    hi: usize,
+    lo: usize,
+    n: usize,
+    threads: usize,
+) -> PyResult<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    check_words(&[(src, 4), (hi, 2), (lo, 2)])?;
+    py.detach(|| {
+        // SAFETY: the caller keeps `n` words at `src` and `n` halves at `hi` and
+        // `lo` alive and unaliased for this call; alignment is checked above.
+        let (s, h, l) = unsafe {
+            (
+                std::slice::from_raw_parts(src as *const u32, n),
+                std::slice::from_raw_parts_mut(hi as *mut u16, n),
+                std::slice::from_raw_parts_mut(lo as *mut u16, n),
+            )
+        };
+        tierstore_core::halves::split(s, h, l, threads);
+    });
+    Ok(())
+}
+
+/// Joins `n` halves at `hi` and `lo` (made by `split_halves`) into 32-bit
+/// words at `out`.
+#[pyfunction]
+#[pyo3(signature = (hi, lo, out, n, threads = 1))]
+fn join_halves(
+    py: Python<'_>,
+    hi: usize,
+    lo: usize,
+    out: usize,
+    n: usize,
+    threads: usize,
+) -> PyResult<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    check_words(&[(out, 4), (hi, 2), (lo, 2)])?;
+    py.detach(|| {
+        // SAFETY: as in `split_halves`.
+        let (h, l, o) = unsafe {
+            (
+                std::slice::from_raw_parts(hi as *const u16, n),
+                std::slice::from_raw_parts(lo as *const u16, n),
+                std::slice::from_raw_parts_mut(out as *mut u32, n),
+            )
+        };
+        tierstore_core::halves::join(h, l, o, threads);
+    });
+    Ok(())
+}
+
+fn check_words(addrs: &[(usize, usize)]) -> PyResult<()> {
+    for &(a, align) in addrs {
+        if a == 0 || a % align != 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "address {a:#x} is null or not aligned to {align} bytes"
+            )));
+        }
+    }
+    Ok(())
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(split_halves, m)?)?;
+    m.add_function(wrap_pyfunction!(join_halves, m)?)?;
     m.add_function(wrap_pyfunction!(read_directory, m)?)?;
     m.add_function(wrap_pyfunction!(read_directory_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(data_offsets_bytes, m)?)?;
