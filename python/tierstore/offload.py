@@ -619,12 +619,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Whether the subgroup's masters are to be stored split (all its parameters bf16)."""
         return self.split_masters and all(p.dtype == torch.bfloat16 for p in sg.params)
 
-    def _low_half(self, sg: _Subgroup, i: int) -> torch.Tensor:
+    def _low_halves(self, sg: _Subgroup) -> list[torch.Tensor]:
+        """Views of the stored low halves of the split subgroup's masters, in parameter order."""
         assert sg.buf is not None
-        for j, k, o, n, _dt, _shape in sg.layout:
-            if j == i and k is None:
-                return sg.buf[o : o + n].view(torch.int16)
-        raise AssertionError(f"subgroup {sg.index} has no master entry {i}")
+        buf = sg.buf
+        return [buf[o : o + n].view(torch.int16) for _i, k, o, n, _dt, _shape in sg.layout if k is None]
 
     def _split_master(self, p: torch.Tensor, master: torch.Tensor, lo: torch.Tensor) -> None:
         """Stores fp32 ``master``: its low halves into ``lo``, its rounded
@@ -650,9 +649,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         (default: new tensors)."""
         out: list[torch.Tensor] = []
         off = 0
-        for i, p in enumerate(sg.params):
+        for p, lo in zip(sg.params, self._low_halves(sg), strict=True):
             m = torch.empty(p.shape) if into is None else into[off : off + p.numel()].view(p.shape)
-            self._join_master(p, self._low_half(sg, i), m)
+            self._join_master(p, lo, m)
             out.append(m)
             off += p.numel()
         return out
@@ -1034,8 +1033,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             sg.split = split
             self._pack(sg)
         elif split:
-            for i, (p, m) in enumerate(zip(sg.params, sg.masters, strict=True)):
-                self._split_master(p, m, self._low_half(sg, i))
+            for p, m, lo in zip(sg.params, sg.masters, self._low_halves(sg), strict=True):
+                self._split_master(p, m, lo)
         if split:
             empty = torch.empty(0)
             for m in sg.masters:

@@ -54,6 +54,9 @@ pub fn split(src: &[u32], hi: &mut [u16], lo: &mut [u16], threads: usize) {
         "halves::split: slices differ in length"
     );
     let c = chunk_len(src.len(), threads);
+    if c >= src.len() {
+        return split_serial(src, hi, lo); // one chunk: no thread to start
+    }
     thread::scope(|s| {
         for ((a, b), d) in src.chunks(c).zip(hi.chunks_mut(c)).zip(lo.chunks_mut(c)) {
             s.spawn(move || split_serial(a, b, d));
@@ -72,6 +75,9 @@ pub fn join(hi: &[u16], lo: &[u16], out: &mut [u32], threads: usize) {
         "halves::join: slices differ in length"
     );
     let c = chunk_len(out.len(), threads);
+    if c >= out.len() {
+        return join_serial(hi, lo, out);
+    }
     thread::scope(|s| {
         for ((a, b), d) in hi.chunks(c).zip(lo.chunks(c)).zip(out.chunks_mut(c)) {
             s.spawn(move || join_serial(a, b, d));
