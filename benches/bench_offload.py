@@ -196,7 +196,7 @@ def run_deepspeed(args: argparse.Namespace, disk: Path) -> dict[str, Any] | None
     }
 
 
-def _proc(args: argparse.Namespace, path: str, exclusive: bool, slots: int, barrier: Any, q: Any) -> None:
+def _proc(args: argparse.Namespace, path: str, exclusive: bool, slots: int, shared: int, barrier: Any, q: Any) -> None:
     torch.set_num_threads(1)
     params = make_params(int(args.params) // 2, seed=os.getpid())
     host = tierstore.checkpointer.parse_size(args.host) // 2
@@ -207,6 +207,7 @@ def _proc(args: argparse.Namespace, path: str, exclusive: bool, slots: int, barr
         subgroup_bytes=args.subgroup,
         exclusive_io=exclusive,
         io_slots=slots,
+        device_slots=shared,
         fused=True,
     )
     with torch.no_grad():
@@ -218,7 +219,7 @@ def _proc(args: argparse.Namespace, path: str, exclusive: bool, slots: int, barr
     barrier.wait()
     b0 = opt.stats["read_bytes"] + opt.stats["write_bytes"]
     t0 = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(1, args.steps + 3):
         set_grads(params, step)
         opt.step()
     opt.wait_io()
@@ -226,11 +227,12 @@ def _proc(args: argparse.Namespace, path: str, exclusive: bool, slots: int, barr
     opt.close()
 
 
-def two_processes(args: argparse.Namespace, disk: Path, exclusive: bool, slots: int) -> float:
+def two_processes(args: argparse.Namespace, disk: Path, exclusive: bool, slots: int, shared: int) -> float:
     """Total bytes per second of two processes offloading to one disk."""
     ctx = mp.get_context("spawn")
     barrier, q = ctx.Barrier(2), ctx.Queue()
-    procs = [ctx.Process(target=_proc, args=(args, str(disk), exclusive, slots, barrier, q)) for _ in range(2)]
+    job = (args, str(disk), exclusive, slots, shared, barrier, q)
+    procs = [ctx.Process(target=_proc, args=job) for _ in range(2)]
     for p in procs:
         p.start()
     res = [q.get(timeout=1800) for _ in procs]
@@ -267,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fast-rate", type=int, default=600, help="MiB/s per direction of the fast loop device")
     ap.add_argument("--slow-rate", type=int, default=300, help="MiB/s per direction of the slow loop device")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the disk modes (its rate drifts)")
+    ap.add_argument("--two-rounds", type=int, default=4, help="rounds of the two-process variants")
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--no-two-processes", action="store_true")
     ap.add_argument("--json", default=None)
@@ -354,10 +357,18 @@ def main(argv: list[str] | None = None) -> int:
             steps = ", ".join(f"{t:.2f}" for t in r["steps_s"])
             print(f"{shown:42} step {statistics.median(r['steps_s']):6.2f} s  {moved}  ({steps})", flush=True)
         if not args.no_two_processes:
-            variants = [("turns off", False, 1), ("turns on, 1 slot", True, 1), ("turns on, 2 slots", True, 2)]
-            for _round in range(3):
-                for key, exclusive, slots in variants:
-                    two.setdefault(key, []).append(two_processes(args, disk, exclusive, slots))
+            # (name, turns across processes, transfers per process, per machine)
+            variants = [
+                ("turns off", False, 1, 1),
+                ("turns on, 1 per machine", True, 1, 1),
+                ("turns on (default: 1 per process, 2 per machine)", True, 1, 2),
+                ("turns on, 2 per process and machine", True, 2, 2),
+            ]
+            # Rounds in alternating order: what a variant leaves behind at the
+            # disk (dirty pages, its cache) falls on each of its neighbours.
+            for rnd in range(args.two_rounds):
+                for key, exclusive, slots, shared in variants if rnd % 2 == 0 else variants[::-1]:
+                    two.setdefault(key, []).append(two_processes(args, disk, exclusive, slots, shared))
                     print(f"two processes, one disk, {key}: {two[key][-1] / 2**30:.2f} GiB/s", flush=True)
     finally:
         shutil.rmtree(disk, ignore_errors=True)
@@ -441,7 +452,7 @@ def report(
         check("fast+slow vs even split: speed-up", by["tierstore, fast+slow even"]["step_s"] / mp_s, 1.0, True)
     if two:
         off = statistics.median(two["turns off"])
-        for key in ("turns on, 1 slot", "turns on, 2 slots"):
+        for key in [k for k in two if k != "turns off"]:
             check(f"two processes: {key} / turns off, throughput", statistics.median(two[key]) / off, 1.0, True)
     print()
     for what, value, target, ok in checks:

@@ -509,9 +509,16 @@ def test_other_processes_take_turns_at_a_device(tmp_path: Path) -> None:
         "print('held', flush=True)\n"
         "time.sleep(1.5)\n"
     )
-    # (exclusive_io, io_slots, write slots another process holds, whether we wait)
-    cases = [(True, 1, [0], True), (False, 1, [0], False), (True, 2, [1], False), (True, 2, [0, 1], True)]
-    for n, (exclusive, slots, held, waits) in enumerate(cases):
+    # (exclusive_io, io_slots, device_slots, write slots another process holds, whether we wait)
+    cases = [
+        (True, 1, 1, [0], True),
+        (False, 1, 1, [0], False),
+        (True, 1, 2, [0], False),  # the default: a second transfer on the machine may go
+        (True, 1, 2, [0, 1], True),
+        (True, 2, 2, [1], False),
+        (True, 2, 2, [0, 1], True),
+    ]
+    for n, (exclusive, slots, shared, held, waits) in enumerate(cases):
         holder = subprocess.Popen([sys.executable, "-c", code, *map(lock, held)], stdout=subprocess.PIPE, text=True)
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         t0 = time.perf_counter()
@@ -523,6 +530,7 @@ def test_other_processes_take_turns_at_a_device(tmp_path: Path) -> None:
             tiers=[HostTier(0), DiskTier(str(tmp_path / str(n)))],
             exclusive_io=exclusive,
             io_slots=slots,
+            device_slots=shared,
         )
         _step(model, opt, 0)
         opt.wait_io()
@@ -531,10 +539,10 @@ def test_other_processes_take_turns_at_a_device(tmp_path: Path) -> None:
         holder.stdout.close()
         opt.close()
         if waits:  # the other process streamed first
-            assert waited > 1.0, (exclusive, slots, held, waited)
+            assert waited > 1.0, (exclusive, slots, shared, held, waited)
             assert sum(d.lock_wait_s for d in opt.devices) > 0.5
         else:  # not exclusive, or a slot was free
-            assert waited < 1.0, (exclusive, slots, held, waited)
+            assert waited < 1.0, (exclusive, slots, shared, held, waited)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -29,10 +29,11 @@ of each transfer, so a path that slows down receives less. A write-back may
 go to another path at no extra cost (every updated subgroup is written
 anyway); a full path hands its share to the others with a warning.
 
-Several processes on one machine (one per GPU) share devices through a
-machine-wide lock per device (``io_slots`` lock files in ``/dev/shm`` per
-device, flock: released by the kernel when a process dies), taken for each
-transfer, so they stream in turn instead of thrashing the device. Offload I/O
+Several processes on one machine (one per GPU) share devices through
+machine-wide turns per device and direction (``device_slots`` lock files in
+``/dev/shm``, flock: released by the kernel when a process dies), one taken
+for each transfer, so they stream in turn instead of thrashing the device;
+each process has at most ``io_slots`` transfers in flight per direction. Offload I/O
 is foreground-class engine work; checkpoint flushes are background-class.
 
 Every read is checked against the CRC-32 computed when the subgroup was
@@ -99,11 +100,11 @@ class _Lane:
 
     In the process: at most ``slots`` transfers at a time, granted by ticket
     (first come, first served). Across processes: each granted transfer also
-    holds one of ``slots`` lock files (flock), so that several processes
+    holds one of ``shared`` lock files (flock), so that several processes
     offloading to one device take turns instead of thrashing it. A process
     that dies releases its locks with its descriptors."""
 
-    def __init__(self, dev: int, what: str, slots: int, exclusive: bool) -> None:
+    def __init__(self, dev: int, what: str, slots: int, exclusive: bool, shared: int | None = None) -> None:
         self.slots = max(1, slots)
         self.cond = threading.Condition()
         self.busy = 0
@@ -112,7 +113,7 @@ class _Lane:
         self.lock_wait_s = 0.0  # time spent waiting for other processes
         if exclusive:
             base = _lock_dir()
-            for i in range(self.slots):
+            for i in range(max(self.slots, shared or 0)):
                 f = base / f"tierstore-io-{dev:x}-{what[0]}{i}.lock"
                 self.fds.append(os.open(f, os.O_RDWR | os.O_CREAT, 0o666))
         self.free_fds = list(self.fds)
@@ -187,9 +188,9 @@ class _Device:
 
     EXPLORE_EVERY = 50
 
-    def __init__(self, dev: int, slots: int, exclusive: bool, duplex: bool | None) -> None:
+    def __init__(self, dev: int, slots: int, exclusive: bool, duplex: bool | None, shared: int | None = None) -> None:
         self.dev = dev
-        self.lanes = {w: _Lane(dev, w, slots, exclusive) for w in ("read", "write")}
+        self.lanes = {w: _Lane(dev, w, slots, exclusive, shared) for w in ("read", "write")}
         self.adaptive = duplex is None
         self.duplex = True if duplex is None else duplex
         self.tickets = itertools.count()
@@ -354,7 +355,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     schedulers) while its fp32 master weights and state live in the tiers.
 
     ``subgroup_bytes``: size of a subgroup (master + state), the unit of I/O.
-    ``io_slots``: transfers in flight per device and direction, machine-wide.
+    ``io_slots``: transfers of this process in flight per device and
+    direction. ``device_slots``: transfers in flight per device and direction
+    for all processes on the machine together (at least ``io_slots``; the
+    default 2 keeps a device busy while one process hands its turn to
+    another, and still stops eight ranks from interleaving eight streams).
     ``duplex``: reads and writes at a device at once (True), in one line
     (False), or whichever the device is measured to serve faster (None).
     ``exclusive_io``: take those turns across processes (lock files); False
@@ -376,6 +381,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         tiers: list[HostTier | DiskTier] | None = None,
         subgroup_bytes: int | str = "64MiB",
         io_slots: int = 1,
+        device_slots: int = 2,
         duplex: bool | None = None,
         exclusive_io: bool = True,
         balance: str = "bandwidth",
@@ -426,7 +432,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._alive_fds.append(fd)
             dev = os.stat(root).st_dev
             if dev not in devices:
-                devices[dev] = _Device(dev, io_slots, exclusive_io, duplex)
+                devices[dev] = _Device(dev, io_slots, exclusive_io, duplex, device_slots)
             # Per direction, one worker more than the device's slots: one
             # checksums while the others transfer.
             pools = {
@@ -1420,9 +1426,18 @@ def offload(
     """Wraps ``optimizer_class`` so that its fp32 master weights and state live
     in ``tiers`` (default: ``TIERSTORE_OFFLOAD_HOST`` of host memory, 1 GiB,
     and the scratch directory ``TIERSTORE_OFFLOAD_DIR``). The options of
-    :class:`OffloadedOptimizer` (``subgroup_bytes``, ``io_slots``, ``duplex``,
+    :class:`OffloadedOptimizer` (``subgroup_bytes``, ``io_slots``, ``device_slots``, ``duplex``,
     ``exclusive_io``, ``balance``, ``pipeline``, ``split_masters``) may be passed among the
     optimizer's keyword arguments."""
-    names = ("subgroup_bytes", "io_slots", "duplex", "exclusive_io", "balance", "pipeline", "split_masters")
+    names = (
+        "subgroup_bytes",
+        "io_slots",
+        "device_slots",
+        "duplex",
+        "exclusive_io",
+        "balance",
+        "pipeline",
+        "split_masters",
+    )
     extra = {k: optimizer_kwargs.pop(k) for k in names if k in optimizer_kwargs}
     return OffloadedOptimizer(optimizer_class, params, tiers=tiers, **extra, **optimizer_kwargs)
