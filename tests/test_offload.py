@@ -513,7 +513,8 @@ def test_other_processes_take_turns_at_a_device(tmp_path: Path) -> None:
     cases = [
         (True, 1, 1, [0], True),
         (False, 1, 1, [0], False),
-        (True, 1, 2, [0], False),  # the default: a second transfer on the machine may go
+        (True, 1, None, [0], True),  # the default: as many per machine as per process
+        (True, 1, 2, [0], False),  # a second transfer on the machine may go
         (True, 1, 2, [0, 1], True),
         (True, 2, 2, [1], False),
         (True, 2, 2, [0, 1], True),
@@ -840,3 +841,15 @@ def test_bf16_parameters_on_the_device(tmp_path: Path) -> None:
     for a, b in zip(m32.parameters(), dev.parameters(), strict=True):
         torch.testing.assert_close(b.float().cpu(), a, rtol=0.05, atol=0.02)
     opt.close()
+
+
+def test_offload_entry_formats() -> None:
+    from tierstore.errors import TierstoreError
+    from tierstore.offload import offload_meta
+
+    assert offload_meta(("tierstore-offload/1", {"steps": 1}), "ck") == {"steps": 1}  # before split masters
+    assert offload_meta(("tierstore-offload/2", {"steps": 2}), "ck") == {"steps": 2}
+    with pytest.raises(TierstoreError, match=r"ck/step-3: .*'tierstore-offload/9'.*newer"):
+        offload_meta(("tierstore-offload/9", {}), "ck/step-3")
+    with pytest.raises(TierstoreError, match="not the checkpoint of an offloaded optimizer"):
+        offload_meta({"state": {}}, "ck")

@@ -74,7 +74,8 @@ __all__ = ["OffloadedOptimizer", "offload"]
 _PAGE = 4096
 _SESSION = "session-"
 OFFLOAD_KEY = "__tierstore_offload__"  # an offloaded optimizer's entry in a checkpoint
-OFFLOAD_FORMAT = "tierstore-offload/1"
+OFFLOAD_FORMAT = "tierstore-offload/2"  # /2: subgroups may store split masters ("split")
+OFFLOAD_FORMATS_READ = ("tierstore-offload/1", OFFLOAD_FORMAT)
 _ALPHA = 0.3  # weight of a new bandwidth sample in the estimate
 _RELAYOUT = 0.05  # change of a path's share that makes a new layout
 
@@ -357,9 +358,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     ``subgroup_bytes``: size of a subgroup (master + state), the unit of I/O.
     ``io_slots``: transfers of this process in flight per device and
     direction. ``device_slots``: transfers in flight per device and direction
-    for all processes on the machine together (at least ``io_slots``; the
-    default 2 keeps a device busy while one process hands its turn to
-    another, and still stops eight ranks from interleaving eight streams).
+    for all processes on the machine together (at least ``io_slots``, which
+    is the default: one transfer each way per device machine-wide).
     ``duplex``: reads and writes at a device at once (True), in one line
     (False), or whichever the device is measured to serve faster (None).
     ``exclusive_io``: take those turns across processes (lock files); False
@@ -381,7 +381,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         tiers: list[HostTier | DiskTier] | None = None,
         subgroup_bytes: int | str = "64MiB",
         io_slots: int = 1,
-        device_slots: int = 2,
+        device_slots: int | None = None,
         duplex: bool | None = None,
         exclusive_io: bool = True,
         balance: str = "bandwidth",
@@ -1183,7 +1183,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         as their files, pinned by a hard link (a later write-back goes to a new
         file, never into a pinned one) and copied by the checkpointer.
 
-        Returns ``({"__tierstore_offload__": ("tierstore-offload/1", meta),
+        Returns ``({"__tierstore_offload__": ("tierstore-offload/2", meta),
         "<prefix>sg-000003": tensor,
         ...}, [(pin, file name in the checkpoint), ...])``."""
         self._flush_warnings()
@@ -1406,13 +1406,13 @@ def is_offload_parts(obj: Any) -> bool:
 def offload_meta(value: Any, where: str) -> dict[str, Any]:
     """The metadata of an offloaded optimizer's checkpoint entry (its
     ``__tierstore_offload__`` value), checked."""
-    if (
-        not isinstance(value, (tuple, list))
-        or len(value) != 2
-        or value[0] != OFFLOAD_FORMAT
-        or not isinstance(value[1], dict)
-    ):
+    if not isinstance(value, (tuple, list)) or len(value) != 2 or not isinstance(value[1], dict):
         raise TierstoreError(f"{where}: not the checkpoint of an offloaded optimizer ({OFFLOAD_FORMAT})")
+    if value[0] not in OFFLOAD_FORMATS_READ:
+        raise TierstoreError(
+            f"{where}: offloaded optimizer state in format {value[0]!r}; this tierstore reads "
+            f"{', '.join(OFFLOAD_FORMATS_READ)} (written by a newer version?)"
+        )
     return value[1]
 
 
