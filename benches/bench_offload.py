@@ -360,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
             # (name, turns across processes, transfers per process, per machine)
             variants = [
                 ("turns off", False, 1, 1),
-                ("turns on (default: 1 per machine)", True, 1, 1),
-                ("turns on, 1 per process, 2 per machine", True, 1, 2),
+                ("turns on, 1 per machine", True, 1, 1),
+                ("turns on (default: 1 per process, 2 per machine)", True, 1, 2),
                 ("turns on, 2 per process and machine", True, 2, 2),
             ]
             # Rounds in alternating order: what a variant leaves behind at the

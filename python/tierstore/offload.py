@@ -367,8 +367,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     ``subgroup_bytes``: size of a subgroup (master + state), the unit of I/O.
     ``io_slots``: transfers of this process in flight per device and
     direction. ``device_slots``: transfers in flight per device and direction
-    for all processes on the machine together (at least ``io_slots``, which
-    is the default: one transfer each way per device machine-wide).
+    for all processes on the machine together (at least ``io_slots``; by
+    default two: two processes then never wait for each other, which measured
+    3% faster than one at a time on a disk that serves two streams as fast as
+    one, while eight ranks still cannot interleave eight streams).
     ``duplex``: reads and writes at a device at once (True), in one line
     (False), or whichever the device is measured to serve faster (None).
     ``exclusive_io``: take those turns across processes (lock files); False
@@ -441,7 +443,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._alive_fds.append(fd)
             dev = os.stat(root).st_dev
             if dev not in devices:
-                devices[dev] = _Device(dev, io_slots, exclusive_io, duplex, device_slots)
+                shared = max(io_slots, 2) if device_slots is None else device_slots
+                devices[dev] = _Device(dev, io_slots, exclusive_io, duplex, shared)
             # Per direction, one worker more than the device's slots: one
             # checksums while the others transfer.
             pools = {
