@@ -662,6 +662,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             hi = hi.to("cpu", torch.bfloat16).contiguous()
         _core.join_halves(hi.data_ptr(), lo.data_ptr(), out.data_ptr(), out.numel(), self._threads)
 
+    @staticmethod
+    def _drop_masters(sg: _Subgroup) -> None:
+        """Lets go of a split subgroup's fp32 masters (rebuilt for each update)."""
+        empty = torch.empty(0)
+        for m in sg.masters:
+            m.data = empty
+
     def _rebuild_masters(self, sg: _Subgroup, into: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The split subgroup's fp32 masters, rebuilt into views of ``into``
         (default: new tensors)."""
@@ -1054,9 +1061,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for p, m, lo in zip(sg.params, sg.masters, self._low_halves(sg), strict=True):
                 self._split_master(p, m, lo)
         if split:
-            empty = torch.empty(0)
-            for m in sg.masters:
-                m.data = empty
+            self._drop_masters(sg)
         else:
             for p, m in zip(sg.params, sg.masters, strict=True):
                 p.copy_(m)
@@ -1313,9 +1318,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             sg.nbytes = e["nbytes"]
             sg.split = bool(e.get("split", False))
             if sg.split:  # rebuilt from the parameters (restored with the model) at the next update
-                empty = torch.empty(0)
-                for m in sg.masters:
-                    m.data = empty
+                self._drop_masters(sg)
             self._layout_map = {}
             for i, k, *_ in sg.layout:
                 if k is not None:

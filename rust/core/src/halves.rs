@@ -1,7 +1,7 @@
 //! 32-bit words split into their high and low 16-bit halves, and joined back.
 //!
-//! The offload stores an fp32 master weight whose bf16 copy the model holds
-//! anyway as only its low half: the high half is the bf16 value. The high half
+//! The offload stores an fp32 master weight as only its low half: the model's
+//! bf16 parameter, which exists anyway, is the high half. The high half
 //! is rounded to nearest (ties away from zero on the magnitude bits: +1 when
 //! the low half is `0x8000` or more), so the model gets the nearest bf16 and
 //! the word is recovered exactly from the two halves: the rounding added 1
