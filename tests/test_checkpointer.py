@@ -165,7 +165,7 @@ def test_keep_every(tmp_path: Path) -> None:
 
 def _flip_byte_in_data(d: Path) -> None:
     f = next(d.glob("rank-00000.*.pt"))
-    from tierstore.sharded import read_manifest
+    from tierstore.shardmeta import read_manifest
 
     m = read_manifest(d)
     off = m["stored"][0]["offset"] + 100

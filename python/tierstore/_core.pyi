@@ -13,6 +13,7 @@ __all__ = [
     "Writer",
     "__version__",
     "check_offsets",
+    "chunk_checksums",
     "copy_file",
     "crc32_regions",
     "create_writer",
@@ -26,6 +27,7 @@ __all__ = [
     "read_directory",
     "read_directory_bytes",
     "read_ranges",
+    "read_ranges_verified",
     "read_records",
     "read_small",
     "split_halves",
@@ -178,5 +180,18 @@ def write_ranges(
     direct: bool = False,
 ) -> int: ...
 def crc32_regions(regions: list[tuple[int, int]], threads: int = 2) -> list[int]: ...
+def chunk_checksums(engine: Engine, regions: list[tuple[int, int]], chunk: int, algo: str = "crc32c") -> bytes: ...
+def read_ranges_verified(
+    engine: Engine,
+    path: _Path,
+    offsets: list[int],
+    lengths: list[int],
+    dests: list[int],
+    table_ids: list[int],
+    tables: list[tuple[str, int, int, int, str, bytes]],
+    *,
+    full: bool = False,
+    background: bool = False,
+) -> tuple[int, int]: ...
 def split_halves(src: int, hi: int, lo: int, n: int, threads: int = 1) -> None: ...
 def join_halves(hi: int, lo: int, out: int, n: int, threads: int = 1) -> None: ...

@@ -139,6 +139,7 @@ def save(
     align: int = DEFAULT_ALIGN,
     background: bool = False,
     _gates: Gates | None = None,
+    _chunk_checksums: bool = False,
 ) -> None:
     """Saves ``obj`` to ``f`` like ``torch.save``, at the disk's speed.
 
@@ -168,7 +169,9 @@ def save(
     small = _small_records(not _disable_byteorder_record, align)
     pickler = _PickleJob(obj, pickle_module, pickle_protocol, collector)
     if isinstance(f, (str, os.PathLike)):
-        _save_path(os.fspath(f), prefix, pickler, found, small, durable, progress, align, background, _gates)
+        _save_path(
+            os.fspath(f), prefix, pickler, found, small, durable, progress, align, background, _gates, _chunk_checksums
+        )
     else:
         data_pkl = pickler.run()
         storages = _host_storages(collector)
@@ -198,7 +201,12 @@ class _ManifestParts:
         self.prefix, self.collector, self.align = prefix, collector, align
         self.tensors_json = manifest.dump_tensors(_tensor_entries(found, collector))
 
-    def build(self, entries: list[tuple[str, int, int, int, int | None]], crcs: dict[str, int]) -> bytes:
+    def build(
+        self,
+        entries: list[tuple[str, int, int, int, int | None]],
+        crcs: dict[str, int],
+        chunks: dict[str, dict[str, Any]] | None = None,
+    ) -> bytes:
         from tierstore import __version__
 
         records = []
@@ -215,6 +223,8 @@ class _ManifestParts:
                 rec["location"] = s.location
                 rec["codec"] = "raw"
                 rec["delta_base"] = None
+                if chunks is not None and rel in chunks:
+                    rec["chunks"] = chunks[rel]
             else:
                 rec["kind"] = "pickle" if rel == "data.pkl" else "meta"
             records.append(rec)
@@ -260,17 +270,18 @@ def _save_path(
     align: int,
     background: bool = False,
     gates: Gates | None = None,
+    chunk_checksums: bool = False,
 ) -> None:
     collector = pickler.collector
     w = _core.create_writer(get_engine(), path, align=align, durable=durable, background=background)
     added: set[str] = set()
     # Host copies of device storages must live until their bytes are written.
-    keep: list[torch.UntypedStorage] = []
+    keep: list[tuple[str, torch.UntypedStorage]] = []
 
     def add_new() -> int:
         new = _host_storages(collector, added)
         _add_storages(w, prefix, new, gates)
-        keep.extend(st for _k, st in new)
+        keep.extend(new)
         added.update(k for k, _st in new)
         return sum(st.nbytes() for _k, st in new)
 
@@ -286,17 +297,42 @@ def _save_path(
             if late:  # storages only the pickler found (inside custom objects)
                 add_new()
                 w.write_data(cb)
+        chunks = None
+        if chunk_checksums:
+            table, chunks = _chunk_table(keep)
+            small = [*small, (manifest.CHUNKS_NAME, table)]
         for name, data in [("data.pkl", data_pkl), *small]:
             w.add_bytes(f"{prefix}/{name}", data, _META_ALIGN)
         entries = w.entries()
         crcs = {e[0]: e[4] for e in entries if e[4] is not None}
         for name, data in [("data.pkl", data_pkl), *small]:
             crcs[f"{prefix}/{name}"] = zlib.crc32(data)
-        w.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", parts.build(entries, crcs), _META_ALIGN)
+        w.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", parts.build(entries, crcs, chunks), _META_ALIGN)
         w.commit()
     except BaseException:
         w.abort()
         raise
+
+
+def _chunk_table(storages: list[tuple[str, torch.UntypedStorage]]) -> tuple[bytes, dict[str, dict[str, Any]]]:
+    """The chunk checksums of every storage (the record ``.tierstore/chunks``)
+    and, per storage record, where its part of the table is (docs/FORMAT.md)."""
+    regions = [(st.data_ptr(), st.nbytes()) for _k, st in storages]
+    table = _core.chunk_checksums(get_engine(), regions, manifest.CHUNK_BYTES, manifest.CHUNK_ALGO)
+    out: dict[str, dict[str, Any]] = {}
+    at = 0
+    for key, st in storages:
+        count = -(-st.nbytes() // manifest.CHUNK_BYTES)
+        part = table[at : at + 4 * count]
+        out[f"data/{key}"] = {
+            "size": manifest.CHUNK_BYTES,
+            "algo": manifest.CHUNK_ALGO,
+            "at": at,
+            "count": count,
+            "crc32": zlib.crc32(part),
+        }
+        at += 4 * count
+    return table, out
 
 
 def _save_stream(

@@ -51,7 +51,6 @@ from tierstore.errors import TierstoreError
 from tierstore.layout import Layout, layout_of
 from tierstore.layout import attach as attach_layout
 from tierstore.sharded import (
-    MANIFEST,
     PerRank,
     _all_gather,
     _group_info,
@@ -59,9 +58,9 @@ from tierstore.sharded import (
     _write_json_atomic,
     consolidate,
     load_sharded,
-    read_manifest,
     save_sharded,
 )
+from tierstore.shardmeta import MANIFEST, read_manifest
 
 __all__ = [
     "CheckpointHandle",

@@ -79,7 +79,7 @@ def _engine() -> Any:
 def _inspect_dir(args: argparse.Namespace) -> int:
     from tierstore import dcp
     from tierstore.layout import Box
-    from tierstore.sharded import read_manifest
+    from tierstore.shardmeta import read_manifest
 
     path = args.file
     rows: list[dict[str, Any]]
@@ -204,7 +204,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     path = args.file
     if os.path.isdir(path):
-        from tierstore.sharded import read_manifest
+        from tierstore.shardmeta import read_manifest
 
         m = read_manifest(path)
         total_n = total_b = 0

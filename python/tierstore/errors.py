@@ -11,11 +11,16 @@ when one is concerned), and its message names both::
     ├── PermissionDeniedError    (PermissionError)    read-only directory, no access
     ├── NoSpaceError             (OSError)            disk full during a save
     ├── StorageIOError           (OSError)            any other I/O failure
+    ├── ResourceLimitError       (MemoryError)        a load would need more memory than there is
+    ├── LayoutError              (ValueError)         a layout that describes no valid placement
     ├── FormatError              (ValueError)         the file's contents are wrong
     │   ├── NotAContainerError                        not a zip archive at all
     │   ├── TruncatedFileError                        cut short
     │   ├── CorruptFileError                          inconsistent structure
-    │   │   └── ManifestError                         a bad tierstore manifest
+    │   │   └── ManifestError                         a bad tierstore manifest or checkpoint metadata
+    │   ├── UnsafePathError                           a name leading outside the checkpoint, or
+    │   │                                             to something other than a regular file
+    │   ├── CoverageError                             saved pieces that do not cover a target exactly
     │   ├── MissingRecordError                        a record the file needs is absent
     │   └── ChecksumError                             bytes differ from their checksum
     └── UnsafeObjectError        (pickle.UnpicklingError)  refused by weights_only=True
@@ -30,18 +35,22 @@ from typing import Any
 __all__ = [
     "ChecksumError",
     "CorruptFileError",
+    "CoverageError",
     "DirectoryError",
     "FormatError",
+    "LayoutError",
     "ManifestError",
     "MissingRecordError",
     "NoSpaceError",
     "NotAContainerError",
     "NotFoundError",
     "PermissionDeniedError",
+    "ResourceLimitError",
     "StorageIOError",
     "TierstoreError",
     "TruncatedFileError",
     "UnsafeObjectError",
+    "UnsafePathError",
 ]
 
 
@@ -126,6 +135,29 @@ class ChecksumError(FormatError):
     """A record's bytes do not match its stored checksum."""
 
 
+class UnsafePathError(FormatError):
+    """A file names a path outside its checkpoint (absolute, ``..``, a
+    symlink leading out) or something other than a regular file."""
+
+
+class CoverageError(FormatError):
+    """The saved pieces do not cover a target tensor exactly once (a hole,
+    an overlap, or a tensor the checkpoint lacks)."""
+
+
+class LayoutError(_ValueBaseError):
+    """A layout that does not describe a valid placement."""
+
+
+class ResourceLimitError(TierstoreError, MemoryError):
+    """Loading would allocate more memory than is available (the sizes a
+    file states are refused before anything is allocated)."""
+
+    def __init__(self, message: str, *, path: str | None = None, record: str | None = None) -> None:
+        MemoryError.__init__(self, message)
+        self._locate(path, record)
+
+
 class UnsafeObjectError(TierstoreError, pickle.UnpicklingError):
     """``weights_only=True`` refused an object outside the allow-list."""
 
@@ -151,6 +183,7 @@ _FORMAT_ERRORS: dict[str, type[FormatError]] = {
     "corrupt": CorruptFileError,
     "checksum": ChecksumError,
     "missing_record": MissingRecordError,
+    "not_regular": UnsafePathError,
 }
 
 

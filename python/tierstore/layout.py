@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from tierstore.errors import LayoutError
+
 __all__ = [
     "Box",
     "Layout",
@@ -55,10 +57,6 @@ __all__ = [
     "tp_vocab",
     "zero_partition",
 ]
-
-
-class LayoutError(ValueError):
-    """A layout that does not describe a valid placement."""
 
 
 Shape = tuple[int, ...]

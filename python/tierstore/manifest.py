@@ -20,6 +20,12 @@ from tierstore.errors import ManifestError
 FORMAT_NAME = "tierstore"
 FORMAT_VERSION = 1
 MANIFEST_NAME = ".tierstore/manifest.json"
+# Chunk checksums of the storage records (written for the shard files of
+# sharded checkpoints, which are read in parts): little-endian CRC-32C per
+# CHUNK_BYTES of each record, records one after another.
+CHUNKS_NAME = ".tierstore/chunks"
+CHUNK_BYTES = 4096
+CHUNK_ALGO = "crc32c"
 # Readers refuse manifests larger than this (a damaged size field must not
 # make us allocate gigabytes).
 MAX_MANIFEST_BYTES = 1 << 30

@@ -30,7 +30,8 @@ import os
 import secrets
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+import zlib
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,11 +40,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierstore import _archive, _core
+from tierstore import _archive, _core, _limits, manifest
 from tierstore._engine import get_engine
-from tierstore.errors import ChecksumError, FormatError, ManifestError, NotFoundError, TierstoreError
-from tierstore.layout import Box, Layout, LayoutError, Piece, layout_of
-from tierstore.reshard import CoverageError, GlobalIndex, Source, merge_runs, prove_coverage, runs_for
+from tierstore.errors import FormatError, LayoutError, NotFoundError, TierstoreError
+from tierstore.layout import Box, Layout, Piece, layout_of
+from tierstore.reshard import CoverageError, Source, merge_runs, overlapping_pair, prove_coverage, runs_for
+from tierstore.shardmeta import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    Checkpoint,
+    ChunkTable,
+    dtype_of,
+    read_manifest,
+    write_atomic,
+    write_manifest,
+)
 
 __all__ = [
     "PerRank",
@@ -55,9 +67,9 @@ __all__ = [
     "save_sharded",
 ]
 
-MANIFEST = "manifest.json"
-FORMAT = "tierstore-sharded"
-FORMAT_VERSION = 1
+# What a load verifies: every chunk its reads touch (default), every chunk
+# of every record it reads from, or nothing.
+VERIFY_MODES = ("touched", "full", False)
 
 
 @dataclass
@@ -179,22 +191,11 @@ def _assign_writers(metas: list[dict[str, Any]]) -> dict[tuple[int, str], bool]:
     return decide
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    """``data`` as checksummed JSON (see :mod:`tierstore._metadata`), atomically."""
+    from tierstore import _metadata
+
+    write_atomic(path, _metadata.dumps(data))
 
 
 def save_sharded(
@@ -205,11 +206,14 @@ def save_sharded(
     durable: bool = True,
     background: bool = False,
     _gates: Any = None,
+    _attachments: Sequence[str] = (),
 ) -> None:
     """Saves this rank's part of a sharded checkpoint (every rank calls it).
 
     See the module documentation for what the values may be. Returns after
     the checkpoint is committed (``manifest.json`` written by rank 0).
+    ``_attachments`` names files rank 0 wrote into the directory before
+    (``checkpoint.json``): the manifest records their size and CRC-32.
     """
     rank, world, pg = _group_info(process_group)
     d = Path(path)
@@ -267,8 +271,15 @@ def save_sharded(
     try:
         if mine:
             contiguous = {k: (t if t.is_contiguous() else t.contiguous()) for k, t in mine.items()}
-            ts_save({"tensors": contiguous}, d / fname, durable=durable, background=background, _gates=_gates)
-            _arch, m, _offsets = _archive.open_archive(str(d / fname))
+            ts_save(
+                {"tensors": contiguous},
+                d / fname,
+                durable=durable,
+                background=background,
+                _gates=_gates,
+                _chunk_checksums=True,
+            )
+            arch, m, _offsets = _archive.open_archive(str(d / fname))
             assert m is not None
             recs = {r["name"]: r for r in m["records"]}
             for t in m["tensors"]:
@@ -288,7 +299,8 @@ def save_sharded(
                     "layout": layouts[key].to_json(),
                 }
             file_info["file"] = fname
-            file_info["bytes"] = os.path.getsize(d / fname)
+            file_info["bytes"] = arch.file_len
+            file_info["manifest_crc32"] = arch.records[manifest.MANIFEST_NAME][0]
     finally:
         if objects_job is not None:
             objects_job.result()  # its error, if the tensor file succeeded
@@ -296,12 +308,26 @@ def save_sharded(
         file_info["objects_file"] = oname
         file_info["object_keys"] = sorted(keep_objects)
         file_info["per_rank_keys"] = sorted(per_rank)
+        file_info["objects_bytes"], file_info["objects_manifest_crc32"] = _file_facts(d / oname)
     infos = _all_gather(file_info, world, pg)
     if rank == 0:
-        manifest = _build_manifest(d, save_id, world, infos)
-        _write_json_atomic(d / MANIFEST, manifest)
+        m = _build_manifest(d, save_id, world, infos)
+        m["attachments"] = {}
+        for name in _attachments:
+            data = (d / name).read_bytes()
+            m["attachments"][name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+        write_manifest(d, m)
         _collect_garbage(d, save_id)
     _barrier(world, pg)
+
+
+def _file_facts(p: Path) -> tuple[int, int]:
+    """Length of a tierstore file and the CRC-32 of its manifest record."""
+    entries, _cd, file_len = _core.read_directory(str(p))
+    for name, crc, *_rest in entries:
+        if name.endswith("/" + manifest.MANIFEST_NAME):
+            return file_len, crc
+    raise FormatError(f"{p}: written without a tierstore manifest", path=str(p))
 
 
 def _build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any]]) -> dict[str, Any]:
@@ -314,7 +340,14 @@ def _build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any
         if not info.get("file"):
             continue
         fidx = len(files)
-        files.append({"rank": info["rank"], "name": info["file"], "bytes": info["bytes"]})
+        files.append(
+            {
+                "rank": info["rank"],
+                "name": info["file"],
+                "bytes": info["bytes"],
+                "manifest_crc32": info["manifest_crc32"],
+            }
+        )
         for key, t in sorted(info["tensors"].items()):
             sidx = len(stored)
             stored.append({"file": fidx, "key": key, **{k: v for k, v in t.items() if k != "layout"}})
@@ -350,15 +383,23 @@ def _build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any
         boxes = [Box.from_json(p[1]) for p in g["pieces"]]
         total = sum(b.numel for b in boxes)
         want = math.prod(g["shape"])
-        if total != want or not _disjoint_sorted(boxes):
+        if total != want or overlapping_pair(boxes) is not None:
             raise CoverageError(
                 f"save: global tensor {name!r} of shape {tuple(g['shape'])}: the ranks' pieces cover {total} of "
-                f"{want} elements{' and overlap' if total > want else ''}; check the layouts"
+                f"{want} elements{' and overlap' if total >= want else ''}; check the layouts"
             )
     objects = {}
     per_rank: dict[str, dict[str, str]] = {}
+    object_files = []
     for info in infos:
         if info.get("objects_file"):
+            object_files.append(
+                {
+                    "name": info["objects_file"],
+                    "bytes": info["objects_bytes"],
+                    "manifest_crc32": info["objects_manifest_crc32"],
+                }
+            )
             for k in info["object_keys"]:
                 if k in info.get("per_rank_keys", []):
                     per_rank.setdefault(k, {})[str(info["rank"])] = info["objects_file"]
@@ -376,25 +417,8 @@ def _build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any
         "tensors": globals_,
         "objects": objects,
         "per_rank_objects": per_rank,
+        "object_files": object_files,
     }
-
-
-def _disjoint_sorted(boxes: list[Box]) -> bool:
-    from tierstore.reshard import _disjoint
-
-    if len(boxes) <= 512:
-        return _disjoint(boxes)
-    # Large sets: sweep along dimension 0, checking only boxes whose ranges meet.
-    order = sorted(range(len(boxes)), key=lambda i: boxes[i].offsets[0] if boxes[i].offsets else 0)
-    active: list[Box] = []
-    for i in order:
-        b = boxes[i]
-        start = b.offsets[0] if b.offsets else 0
-        active = [a for a in active if (a.ends[0] if a.ends else 1) > start]
-        if any(a.intersect(b) is not None for a in active):
-            return False
-        active.append(b)
-    return True
 
 
 def _collect_garbage(d: Path, save_id: str) -> None:
@@ -408,63 +432,8 @@ def _collect_garbage(d: Path, save_id: str) -> None:
 # load
 
 
-def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
-    d = Path(path)
-    mp = d / MANIFEST
-    if not d.exists():
-        raise NotFoundError(f"{d}: no such checkpoint directory", path=str(d))
-    if not mp.exists():
-        raise NotFoundError(
-            f"{d}: no committed checkpoint (manifest.json is missing; a save may have been interrupted)",
-            path=str(mp),
-        )
-    try:
-        m: dict[str, Any] = json.loads(mp.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{mp}: not valid JSON ({e})", path=str(mp)) from None
-    if m.get("format") != FORMAT:
-        raise ManifestError(f"{mp}: not a tierstore sharded checkpoint manifest", path=str(mp))
-    if int(m.get("format_version", 0)) > FORMAT_VERSION:
-        raise ManifestError(f"{mp}: format_version {m['format_version']} is newer than this tierstore", path=str(mp))
-    return m
-
-
-class Checkpoint:
-    """A committed sharded checkpoint, indexed for planning."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.dir = Path(path)
-        self.manifest = read_manifest(path)
-        m = self.manifest
-        self.files = [self.dir / f["name"] for f in m["files"]]
-        stored = m["stored"]
-        self.stored = stored
-        self.index: dict[str, GlobalIndex] = {}
-        for name, g in m["tensors"].items():
-            sources = []
-            for sidx, box, local in g["pieces"]:
-                s = stored[sidx]
-                piece_local: Box | int = Box.from_json(local) if isinstance(local, list) else int(local)
-                sources.append(
-                    Source(
-                        file=s["file"],
-                        offset=s["offset"],
-                        local_shape=tuple(s["shape"]),
-                        itemsize=torch.empty((), dtype=_dtype(s["dtype"])).element_size(),
-                        piece=Piece(name, Box.from_json(box), piece_local),
-                    )
-                )
-            self.index[name] = GlobalIndex.build(g["shape"], sources)
-
-    def dtype_of(self, name: str) -> torch.dtype:
-        return _dtype(self.manifest["tensors"][name]["dtype"])
-
-
 def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ManifestError(f"unknown dtype {name!r} in the checkpoint manifest")
-    return dt
+    return dtype_of(name)
 
 
 @dataclass
@@ -566,6 +535,7 @@ def load_sharded(
     per_rank_policy: str | Callable[[dict[int, Any]], Any] | None = None,
     weights_only: bool = True,
     stats: dict[str, Any] | None = None,
+    verify: str | bool = "touched",
 ) -> MutableMapping[str, Any]:
     """Fills ``state_dict`` in place from the checkpoint at ``path``.
 
@@ -574,14 +544,23 @@ def load_sharded(
     whole logical tensor); only the bytes each needs are read. Non-tensor
     values are replaced by the saved ones. Per-rank objects saved by a
     different number of ranks need ``per_rank_policy``: ``"rank0"`` (take rank
-    0's) or a function of ``{rank: value}``. ``stats``, if given, receives the
-    bytes read and needed. Returns ``state_dict``.
+    0's) or a function of ``{rank: value}``.
+
+    ``verify`` says which checksums are checked: ``"touched"`` (default)
+    every 4 KiB chunk a read touches, reading the rest of a chunk it touches
+    in part; ``"full"`` every chunk of every record read from; ``False``
+    none (the metadata is still checked). ``stats``, if given, receives the
+    bytes read, verified and needed. Returns ``state_dict``.
     """
+    if verify is True:
+        verify = "touched"
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be 'touched', 'full' or False, not {verify!r}")
     rank, world, _pg = _group_info(process_group)
     from tierstore import dcp
 
     if not (Path(path) / MANIFEST).exists() and dcp.is_dcp(path):
-        return _load_from_dcp(path, state_dict, world, weights_only, stats)
+        return _load_from_dcp(path, state_dict, world, weights_only, stats, verify)
     ck = Checkpoint(path)
     targets: list[_Target] = []
     objects_wanted: list[tuple[str, MutableMapping[str, Any], str]] = []
@@ -610,24 +589,76 @@ def load_sharded(
     plan_seconds = time.perf_counter() - t_plan
     plan = expand_plan(the_plan, targets)
     needed = the_plan.needed
-    engine = get_engine()
-    read = 0
-    for f, (offs, lens, dests) in plan.items():
-        fp = ck.files[f]
-        if not fp.exists():
-            raise NotFoundError(f"{fp}: shard file of the checkpoint is missing", path=str(fp))
-        read += _core.read_ranges(engine, str(fp), offs, lens, dests)
-    _verify_whole_records(ck, targets, plan)
+    read, checked, blocks = read_plan(ck, plan, verify)
     for t in targets:
         if t.dest is not t.final:
             t.final.copy_(t.dest)
     _load_objects(ck, objects_wanted, rank, world, per_rank_policy, weights_only)
     if stats is not None:
         stats["bytes_read"] = read
+        stats["bytes_verified"] = checked
         stats["bytes_needed"] = sum(needed.values())
+        stats["bytes_needed_blocks"] = blocks
         stats["manifest_bytes"] = (ck.dir / MANIFEST).stat().st_size
         stats["plan_seconds"] = plan_seconds
     return state_dict
+
+
+def _blocks(offs: np.ndarray, lens: np.ndarray, block: int = 4096) -> int:
+    """Bytes of the ``block``-byte blocks the ranges touch (each block once)."""
+    keep = lens > 0
+    if not keep.any():
+        return 0
+    lo = offs[keep] // block
+    hi = -(-(offs[keep] + lens[keep]) // block)
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], hi[order]
+    reach = np.maximum.accumulate(hi)
+    # A block run starts where a range begins past everything before it.
+    start = np.concatenate(([True], lo[1:] >= reach[:-1]))
+    group = np.cumsum(start) - 1
+    first = lo[start]
+    last = np.zeros(len(first), dtype=np.int64)
+    np.maximum.at(last, group, hi)
+    return int((last - first).sum()) * block
+
+
+def read_plan(
+    ck: Checkpoint, plan: dict[int, tuple[list[int], list[int], list[int]]], verify: str | bool
+) -> tuple[int, int, int]:
+    """Reads every file's ranges, each file checked against the manifest
+    first and every touched chunk verified (per ``verify``). Returns the
+    bytes read, verified, and those of the 4 KiB blocks the ranges touch."""
+    engine = get_engine()
+    read = checked = blocks = 0
+    for f, (offs, lens, dests) in plan.items():
+        fp = ck.files[f]
+        tables = ck.check_file(f)
+        o = np.asarray(offs, dtype=np.int64)
+        n = np.asarray(lens, dtype=np.int64)
+        blocks += _blocks(o, n)
+        if verify is False:
+            read += _core.read_ranges(engine, str(fp), offs, lens, dests)
+            continue
+        tl: list[ChunkTable] = sorted(tables.values(), key=lambda t: t.data_offset)
+        starts = np.array([t.data_offset for t in tl], dtype=np.int64)
+        ids = np.searchsorted(starts, o, side="right") - 1
+        if len(ids) and int(ids.min()) < 0:
+            raise CoverageError(f"{fp}: a read lies before the first stored record; the manifest is damaged")
+        used, local = np.unique(ids, return_inverse=True)
+        r, c = _core.read_ranges_verified(
+            engine,
+            str(fp),
+            offs,
+            lens,
+            dests,
+            local.tolist(),
+            [tl[i].as_tuple() for i in used.tolist()],
+            full=verify == "full",
+        )
+        read += r
+        checked += c
+    return read, checked, blocks
 
 
 def _load_from_dcp(
@@ -636,6 +667,7 @@ def _load_from_dcp(
     world: int,
     weights_only: bool,
     stats: dict[str, Any] | None,
+    verify: str | bool = "touched",
 ) -> MutableMapping[str, Any]:
     from tierstore import dcp
 
@@ -669,6 +701,7 @@ def consolidate(
     if not (Path(path) / MANIFEST).exists() and dcp.is_dcp(path):
         return dcp.to_state_dict(path, weights_only)
     m = read_manifest(path)
+    _check_consolidated_size(Path(path), m)
     sd: dict[str, Any] = {name: torch.empty(g["shape"], dtype=_dtype(g["dtype"])) for name, g in m["tensors"].items()}
     for key in m["objects"]:
         sd[key] = None
@@ -693,33 +726,34 @@ def consolidate(
     return flat_sd
 
 
-def _verify_whole_records(
-    ck: Checkpoint, targets: list[_Target], plan: dict[int, tuple[list[int], list[int], list[int]]]
-) -> None:
-    """Checks the CRC-32 of every saved record this rank read entirely (a
-    partial read cannot be checked against a whole-record checksum)."""
-    ranges: dict[int, set[tuple[int, int]]] = {
-        f: set(zip(offs, lens, strict=True)) for f, (offs, lens, _d) in plan.items()
-    }
-    by_addr: dict[tuple[int, int], int] = {}
-    for f, (offs, lens, dests) in plan.items():
-        for o, _n, a in zip(offs, lens, dests, strict=True):
-            by_addr[(f, o)] = a
-    for s in ck.stored:
-        f = s["file"]
-        if (s["record_offset"], s["record_size"]) not in ranges.get(f, ()):
-            continue
-        addr = by_addr[(f, s["record_offset"])]
-        (crc,) = _core.crc32_regions([(addr, s["record_size"])], 1)
-        if crc != s["crc32"]:
-            p = str(ck.files[f])
-            raise ChecksumError(
-                f"{p}: record '{s['record']}' (tensor {s['key']!r}): checksum mismatch (stored crc32 "
-                f"{s['crc32']:08x}, computed {crc:08x}); the shard is damaged",
-                path=p,
-                record=s["record"],
+def _check_consolidated_size(d: Path, m: dict[str, Any]) -> None:
+    """Refuses to allocate the full tensors of a manifest before their sizes
+    are checked against what its pieces and files hold, and against the
+    memory there is."""
+    where = str(d / MANIFEST)
+    total = 0
+    for name, g in m["tensors"].items():
+        numel = math.prod(g["shape"])
+        held = sum(math.prod(p[1][1]) for p in g["pieces"])
+        if held != numel:
+            raise CoverageError(
+                f"{where}: global tensor {name!r} of shape {tuple(g['shape'])} has {numel} elements but its pieces "
+                f"hold {held}; the manifest is damaged"
             )
-    _ = targets
+        total += numel * torch.empty((), dtype=_dtype(g["dtype"])).element_size()
+    on_disk = 0
+    for i, fe in enumerate(m["files"]):
+        p = d / fe["name"]
+        try:
+            on_disk += p.stat().st_size
+        except FileNotFoundError:
+            raise NotFoundError(f"{p}: shard file of the checkpoint is missing (files[{i}])", path=str(p)) from None
+    if total > on_disk:
+        raise CoverageError(
+            f"{where}: the global tensors add up to {total} bytes but the shard files hold only {on_disk}; "
+            "the manifest is damaged"
+        )
+    _limits.check_allocation(total, f"the {len(m['tensors'])} full tensors of {d}", str(d))
 
 
 def _load_objects(
@@ -738,22 +772,33 @@ def _load_objects(
 
     def objects_in(name: str) -> dict[str, Any]:
         if name not in cache:
-            cache[name] = ts_load(ck.dir / name, weights_only=weights_only)["objects"]
+            p = ck.check_objects_file(name)
+            got = ts_load(p, weights_only=weights_only)
+            if not isinstance(got, dict) or not isinstance(got.get("objects"), dict):
+                raise FormatError(f"{p}: not an objects file of a sharded checkpoint", path=str(p))
+            cache[name] = got["objects"]
         return cache[name]
+
+    def value(name: str, key: str) -> Any:
+        objs = objects_in(name)
+        if key not in objs:
+            raise FormatError(f"{ck.dir / name}: holds no value for {key!r} (the manifest says it does)",
+                              path=str(ck.dir / name))  # fmt: skip
+        return objs[key]
 
     m = ck.manifest
     saved_world = int(m["world_size"])
     for key, parent, k in wanted:
         if key in m["objects"]:
-            parent[k] = objects_in(m["objects"][key])[key]
+            parent[k] = value(m["objects"][key], key)
         elif key in m["per_rank_objects"]:
             holders = {int(r): f for r, f in m["per_rank_objects"][key].items()}
             if saved_world == world and rank in holders:
-                parent[k] = objects_in(holders[rank])[key]
+                parent[k] = value(holders[rank], key)
             elif policy == "rank0":
-                parent[k] = objects_in(holders[min(holders)])[key]
+                parent[k] = value(holders[min(holders)], key)
             elif callable(policy):
-                parent[k] = policy({r: objects_in(f)[key] for r, f in holders.items()})
+                parent[k] = policy({r: value(f, key) for r, f in holders.items()})
             else:
                 raise FormatError(
                     f"{ck.dir}: per-rank object {key!r} was saved by {saved_world} ranks and is loaded by {world}; "

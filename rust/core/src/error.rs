@@ -47,6 +47,25 @@ pub enum Error {
         expected: u32,
         actual: u32,
     },
+    /// A chunk of a record does not match its chunk checksum (partial reads).
+    #[error(
+        "{}: record '{record}': checksum mismatch in bytes [{start}, {end}) (chunk {chunk}; stored {algo} {expected:08x}, computed {actual:08x}); the record is damaged",
+        path.display()
+    )]
+    ChunkChecksum {
+        path: PathBuf,
+        record: String,
+        chunk: u64,
+        start: u64,
+        end: u64,
+        algo: &'static str,
+        expected: u32,
+        actual: u32,
+    },
+    /// A path names something other than a regular file (a FIFO, a device, a
+    /// socket): reading it could block forever or never end.
+    #[error("{}: not a regular file ({kind}); a checkpoint holds only regular files", path.display())]
+    NotRegular { path: PathBuf, kind: &'static str },
     /// A record the caller asked for is not in the archive.
     #[error("{}: missing record '{record}'", path.display())]
     MissingRecord { path: PathBuf, record: String },
@@ -93,7 +112,9 @@ impl Error {
     pub fn record(&self) -> Option<&str> {
         match self {
             Error::Corrupt { record, .. } => record.as_deref(),
-            Error::Checksum { record, .. } | Error::MissingRecord { record, .. } => Some(record),
+            Error::Checksum { record, .. }
+            | Error::ChunkChecksum { record, .. }
+            | Error::MissingRecord { record, .. } => Some(record),
             _ => None,
         }
     }
@@ -106,6 +127,8 @@ impl Error {
             | Error::Truncated { path, .. }
             | Error::Corrupt { path, .. }
             | Error::Checksum { path, .. }
+            | Error::ChunkChecksum { path, .. }
+            | Error::NotRegular { path, .. }
             | Error::MissingRecord { path, .. } => Some(path),
             Error::Cancelled | Error::Invalid(_) => None,
         }

@@ -72,6 +72,44 @@ fn open_maybe_direct(
     Ok((f, false, Some("buffered I/O requested".to_owned())))
 }
 
+/// The length of `file` when it is a regular file (checked on the open
+/// descriptor, so a path swapped after a check cannot slip through). The
+/// file was opened with O_NONBLOCK so that a FIFO does not block the open;
+/// the flag is cleared here, because io_uring fails (instead of waiting)
+/// reads on a descriptor that carries it.
+fn regular_len(file: &File, path: &Path) -> Result<u64> {
+    use std::os::unix::fs::FileTypeExt;
+    let meta = file.metadata().map_err(|e| Error::io(path, "stat", e))?;
+    let ft = meta.file_type();
+    if ft.is_file() {
+        let fd = file.as_raw_fd();
+        // SAFETY: fcntl on a descriptor we own; no memory arguments.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        // SAFETY: as above.
+        if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
+            return Err(Error::io(path, "fcntl", io::Error::last_os_error()));
+        }
+        return Ok(meta.len());
+    }
+    let kind = if ft.is_fifo() {
+        "a FIFO"
+    } else if ft.is_socket() {
+        "a socket"
+    } else if ft.is_char_device() {
+        "a character device"
+    } else if ft.is_block_device() {
+        "a block device"
+    } else if ft.is_dir() {
+        "a directory"
+    } else {
+        "not a file"
+    };
+    Err(Error::NotRegular {
+        path: path.to_path_buf(),
+        kind,
+    })
+}
+
 /// fallocate of `[0, len)`; file systems without it are not an error.
 fn reserve_fd(file: &File, len: u64) -> io::Result<()> {
     if len == 0 {
@@ -110,6 +148,10 @@ impl EngineFile {
 
     /// Opens `path` for reading, with O_DIRECT when `want_direct` and the
     /// file system allows it.
+    ///
+    /// Only regular files are read: the file is opened without blocking (a
+    /// FIFO would otherwise wait for a writer forever) and refused when the
+    /// descriptor is anything else.
     pub fn open_read(path: &Path, want_direct: bool) -> Result<Self> {
         let meta = std::fs::metadata(path).map_err(|e| Error::io(path, "open", e))?;
         if meta.is_dir() {
@@ -119,9 +161,16 @@ impl EngineFile {
                 io::Error::from_raw_os_error(libc::EISDIR),
             ));
         }
-        let (file, direct, reason) =
-            open_maybe_direct(path, libc::O_RDONLY, 0, want_direct, path, "open")?;
-        Ok(Self::wrap(file, path, direct, reason, meta.len()))
+        let (file, direct, reason) = open_maybe_direct(
+            path,
+            libc::O_RDONLY | libc::O_NONBLOCK,
+            0,
+            want_direct,
+            path,
+            "open",
+        )?;
+        let len = regular_len(&file, path)?;
+        Ok(Self::wrap(file, path, direct, reason, len))
     }
 
     /// Opens `path` for rewriting ranges in place (created when missing), with
@@ -380,11 +429,10 @@ impl FileSource {
                 io::Error::from_raw_os_error(libc::EISDIR),
             ));
         }
-        let file = File::open(path).map_err(|e| Error::io(path, "open", e))?;
-        Ok(FileSource {
-            file,
-            len: meta.len(),
-        })
+        let file = open_raw(path, libc::O_RDONLY | libc::O_NONBLOCK, 0)
+            .map_err(|e| Error::io(path, "open", e))?;
+        let len = regular_len(&file, path)?;
+        Ok(FileSource { file, len })
     }
 }
 

@@ -11,9 +11,11 @@
 //! - [`zip`] / [`plan`]: the on-disk structures and the byte plan of a write.
 //! - [`file`]: O_DIRECT opening and the atomic-replace protocol.
 //! - [`copy`]: whole-file copies (reflink or engine requests) for tier promotion.
+//! - [`chunks`]: checksums per 4 KiB chunk of a record, and verified partial reads.
 //! - [`halves`]: 32-bit words split into 16-bit halves and joined (the offload's split masters).
 
 pub mod buf;
+pub mod chunks;
 pub mod copy;
 pub mod engine;
 pub mod error;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+use tierstore_core::chunks;
 use tierstore_core::file::{EngineFile, FileSource};
 use tierstore_core::io::Class;
 use tierstore_core::reader::{self, ReadSpec};
@@ -378,6 +379,141 @@ fn check_words(addrs: &[(usize, usize)]) -> PyResult<()> {
     Ok(())
 }
 
+/// Chunk checksums of each `(address, nbytes)` region, on the engine's CPU
+/// threads with the GIL released: the little-endian 32-bit sums of every
+/// region's chunks, one region after another, as one `bytes`.
+///
+/// The caller keeps every region's memory alive and unchanged during the call.
+#[pyfunction]
+#[pyo3(signature = (engine, regions, chunk, algo="crc32c"))]
+fn chunk_checksums<'py>(
+    py: Python<'py>,
+    engine: &PyEngine,
+    regions: Vec<(usize, usize)>,
+    chunk: usize,
+    algo: &str,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let algo = parse_algo(algo)?;
+    if chunk == 0 {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "chunk must be positive",
+        ));
+    }
+    let threads = engine.inner.config().cpu_threads;
+    let sums = py.detach(|| {
+        let slices: Vec<&[u8]> = regions
+            .iter()
+            .map(|&(addr, len)| {
+                if len == 0 {
+                    &[][..]
+                } else {
+                    // SAFETY: the caller keeps the memory alive for this call.
+                    unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
+                }
+            })
+            .collect();
+        chunks::compute(&slices, chunk, algo, threads)
+    });
+    let mut out = Vec::with_capacity(sums.iter().map(|v| v.len() * 4).sum());
+    for v in sums {
+        for x in v {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+    Ok(PyBytes::new(py, &out))
+}
+
+fn parse_algo(algo: &str) -> PyResult<chunks::Algo> {
+    chunks::Algo::parse(algo).ok_or_else(|| {
+        pyo3::exceptions::PyValueError::new_err(format!("unknown checksum {algo:?}"))
+    })
+}
+
+/// One chunk table: (record name, data offset, size, chunk size, algorithm,
+/// little-endian 32-bit sums).
+type TableTuple = (String, u64, u64, u64, String, Vec<u8>);
+
+/// Reads byte ranges of `path` into memory, as `read_ranges` does, and
+/// verifies every chunk they touch against `tables` (`full`: every chunk of
+/// every table). `table_ids[i]` is the table whose record holds range `i`.
+/// Returns `(bytes read, bytes verified)`.
+///
+/// The caller keeps the destination memory alive and untouched during the
+/// call, and the ranges must not overlap in memory.
+#[pyfunction]
+#[pyo3(signature = (engine, path, offsets, lengths, dests, table_ids, tables, *, full=false, background=false))]
+#[allow(clippy::too_many_arguments)]
+fn read_ranges_verified(
+    py: Python<'_>,
+    engine: &PyEngine,
+    path: PathBuf,
+    offsets: Vec<u64>,
+    lengths: Vec<usize>,
+    dests: Vec<usize>,
+    table_ids: Vec<usize>,
+    tables: Vec<TableTuple>,
+    full: bool,
+    background: bool,
+) -> PyResult<(u64, u64)> {
+    if offsets.len() != lengths.len()
+        || offsets.len() != dests.len()
+        || offsets.len() != table_ids.len()
+    {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "offsets, lengths, addresses and table ids differ in length",
+        ));
+    }
+    let mut tabs = Vec::with_capacity(tables.len());
+    for (record, data_offset, size, chunk, algo, sums) in tables {
+        if sums.len() % 4 != 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "record '{record}': chunk sums are not a whole number of 32-bit words"
+            )));
+        }
+        tabs.push(chunks::ChunkTable {
+            record,
+            data_offset,
+            size,
+            chunk,
+            algo: parse_algo(&algo)?,
+            sums: sums
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        });
+    }
+    let ranges: Vec<chunks::TableRange> = offsets
+        .iter()
+        .zip(&lengths)
+        .zip(&dests)
+        .zip(&table_ids)
+        .map(|(((&offset, &len), &addr), &table)| chunks::TableRange {
+            range: reader::IoRange {
+                offset,
+                len,
+                buf: addr as *mut u8,
+            },
+            table,
+        })
+        .collect();
+    let e = &engine.inner;
+    let coverage = if full {
+        chunks::Coverage::Full
+    } else {
+        chunks::Coverage::Touched
+    };
+    let class = class_of(background);
+    let v = py
+        .detach(|| {
+            let file = Arc::new(EngineFile::open_read(&path, false)?);
+            // SAFETY: the caller's contract above (the Python side passes the
+            // data pointers of tensors it holds for the duration of this call).
+            unsafe { chunks::read_ranges_verified(e, &file, &ranges, &tabs, coverage, class) }
+        })
+        .py_err(py)?;
+    Ok((v.read, v.checked))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(split_halves, m)?)?;
     m.add_function(wrap_pyfunction!(join_halves, m)?)?;
@@ -391,6 +527,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(crc32_regions, m)?)?;
     m.add_function(wrap_pyfunction!(start_read, m)?)?;
     m.add_function(wrap_pyfunction!(read_ranges, m)?)?;
+    m.add_function(wrap_pyfunction!(read_ranges_verified, m)?)?;
+    m.add_function(wrap_pyfunction!(chunk_checksums, m)?)?;
     m.add_function(wrap_pyfunction!(write_ranges, m)?)?;
     m.add_class::<PendingRead>()?;
     Ok(())

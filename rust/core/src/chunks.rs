@@ -1,0 +1,533 @@
+//! Chunk checksums: one checksum per fixed-size chunk of a record, so that a
+//! read of part of a record (every resharding load) is verified without
+//! reading the whole record.
+//!
+//! A record of `size` bytes whose data starts at file offset `data_offset` is
+//! cut into chunks of `chunk` bytes, the last one shorter: chunk `i` covers
+//! the record's bytes `[i * chunk, min((i + 1) * chunk, size))`. Storage
+//! records start on 4096-byte boundaries, so with 4096-byte chunks every chunk
+//! is one block of the file, the unit O_DIRECT reads anyway, and the
+//! checksums (4 bytes per chunk) cost 0.1% of the data.
+//!
+//! [`read_ranges_verified`] reads byte ranges of a file into caller memory and
+//! verifies every chunk the ranges touch (or every chunk of every table, for
+//! [`Coverage::Full`]):
+//!
+//! - a chunk that exactly one range covers entirely is read straight into
+//!   that range's memory and checksummed there (no copy);
+//! - any other touched chunk (the partial chunks at the ends of a range, the
+//!   chunks that many short ranges share in a column shard) is checksummed
+//!   whole in a read-only mapping of the file, and the ranges' parts of it
+//!   are copied from there.
+//!
+//! A record without chunk checksums (files written before they existed) is
+//! one chunk as long as the record, checked against the record's CRC-32.
+//! Every returned byte was covered by a checksum that matched, or the call
+//! fails naming the record and the chunk.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::file::EngineFile;
+use crate::io::Class;
+use crate::reader::{self, IoRange};
+use crate::task::TaskState;
+
+/// The chunk size written by tierstore.
+pub const CHUNK: u64 = 4096;
+
+/// A checksum function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Algo {
+    /// CRC-32 (IEEE, as zip uses).
+    Crc32,
+    /// CRC-32C (Castagnoli; hardware accelerated on x86-64 and aarch64).
+    Crc32c,
+}
+
+impl Algo {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "crc32" => Some(Algo::Crc32),
+            "crc32c" => Some(Algo::Crc32c),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Algo::Crc32 => "crc32",
+            Algo::Crc32c => "crc32c",
+        }
+    }
+
+    pub fn sum(self, data: &[u8]) -> u32 {
+        match self {
+            Algo::Crc32 => crc32fast::hash(data),
+            Algo::Crc32c => crc32c::crc32c(data),
+        }
+    }
+}
+
+/// Number of chunks of a record of `size` bytes.
+pub fn chunk_count(size: u64, chunk: u64) -> u64 {
+    size.div_ceil(chunk.max(1))
+}
+
+/// The checksum of every `chunk`-byte chunk of `data`, into `out`.
+///
+/// # Panics
+///
+/// When `out` does not have one slot per chunk.
+pub fn compute_into(data: &[u8], chunk: usize, algo: Algo, out: &mut [u32]) {
+    assert_eq!(
+        out.len() as u64,
+        chunk_count(data.len() as u64, chunk as u64)
+    );
+    for (c, slot) in data.chunks(chunk.max(1)).zip(out.iter_mut()) {
+        *slot = algo.sum(c);
+    }
+}
+
+/// The chunk checksums of several regions, on `threads` threads: one vector
+/// per region, in order.
+pub fn compute(regions: &[&[u8]], chunk: usize, algo: Algo, threads: usize) -> Vec<Vec<u32>> {
+    let mut out: Vec<Vec<u32>> = regions
+        .iter()
+        .map(|r| vec![0u32; chunk_count(r.len() as u64, chunk as u64) as usize])
+        .collect();
+    // Work items of about 4 MiB, so that threads share large regions.
+    let per = ((4usize << 20) / chunk.max(1)).max(1);
+    let mut work: Vec<(&[u8], &mut [u32])> = Vec::new();
+    for (r, o) in regions.iter().zip(out.iter_mut()) {
+        for (i, slots) in o.chunks_mut(per).enumerate() {
+            let start = i * per * chunk;
+            let end = (start + slots.len() * chunk).min(r.len());
+            work.push((&r[start..end], slots));
+        }
+    }
+    let threads = threads.clamp(1, work.len().max(1));
+    if threads == 1 {
+        for (d, s) in work {
+            compute_into(d, chunk, algo, s);
+        }
+        return out;
+    }
+    let work = Mutex::new(work);
+    std::thread::scope(|sc| {
+        for _ in 0..threads {
+            sc.spawn(|| loop {
+                let item = work.lock().expect("lock").pop();
+                let Some((d, s)) = item else { break };
+                compute_into(d, chunk, algo, s);
+            });
+        }
+    });
+    out
+}
+
+/// The checksums of one record's chunks.
+#[derive(Clone, Debug)]
+pub struct ChunkTable {
+    /// The record's name (for messages).
+    pub record: String,
+    pub data_offset: u64,
+    pub size: u64,
+    /// Chunk size; a whole-record checksum is one chunk of `size` bytes.
+    pub chunk: u64,
+    pub algo: Algo,
+    pub sums: Vec<u32>,
+}
+
+impl ChunkTable {
+    fn chunk_span(&self, i: u64) -> (u64, u64) {
+        let s = i * self.chunk;
+        (s, (s + self.chunk).min(self.size))
+    }
+
+    fn check(&self, file: &EngineFile) -> Result<()> {
+        if self.chunk == 0 {
+            return Err(Error::corrupt(
+                &file.path,
+                Some(&self.record),
+                "chunk size 0",
+            ));
+        }
+        if self
+            .data_offset
+            .checked_add(self.size)
+            .is_none_or(|e| e > file.len)
+        {
+            return Err(Error::truncated(
+                &file.path,
+                format!(
+                    "record '{}' [{}, +{}) lies beyond the end of the file ({} bytes)",
+                    self.record, self.data_offset, self.size, file.len
+                ),
+            ));
+        }
+        let want = chunk_count(self.size, self.chunk);
+        if self.sums.len() as u64 != want {
+            return Err(Error::corrupt(
+                &file.path,
+                Some(&self.record),
+                format!(
+                    "{} chunk checksums for {want} chunks of {} bytes",
+                    self.sums.len(),
+                    self.chunk
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn verify(&self, file: &EngineFile, i: u64, data: &[u8]) -> Result<()> {
+        let actual = self.algo.sum(data);
+        let expected = self.sums[i as usize];
+        if actual == expected {
+            return Ok(());
+        }
+        let (start, end) = self.chunk_span(i);
+        Err(Error::ChunkChecksum {
+            path: file.path.clone(),
+            record: self.record.clone(),
+            chunk: i,
+            start,
+            end,
+            algo: self.algo.as_str(),
+            expected,
+            actual,
+        })
+    }
+}
+
+/// Which chunks a verified read checks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Coverage {
+    /// Every chunk the ranges touch.
+    Touched,
+    /// Every chunk of every table given.
+    Full,
+}
+
+/// What a verified read did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Verified {
+    /// Bytes of the file read (ranges plus the rest of their partial chunks).
+    pub read: u64,
+    /// Bytes whose checksum was checked.
+    pub checked: u64,
+}
+
+/// One range of a verified read: `range` lies inside the record of table `table`.
+#[derive(Clone, Copy, Debug)]
+pub struct TableRange {
+    pub range: IoRange,
+    pub table: usize,
+}
+
+/// A read-only shared mapping of a whole file, unmapped on drop.
+struct Mapping {
+    base: *const u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is read-only; it is only read, from any thread.
+unsafe impl Sync for Mapping {}
+// SAFETY: as above.
+unsafe impl Send for Mapping {}
+
+impl Mapping {
+    fn new(file: &EngineFile) -> Result<Self> {
+        let len = file.len as usize;
+        if len == 0 {
+            return Ok(Mapping {
+                base: std::ptr::null(),
+                len: 0,
+            });
+        }
+        // SAFETY: a read-only shared mapping of a file held open by the caller.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(Error::io(
+                &file.path,
+                "mmap",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(Mapping {
+            base: base.cast::<u8>().cast_const(),
+            len,
+        })
+    }
+
+    /// Bytes `[offset, offset + len)` of the file.
+    ///
+    /// # Panics
+    ///
+    /// When the range lies outside the file (callers check tables first).
+    fn slice(&self, offset: u64, len: u64) -> &[u8] {
+        let (o, n) = (offset as usize, len as usize);
+        assert!(
+            o.checked_add(n).is_some_and(|e| e <= self.len),
+            "range inside the mapping"
+        );
+        if n == 0 {
+            return &[];
+        }
+        // SAFETY: inside the mapping (asserted), which lives as long as `self`.
+        unsafe { std::slice::from_raw_parts(self.base.add(o), n) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: mapped in `new` with this length.
+            unsafe { libc::munmap(self.base.cast_mut().cast(), self.len) };
+        }
+    }
+}
+
+/// Per-table chunk bookkeeping: how many ranges touch each chunk, and whether
+/// the single range touching it covers it whole.
+struct Touch {
+    count: Vec<u32>,
+    whole: Vec<bool>,
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut u8);
+// SAFETY: destinations belong to the caller for the whole call (contract of
+// `read_ranges_verified`); each byte is written by one copy only.
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+
+/// Runs `f` on every item, on up to `threads` threads; the first error wins.
+fn par_each<T: Sync>(
+    items: &[T],
+    threads: usize,
+    f: impl Fn(&T) -> Result<()> + Sync,
+) -> Result<()> {
+    if items.is_empty() {
+        return Ok(());
+    }
+    let threads = threads.clamp(1, items.len());
+    if threads == 1 {
+        return items.iter().try_for_each(f);
+    }
+    let next = AtomicUsize::new(0);
+    let failed: Mutex<Option<Error>> = Mutex::new(None);
+    std::thread::scope(|sc| {
+        for _ in 0..threads {
+            sc.spawn(|| loop {
+                if failed.lock().expect("lock").is_some() {
+                    break;
+                }
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(item) = items.get(i) else { break };
+                if let Err(e) = f(item) {
+                    failed.lock().expect("lock").get_or_insert(e);
+                    break;
+                }
+            });
+        }
+    });
+    match failed.into_inner().expect("lock") {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// Reads `ranges` of `file` into caller memory and verifies the chunks they
+/// touch (see the module documentation).
+///
+/// # Safety
+///
+/// Every range's `buf` must be valid for writes of `len` bytes, the ranges
+/// must not overlap in memory, and nothing else may access that memory until
+/// this call returns.
+#[allow(clippy::too_many_lines)]
+pub unsafe fn read_ranges_verified(
+    engine: &Arc<Engine>,
+    file: &Arc<EngineFile>,
+    ranges: &[TableRange],
+    tables: &[ChunkTable],
+    coverage: Coverage,
+    class: Class,
+) -> Result<Verified> {
+    let threads = engine.config().cpu_threads.max(1);
+    for t in tables {
+        t.check(file)?;
+    }
+    let mut touch: Vec<Touch> = tables
+        .iter()
+        .map(|t| Touch {
+            count: vec![0; t.sums.len()],
+            whole: vec![false; t.sums.len()],
+        })
+        .collect();
+    for r in ranges {
+        let Some(t) = tables.get(r.table) else {
+            return Err(Error::Invalid(format!(
+                "range names table {} of {}",
+                r.table,
+                tables.len()
+            )));
+        };
+        let (s, e) = (r.range.offset, r.range.offset + r.range.len as u64);
+        if s < t.data_offset || e > t.data_offset + t.size {
+            return Err(Error::corrupt(
+                &file.path,
+                Some(&t.record),
+                format!(
+                    "read [{s}, {e}) lies outside the record's data [{}, {})",
+                    t.data_offset,
+                    t.data_offset + t.size
+                ),
+            ));
+        }
+        if s == e {
+            continue;
+        }
+        let (rs, re) = (s - t.data_offset, e - t.data_offset);
+        let tc = &mut touch[r.table];
+        for i in rs / t.chunk..re.div_ceil(t.chunk) {
+            let (cs, ce) = t.chunk_span(i);
+            let i = i as usize;
+            tc.count[i] += 1;
+            tc.whole[i] = rs <= cs && re >= ce;
+        }
+    }
+    let direct_chunk = |ti: usize, i: usize| touch[ti].count[i] == 1 && touch[ti].whole[i];
+    // Split each range into runs of direct chunks (read into place by the
+    // engine) and parts of shared or partial chunks (copied from the mapping).
+    let mut direct: Vec<IoRange> = Vec::new();
+    let mut direct_chunks: Vec<(usize, u64, SendPtr)> = Vec::new(); // (table, chunk, memory)
+    let mut staged: Vec<(u64, usize, SendPtr)> = Vec::new(); // (file offset, len, memory)
+    for r in ranges {
+        let t = &tables[r.table];
+        let (s, e) = (r.range.offset, r.range.offset + r.range.len as u64);
+        if s == e {
+            continue;
+        }
+        let (rs, re) = (s - t.data_offset, e - t.data_offset);
+        let mut i = rs / t.chunk;
+        while i * t.chunk < re {
+            let (cs, ce) = t.chunk_span(i);
+            let (ps, pe) = (cs.max(rs), ce.min(re));
+            // SAFETY: `ps - rs` is inside the range's memory (contract).
+            let mem = unsafe { r.range.buf.add((ps - rs) as usize) };
+            if direct_chunk(r.table, i as usize) {
+                direct_chunks.push((r.table, i, SendPtr(mem)));
+                match direct.last_mut() {
+                    Some(last)
+                        if last.offset + last.len as u64 == t.data_offset + ps
+                            // SAFETY: pointer arithmetic inside one range's memory.
+                            && unsafe { last.buf.add(last.len) } == mem =>
+                    {
+                        last.len += (pe - ps) as usize;
+                    }
+                    _ => direct.push(IoRange {
+                        offset: t.data_offset + ps,
+                        len: (pe - ps) as usize,
+                        buf: mem,
+                    }),
+                }
+            } else {
+                staged.push((t.data_offset + ps, (pe - ps) as usize, SendPtr(mem)));
+            }
+            i += 1;
+        }
+    }
+    // Chunks checked in the mapping: the shared and partial ones, and for full
+    // coverage every chunk no range touches.
+    let mut mapped_chunks: Vec<(usize, u64)> = Vec::new();
+    for (ti, t) in tables.iter().enumerate() {
+        for i in 0..t.sums.len() {
+            let c = touch[ti].count[i];
+            let check = if c == 0 {
+                coverage == Coverage::Full
+            } else {
+                !direct_chunk(ti, i)
+            };
+            if check {
+                mapped_chunks.push((ti, i as u64));
+            }
+        }
+    }
+    let mut out = Verified::default();
+    let direct_bytes: u64 = direct.iter().map(|r| r.len as u64).sum();
+    if !direct.is_empty() {
+        // SAFETY: the destinations are the caller's (contract above).
+        let task = unsafe {
+            reader::read_ranges(engine, Arc::clone(file), direct, class, TaskState::new())
+        }?;
+        task.join()?;
+    }
+    par_each(&direct_chunks, threads, |&(ti, i, mem)| {
+        let t = &tables[ti];
+        let (cs, ce) = t.chunk_span(i);
+        // SAFETY: the chunk was read into this memory above; it is the caller's.
+        let data = unsafe { std::slice::from_raw_parts(mem.0, (ce - cs) as usize) };
+        t.verify(file, i, data)
+    })?;
+    out.read += direct_bytes;
+    out.checked += direct_bytes;
+    if !mapped_chunks.is_empty() {
+        let map = Mapping::new(file)?;
+        par_each(&mapped_chunks, threads, |&(ti, i)| {
+            let t = &tables[ti];
+            let (cs, ce) = t.chunk_span(i);
+            t.verify(file, i, map.slice(t.data_offset + cs, ce - cs))
+        })?;
+        par_each(&staged, threads, |&(off, len, mem)| {
+            let src = map.slice(off, len as u64);
+            // SAFETY: destination per the contract; source inside the mapping.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), mem.0, len) };
+            Ok(())
+        })?;
+        let mapped: u64 = mapped_chunks
+            .iter()
+            .map(|&(ti, i)| {
+                let (cs, ce) = tables[ti].chunk_span(i);
+                ce - cs
+            })
+            .sum();
+        out.read += mapped;
+        out.checked += mapped;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compute_matches_per_chunk_sums() {
+        let data: Vec<u8> = (0..50_000u32).map(|x| (x * 31 % 251) as u8).collect();
+        let regions: Vec<&[u8]> = vec![&data, &data[..4096], &[], &data[..1]];
+        for threads in [1, 3] {
+            let got = compute(&regions, 4096, Algo::Crc32c, threads);
+            for (r, sums) in regions.iter().zip(&got) {
+                let want: Vec<u32> = r.chunks(4096).map(crc32c::crc32c).collect();
+                assert_eq!(sums, &want);
+            }
+        }
+        assert_eq!(chunk_count(0, 4096), 0);
+        assert_eq!(chunk_count(4097, 4096), 2);
+    }
+}
