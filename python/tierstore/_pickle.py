@@ -223,6 +223,54 @@ def unpickler(
     return _Custom(f, encoding=encoding, **kwargs)
 
 
+def _bounded_bytearray(limit: int) -> Any:
+    """``bytearray`` for the weights-only allow-list that refuses sizes a file
+    cannot hold: pickling writes a bytearray's contents (never its length
+    alone), so ``bytearray(<int>)`` with more than ``limit`` bytes comes only
+    from a crafted file and would allocate what the file does not hold."""
+
+    def make(*args: Any) -> bytearray:
+        if args and isinstance(args[0], int) and args[0] > limit:
+            raise pickle.UnpicklingError(f"bytearray of {args[0]} bytes in a pickle of {limit} bytes refused")
+        return bytearray(*args)
+
+    return make
+
+
+def refuse_absurd_sizes(data: bytes, path: str) -> None:
+    """Scans a pickle (without running it) for ``bytearray(<int>)`` beyond
+    what the pickle could hold, before torch's weights-only unpickler runs it."""
+    import pickletools
+
+    from tierstore.errors import CorruptFileError, UnsafeObjectError
+
+    last_global = None
+    pending_int: int | None = None
+    strings: list[str] = []
+    try:
+        for op, arg, _pos in pickletools.genops(data):
+            if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+                strings = [*strings[-1:], str(arg)]
+            elif op.name == "GLOBAL":
+                last_global = str(arg).replace(" ", ".")
+            elif op.name == "STACK_GLOBAL" and len(strings) == 2:
+                last_global = ".".join(strings)
+            elif op.name in ("INT", "LONG", "BININT", "BININT1", "BININT2", "LONG1", "LONG4"):
+                pending_int = arg if isinstance(arg, int) and not isinstance(arg, bool) else None
+            elif op.name == "REDUCE":
+                if last_global == "builtins.bytearray" and pending_int is not None and pending_int > len(data):
+                    raise UnsafeObjectError(
+                        f"{path}: record 'data.pkl': bytearray of {pending_int} bytes in a pickle of {len(data)} "
+                        "bytes refused (a crafted size, not data the file holds)",
+                        path=path,
+                    )
+                pending_int = None
+    except (ValueError, EOFError, UnicodeDecodeError, IndexError) as e:
+        raise CorruptFileError(
+            f"{path}: record 'data.pkl': not a valid pickle ({str(e)[:200]})", path=path, record="data.pkl"
+        ) from None
+
+
 def fast_weights_only(data: bytes, persistent_load: Any) -> Any:
     """Runs torch's weights-only unpickling rules in Rust (``tierstore._core``).
 
@@ -236,6 +284,8 @@ def fast_weights_only(data: bytes, persistent_load: Any) -> Any:
         from torch import _weights_only_unpickler as wo
 
         allowed = {**wo._get_user_allowed_globals(), **wo._get_allowed_globals()}
+        if "builtins.bytearray" in allowed:
+            allowed["builtins.bytearray"] = _bounded_bytearray(len(data))
         blocked = list(wo._blocklisted_modules)
     except (ImportError, AttributeError):  # a torch without these internals
         return None

@@ -593,16 +593,27 @@ def _unpickle(
             )
         typename, storage_type, key, location, numel = saved_id
         if isinstance(typename, bytes):
-            typename = typename.decode("ascii")
+            typename = typename.decode("ascii", "replace")
         if typename != "storage":
             raise CorruptFileError(
-                f"{path}: record 'data.pkl': unknown persistent id type {typename!r}",
+                f"{path}: record 'data.pkl': unknown persistent id type {typename!r:.100}",
                 path=path,
                 record="data.pkl",
             )
         if isinstance(location, bytes):
-            location = location.decode("ascii")
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            location = location.decode("ascii", "replace")
+        if storage_type is torch.UntypedStorage:
+            dtype = torch.uint8
+        elif isinstance(getattr(storage_type, "dtype", None), torch.dtype):
+            dtype = storage_type.dtype
+        else:
+            raise CorruptFileError(
+                f"{path}: record 'data.pkl': bad storage type {storage_type!r:.100}", path=path, record="data.pkl"
+            )
+        if not isinstance(key, str) or not isinstance(location, str) or not isinstance(numel, int) or numel < 0:
+            raise CorruptFileError(
+                f"{path}: record 'data.pkl': bad storage reference {saved_id!r:.200}", path=path, record="data.pkl"
+            )
         nbytes = numel * dtype.itemsize
         typed = loaded.get(key)
         if typed is not None and typed.dtype == dtype:
@@ -637,6 +648,8 @@ def _unpickle(
     try:
         result = _pickle.fast_weights_only(data_pkl, persistent_load) if opts["weights_only"] else None
         if result is None:
+            if opts["weights_only"]:
+                _pickle.refuse_absurd_sizes(data_pkl, path)
             up = _pickle.unpickler(
                 data_pkl,
                 weights_only=opts["weights_only"],
@@ -646,6 +659,8 @@ def _unpickle(
             )
             up.persistent_load = persistent_load
             result = up.load()
+    except TierstoreError:
+        raise
     except pickle.UnpicklingError as e:
         if opts["weights_only"]:
             raise UnsafeObjectError(
@@ -656,6 +671,16 @@ def _unpickle(
                 path=path,
             ) from None
         raise
+    except (MemoryError, RecursionError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
+            UnicodeDecodeError, RuntimeError, OverflowError, struct.error) as e:  # fmt: skip
+        if not opts["weights_only"]:
+            raise  # code the file runs may raise anything; it is the caller's choice to run it
+        raise CorruptFileError(
+            f"{path}: record 'data.pkl': the object graph cannot be rebuilt ({type(e).__name__}: {str(e)[:300]}); "
+            "the file is damaged",
+            path=path,
+            record="data.pkl",
+        ) from None
     finally:
         if tls is not None:
             tls.map_location = None

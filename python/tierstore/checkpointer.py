@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import json
 import math
 import os
 import queue
@@ -45,7 +44,7 @@ from typing import Any
 
 import torch
 
-from tierstore import _core
+from tierstore import _core, _metadata, _paths
 from tierstore._engine import get_engine, host_buffer
 from tierstore.errors import TierstoreError
 from tierstore.layout import Layout, layout_of
@@ -60,7 +59,7 @@ from tierstore.sharded import (
     load_sharded,
     save_sharded,
 )
-from tierstore.shardmeta import MANIFEST, read_manifest
+from tierstore.shardmeta import MANIFEST, read_attachment, read_manifest
 
 __all__ = [
     "CheckpointHandle",
@@ -810,9 +809,9 @@ class Checkpointer:
                 out.append({"step": s.step, "tier": self.host.name, "path": None, "rank": 0, "_snap": s})
         for ti, t in enumerate(self.disks):
             for p in self._tier_paths(t):
-                for d in p.iterdir() if p.is_dir() else []:
+                for d in _step_dirs(p, t.name):
                     m = STEP_DIR.match(d.name)
-                    if m and (d / MANIFEST).exists():
+                    if m and (d / MANIFEST).is_file():
                         out.append({"step": int(m.group(1)), "tier": t.name, "path": str(d), "rank": ti + 1})
         out.sort(key=lambda c: (-c["step"], c["rank"]))
         for c in out:
@@ -847,7 +846,7 @@ class Checkpointer:
             result: Any = None
             try:
                 result = self._load_one(c, into, weights_only, per_rank_policy)
-            except (TierstoreError, OSError, ValueError, KeyError) as e:
+            except Exception as e:  # any damage to this copy: the next one is tried
                 err = e
             ok = [err is None]
             if self.world > 1:
@@ -1129,7 +1128,14 @@ class Checkpointer:
             try:
                 self._write_meta(d, snap)
                 self._copy_offload_pins(snap, d)
-                save_sharded(snap.state, d, process_group=self._pg_flush, background=True, _gates=snap.gates)
+                save_sharded(
+                    snap.state,
+                    d,
+                    process_group=self._pg_flush,
+                    background=True,
+                    _gates=snap.gates,
+                    _attachments=(META,),
+                )
                 snap.captured.wait()
                 if snap.error is not None:
                     raise TierstoreError(f"the capture failed: {snap.error}")
@@ -1195,7 +1201,9 @@ class Checkpointer:
                             return
                         self._write_meta(d, snap)
                         self._copy_offload_pins(snap, d)
-                        save_sharded(snap.state, d, process_group=self._pg_promote, background=True)
+                        save_sharded(
+                            snap.state, d, process_group=self._pg_promote, background=True, _attachments=(META,)
+                        )
                         snap.local_dir = d
                     h.paths[t.name] = str(d)
                     h.timings["to_remote"] = time.perf_counter() - snap.t_save
@@ -1271,7 +1279,7 @@ class Checkpointer:
         complete: list[tuple[int, Path]] = []
         incomplete: list[tuple[int, Path]] = []
         for p in self._tier_paths(t):
-            for d in p.iterdir() if p.is_dir() else []:
+            for d in _step_dirs(p, t.name):
                 m = STEP_DIR.match(d.name)
                 if m:
                     (complete if (d / MANIFEST).exists() else incomplete).append((int(m.group(1)), d))
@@ -1304,17 +1312,13 @@ class Checkpointer:
                 raise TierstoreError("host copies restore only without `into`")
             return _clone_tree(snap.state)
         d = Path(c["path"])
+        tree = _read_meta(d, c["step"])
         if into is not None:
             return self._load_into(d, into, weights_only, per_rank_policy)
         flat = consolidate(d, weights_only=weights_only, per_rank_policy=per_rank_policy)
-        meta_p = d / META
-        if not meta_p.exists():
+        if tree is None:
             return _offload_state_dicts(flat, d)
-        try:
-            meta = json.loads(meta_p.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise TierstoreError(f"{meta_p}: not valid JSON ({e})") from None
-        return _offload_state_dicts(_unflatten(flat, meta.get("tree", [])), d)
+        return _offload_state_dicts(_unflatten(flat, tree), d)
 
     def _load_into(self, d: Path, into: Any, weights_only: bool, per_rank_policy: Any) -> Any:
         """``load_sharded`` into ``into``, where offloaded optimizers get their
@@ -1354,6 +1358,65 @@ class Checkpointer:
             opt._restore_from_checkpoint(meta, tensors, d)
         _copy_back(into, template)
         return into
+
+
+def _step_dirs(p: Path, tier: str) -> list[Path]:
+    """The step directories of tier path ``p``: real directories inside it.
+    A symlink (to another job's run, or to another step) is never taken for
+    a checkpoint of this tier; it is reported once and skipped."""
+    out: list[Path] = []
+    try:
+        entries = list(p.iterdir()) if p.is_dir() else []
+    except OSError:
+        return out
+    for d in entries:
+        if not STEP_DIR.match(d.name):
+            continue
+        if d.is_symlink() or not d.is_dir() or not _paths.inside(p, d):
+            _warn_once(f"tierstore: {d} on tier {tier!r} is not a step directory of this tier (a symlink or not a "
+                       "directory); it is skipped")  # fmt: skip
+            continue
+        out.append(d)
+    return out
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        warnings.warn(msg, stacklevel=3)
+
+
+def _read_meta(d: Path, step: int) -> list[list[Any]] | None:
+    """The key tree of step directory ``d``'s ``checkpoint.json``, checked:
+    against the size and CRC-32 its manifest recorded (checkpoints written
+    since the manifest records it: then a missing file is damage), its own
+    checksum, its step, and the shape of every tree entry."""
+    m = read_manifest(d)
+    where = str(d / META)
+    data = read_attachment(d, m, META)
+    if data is None:
+        if m.get("format_version", 1) >= 2 and "attachments" in m:
+            return None  # written by save_sharded directly: no key tree
+        if not (d / META).exists():
+            return None  # an older checkpoint without one
+        data = _paths.read_regular(_paths.member(d, META, source=str(d), field=META), 1 << 30, META)
+    meta, _had = _metadata.loads(data, where, required=False)
+    f = _metadata.Fields(where)
+    if f.uint(f.get(meta, "step", "step"), "step") != step:
+        f.fail("step", f"{step} (the step of its directory)", meta["step"])
+    f.uint(f.get(meta, "world_size", "world_size"), "world_size", most=1 << 24)
+    tree = f.array(f.get(meta, "tree", "tree"), "tree")
+    for i, entry in enumerate(tree):
+        fld = f"tree[{i}]"
+        f.array(entry, fld, length=2)
+        key = f.string(entry[0], f"{fld}[0]", most=1 << 16)
+        path = f.array(entry[1], f"{fld}[1]")
+        if not path or not all(isinstance(p, str) for p in path) or ".".join(path) != key:
+            f.fail(f"{fld}[1]", f"the key path of {key!r} (its parts joined by '.' give the key)", entry[1])
+    return tree
 
 
 def _only_offload_meta(tree: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,502 @@
+"""Integrity and safety of the sharded load paths: every class of defect an
+adversarial campaign found, each as the user meets it.
+
+A load returns exactly the bytes that were saved or raises a TierstoreError
+naming the file and record; nothing a file names leads outside the
+checkpoint; nothing hangs or allocates what the files do not hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dist_util import run_world
+
+import tierstore
+import tierstore.cli
+from tierstore import _metadata
+from tierstore.checkpointer import Checkpointer, DiskTier
+from tierstore.errors import (
+    ChecksumError,
+    CoverageError,
+    ManifestError,
+    ResourceLimitError,
+    TierstoreError,
+    UnsafePathError,
+)
+from tierstore.layout import Layout, attach
+from tierstore.sharded import consolidate
+
+
+def _manifest(d: Path) -> dict[str, Any]:
+    m, _ = _metadata.loads((d / "manifest.json").read_bytes(), "m", required=False)
+    return m
+
+
+def _reseal(d: Path, m: dict[str, Any]) -> None:
+    """Writes ``m`` back with a correct checksum (what an attacker would do)."""
+    (d / "manifest.json").write_bytes(_metadata.dumps(m))
+
+
+def _rows(tmp_path: Path, n: int = 4, shape: tuple[int, int] = (256, 384)) -> tuple[Path, torch.Tensor]:
+    """A tensor saved as ``n`` row shards by one process (one file)."""
+    full = torch.randn(*shape)
+    d = tmp_path / "rows"
+    per = shape[0] // n
+    sd = {f"p{r}": attach(full[r * per : (r + 1) * per].clone(), Layout.shard("w", shape, 0, r, n)) for r in range(n)}
+    tierstore.save_sharded(sd, d)
+    return d, full
+
+
+def _column_target(shape: tuple[int, int], k: int, n: int) -> dict[str, torch.Tensor]:
+    return {"w": attach(torch.zeros(shape[0], shape[1] // n), Layout.shard("w", shape, 1, k, n))}
+
+
+def _data_file(d: Path) -> Path:
+    return next(p for p in d.iterdir() if p.name.startswith("rank-"))
+
+
+def _flip(p: Path, at: int) -> None:
+    with open(p, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x20]))
+
+
+def _stored_ranges(d: Path) -> list[tuple[int, int]]:
+    m = _manifest(d)
+    return [(s["offset"], s["offset"] + len_bytes(s)) for s in m["stored"]]
+
+
+def len_bytes(s: dict[str, Any]) -> int:
+    n = 1
+    for x in s["shape"]:
+        n *= x
+    return n * torch.empty((), dtype=getattr(torch, s["dtype"])).element_size()
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. partial reads are verified
+
+
+@pytest.mark.parametrize("verify", ["touched", "full"])
+def test_every_flip_in_a_column_shard_is_caught(tmp_path: Path, verify: str) -> None:
+    d, full = _rows(tmp_path)
+    f = _data_file(d)
+    original = f.read_bytes()
+    rng = random.Random(0)
+    ranges = _stored_ranges(d)
+    caught = 0
+    for _ in range(30):
+        lo, hi = rng.choice(ranges)
+        at = rng.randrange(lo, hi)
+        f.write_bytes(original)
+        _flip(f, at)
+        sd = _column_target((256, 384), rng.randrange(3), 3)
+        k = 0
+        # The flipped byte is in a column this target needs, or not; either
+        # way no wrong byte may come back.
+        try:
+            tierstore.load_sharded(d, sd, verify=verify)
+        except ChecksumError as e:
+            assert str(f) in str(e) and "record" in str(e)
+            caught += 1
+            continue
+        cols = sd["w"].shape[1]
+        k = next(i for i in range(3) if torch.equal(sd["w"], full[:, i * cols : (i + 1) * cols]))
+        assert k >= 0
+    f.write_bytes(original)
+    assert caught >= 10, "most flips land in columns every target touches (chunks span rows)"
+
+
+def test_tp_target_load_misses_no_flip(tmp_path: Path) -> None:
+    d, full = _rows(tmp_path, 2, (128, 256))
+    f = _data_file(d)
+    original = f.read_bytes()
+    rng = random.Random(1)
+    for lo, hi in _stored_ranges(d):
+        for _ in range(25):
+            f.write_bytes(original)
+            _flip(f, rng.randrange(lo, hi))
+            # Every byte of the tensor is needed by some TP target: load them all.
+            sds = [
+                {"w": attach(torch.zeros(128, 64), Layout.shard("w", (128, 256), 1, k, 4))} for k in range(4)
+            ]
+            errors = 0
+            for sd in sds:
+                try:
+                    tierstore.load_sharded(d, sd)
+                except ChecksumError:
+                    errors += 1
+            assert errors >= 1, "a flip in bytes some target reads is reported"
+    f.write_bytes(original)
+
+
+def test_bytes_read_per_verify_mode(tmp_path: Path) -> None:
+    d, full = _rows(tmp_path, 4, (512, 1024))
+    out: dict[Any, dict[str, int]] = {}
+    for mode in ("touched", "full", False):
+        sd = _column_target((512, 1024), 1, 4)
+        stats: dict[str, int] = {}
+        tierstore.load_sharded(d, sd, verify=mode, stats=stats)
+        assert torch.equal(sd["w"], full[:, 256:512])
+        out[mode] = stats
+    assert out[False]["bytes_read"] == out[False]["bytes_needed"]
+    assert out["touched"]["bytes_read"] <= 1.10 * out["touched"]["bytes_needed_blocks"]
+    assert out["full"]["bytes_verified"] == 512 * 1024 * 4  # every chunk of every record read from
+    assert out["touched"]["bytes_verified"] == out["touched"]["bytes_read"]
+
+
+def test_old_checkpoints_without_chunk_checksums_are_verified_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Version-1 checkpoints (no chunk checksums, no manifest checksum) load;
+    a record read in part is read whole and checked against its CRC-32."""
+    import tierstore.api
+
+    real_save = tierstore.api.save
+
+    def v1_save(*a: Any, **kw: Any) -> None:  # shard files as tierstore 0.1.0 wrote them
+        kw.pop("_chunk_checksums", None)
+        real_save(*a, **kw)
+
+    monkeypatch.setattr(tierstore.api, "save", v1_save)
+    d, full = _rows(tmp_path, 2, (64, 128))
+    monkeypatch.undo()
+    m = _manifest(d)
+    m["format_version"] = 1
+    for k in ("object_files", "attachments"):
+        m.pop(k, None)
+    for fe in m["files"]:
+        fe.pop("manifest_crc32")
+    (d / "manifest.json").write_text(json.dumps(m))
+    assert b".tierstore/chunks" not in _data_file(d).read_bytes()
+    sd = _column_target((64, 128), 0, 2)
+    tierstore.load_sharded(d, sd)
+    assert torch.equal(sd["w"], full[:, :64])
+    lo, hi = _stored_ranges(d)[1]
+    _flip(_data_file(d), hi - 3)  # a byte of the last rows, in columns target 0 does not need
+    with pytest.raises(ChecksumError):
+        tierstore.load_sharded(d, _column_target((64, 128), 0, 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. metadata integrity
+
+
+def test_manifest_checksum_catches_any_edit(tmp_path: Path) -> None:
+    d, _full = _rows(tmp_path, 2, (32, 32))
+    raw = (d / "manifest.json").read_bytes()
+    rng = random.Random(2)
+    for _ in range(50):
+        at = rng.randrange(len(raw) - 30)  # not inside the checksum trailer itself
+        bad = bytearray(raw)
+        bad[at] ^= 1 << rng.randrange(8)
+        (d / "manifest.json").write_bytes(bytes(bad))
+        with pytest.raises(TierstoreError):
+            tierstore.load_sharded(d, {"w": torch.zeros(32, 32)})
+    (d / "manifest.json").write_bytes(raw)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    ["offset_digit", "swap_offsets", "transpose", "global_dtype", "record_size", "stored_dtype"],
+)
+def test_resealed_metadata_is_checked_against_the_data_files(tmp_path: Path, edit: str) -> None:
+    """An attacker can recompute the checksum; the fields must still agree
+    with the data files' own directory and manifest."""
+    d, full = _rows(tmp_path, 2, (32, 48))
+    m = _manifest(d)
+    s0, s1 = m["stored"][0], m["stored"][1]
+    if edit == "offset_digit":
+        s0["offset"] += 4
+    elif edit == "swap_offsets":
+        s0["offset"], s1["offset"] = s1["offset"], s0["offset"]
+        s0["record_offset"], s1["record_offset"] = s1["record_offset"], s0["record_offset"]
+    elif edit == "transpose":
+        s0["shape"] = s0["shape"][::-1]
+    elif edit == "global_dtype":
+        m["tensors"]["w"]["dtype"] = "int32"
+    elif edit == "record_size":
+        s0["record_size"] += 4096
+    elif edit == "stored_dtype":
+        s0["dtype"] = "int32"
+        m["tensors"]["w"]["dtype"] = "int32"
+    _reseal(d, m)
+    with pytest.raises(TierstoreError) as ei:
+        sd = {"w": torch.zeros(32, 48)}
+        tierstore.load_sharded(d, sd)
+    assert "manifest" in str(ei.value) or "rank-" in str(ei.value)
+
+
+def test_a_rank_file_replaced_by_another_ranks_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    run_world(2, _save_two_ranks, str(d))
+    files = sorted(p for p in d.iterdir() if p.name.startswith("rank-"))
+    assert len(files) == 2
+    files[0].write_bytes(files[1].read_bytes())
+    with pytest.raises(ManifestError, match="another"):
+        consolidate(d, per_rank_policy="rank0")
+
+
+def _save_two_ranks(rank: int, world: int, path: str) -> None:
+    full = torch.arange(16 * 8, dtype=torch.float32).reshape(16, 8)
+    t = attach(full[rank * 8 : (rank + 1) * 8].clone(), Layout.shard("w", (16, 8), 0, rank, world))
+    tierstore.save_sharded({"w": t, "rng": tierstore.PerRank(torch.tensor([rank]))}, path)
+
+
+def test_damaged_shard_of_one_rank_names_the_file(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    run_world(2, _save_two_ranks, str(d))
+    m = _manifest(d)
+    s = next(s for s in m["stored"] if m["files"][s["file"]]["rank"] == 1)
+    victim = d / m["files"][s["file"]]["name"]
+    _flip(victim, s["offset"] + 5)
+    with pytest.raises(ChecksumError) as ei:
+        consolidate(d, per_rank_policy="rank0")
+    assert victim.name in str(ei.value)
+    # The other rank's rows still load.
+    sd = {"w": attach(torch.zeros(8, 8), Layout.shard("w", (16, 8), 0, 0, 2))}
+    tierstore.load_sharded(d, sd)
+    assert torch.equal(sd["w"], torch.arange(64, dtype=torch.float32).reshape(8, 8))
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. names confined to the checkpoint
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../secret.pt", "sub/../../secret.pt", "", "a\0b"])
+def test_file_names_outside_the_checkpoint_are_refused(tmp_path: Path, name: str) -> None:
+    d, _full = _rows(tmp_path, 2, (8, 8))
+    m = _manifest(d)
+    m["files"][0]["name"] = name
+    _reseal(d, m)
+    with pytest.raises(UnsafePathError):
+        tierstore.load_sharded(d, {"w": torch.zeros(8, 8)})
+    r = subprocess.run([sys.executable, "-m", "tierstore", "verify", str(d)], capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_symlink_leading_out_and_objects_names(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    tierstore.save_sharded({"w": torch.ones(4), "epoch": 3}, d)
+    outside = tmp_path / "elsewhere.pt"
+    f = _data_file(d)
+    f.rename(outside)
+    f.symlink_to(outside)
+    with pytest.raises(UnsafePathError, match="outside"):
+        tierstore.load_sharded(d, {"w": torch.zeros(4)})
+    f.unlink()
+    outside.rename(f)
+    m = _manifest(d)
+    m["objects"]["epoch"] = "../../etc/hostname"
+    _reseal(d, m)
+    with pytest.raises(UnsafePathError):
+        tierstore.load_sharded(d, {"epoch": None})
+
+
+def test_a_fifo_named_as_a_data_file_does_not_block(tmp_path: Path) -> None:
+    d, _full = _rows(tmp_path, 2, (8, 8))
+    f = _data_file(d)
+    f.unlink()
+    os.mkfifo(f)
+    done: list[BaseException] = []
+
+    def go() -> None:
+        for fn in (
+            lambda: tierstore.load_sharded(d, {"w": torch.zeros(8, 8)}),
+            lambda: consolidate(d),
+            lambda: tierstore.cli.main(["verify", str(d)]),
+        ):
+            try:
+                fn()
+            except TierstoreError as e:
+                done.append(e)
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    th.join(30)
+    assert not th.is_alive(), "a load blocked on a FIFO"
+    assert len(done) == 2  # the CLI returns 1 instead of raising
+    assert all(isinstance(e, UnsafePathError) for e in done)
+
+
+def test_a_fifo_given_to_load_does_not_block(tmp_path: Path) -> None:
+    p = tmp_path / "x.pt"
+    os.mkfifo(p)
+    with pytest.raises(UnsafePathError):
+        tierstore.load(p)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. the coverage proof is exact
+
+
+def test_overlap_plus_hole_of_the_same_size_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    full = torch.arange(8 * 4, dtype=torch.float32).reshape(8, 4)
+    sd = {f"p{r}": attach(full[2 * r : 2 * r + 2].clone(), Layout.shard("w", (8, 4), 0, r, 4)) for r in range(4)}
+    tierstore.save_sharded(sd, d)
+    m = _manifest(d)
+    # Rows 6-7 are now never covered, rows 2-3 covered twice.
+    piece = next(p for p in m["tensors"]["w"]["pieces"] if p[1][0][0] == 6)
+    piece[1][0][0] = 2
+    _reseal(d, m)
+    with pytest.raises(CoverageError, match="overlap"):
+        tierstore.load_sharded(d, {"w": torch.zeros(8, 4)})
+    r = subprocess.run([sys.executable, "-m", "tierstore", "inspect", "--json", str(d)], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert not json.loads(r.stdout)["tensors"][0]["covered"]
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. sizes checked before allocating
+
+
+def test_exabyte_shape_is_refused_before_allocation(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    tierstore.save_sharded({"w": torch.ones(4, 4)}, d)
+    m = _manifest(d)
+    m["tensors"]["w"]["shape"] = [1 << 30, 1 << 30]
+    _reseal(d, m)
+    with pytest.raises((CoverageError, ManifestError, ResourceLimitError)):
+        consolidate(d, per_rank_policy="rank0")
+
+
+def test_allocation_beyond_available_memory_is_refused(tmp_path: Path) -> None:
+    from tierstore import _limits
+
+    with pytest.raises(ResourceLimitError, match="memory"):
+        _limits.check_allocation(1 << 60, "a test tensor")
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. Checkpointer restores fall back on any damage
+
+
+def _two_steps(tmp_path: Path) -> tuple[list[Any], Path]:
+    tiers = [DiskTier("local", keep_last=3)]
+    states = [{"model": {"w": torch.full((1000,), float(s))}, "step": s} for s in (1, 2)]
+    with Checkpointer(tmp_path, tiers=tiers) as ck:
+        for i, st in enumerate(states):
+            ck.save(i + 1, st)
+        ck.wait()
+    return tiers, tmp_path / "local" / "step-000000000002"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["manifest_null", "manifest_list", "tree_wrong_type", "tree_renamed_key", "meta_deleted", "meta_flipped"],
+)
+def test_load_latest_falls_back_on_damage(tmp_path: Path, damage: str) -> None:
+    tiers, newest = _two_steps(tmp_path)
+    if damage == "manifest_null":
+        (newest / "manifest.json").write_text("null")
+    elif damage == "manifest_list":
+        (newest / "manifest.json").write_text("[]")
+    elif damage in ("tree_wrong_type", "tree_renamed_key"):
+        meta, _ = _metadata.loads((newest / "checkpoint.json").read_bytes(), "c", required=False)
+        meta["tree"] = {"a": 1} if damage == "tree_wrong_type" else [["model.w", ["model", "weigxt"]]]
+        (newest / "checkpoint.json").write_bytes(_metadata.dumps(meta))
+    elif damage == "meta_deleted":
+        (newest / "checkpoint.json").unlink()
+    elif damage == "meta_flipped":
+        raw = bytearray((newest / "checkpoint.json").read_bytes())
+        raw[raw.index(b"model") + 1] ^= 0x10
+        (newest / "checkpoint.json").write_bytes(bytes(raw))
+    ck = Checkpointer(tmp_path, tiers=tiers)
+    with pytest.warns(UserWarning, match=r"step 2 on tier 'local'"):
+        got = ck.load_latest()
+    assert ck.restored is not None and ck.restored["step"] == 1
+    assert torch.equal(got["model"]["w"], torch.full((1000,), 1.0)) and got["step"] == 1
+    ck.close()
+
+
+@pytest.mark.parametrize("target", ["other_job", "older_step"])
+def test_a_step_directory_symlink_is_never_trusted(tmp_path: Path, target: str) -> None:
+    other = tmp_path / "other"
+    _tiers, _newest = _two_steps(other)
+    tiers, _newest = _two_steps(tmp_path / "me")
+    link = tmp_path / "me" / "local" / "step-000000000099"
+    src = other / "local" / "step-000000000002" if target == "other_job" else tmp_path / "me" / "local" / "step-000000000001"
+    link.symlink_to(src, target_is_directory=True)
+    ck = Checkpointer(tmp_path / "me", tiers=tiers)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = ck.load_latest()
+    assert ck.restored is not None and ck.restored["step"] == 2
+    assert got["step"] == 2
+    assert any("symlink" in str(x.message) for x in w)
+    ck.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. clear errors
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 100_000 + "]" * 100_000,
+        '{"format":"tierstore-sharded","format_version":' + "9" * 5000 + "}",
+        '{"format":"tierstore-sharded","format_version":1,"save_id":"x","world_size":1,"files":[],"stored":[{}]}',
+        '{"format":"tierstore-sharded","format_version":1,"save_id":"x","world_size":1,"files":[],"stored":[],'
+        '"tensors":{"w":{"shape":[2],"dtype":"float32","pieces":[[7,[[0],[2]],0]]}}}',
+        '{"format":"tierstore-sharded","format_version":1,"save_id":"x","world_size":1,"files":{},"stored":[]}',
+        '{"format":"tierstore-sharded","format_version":1,"save_id":"x","world_size":1,"files":[[]],"stored":[]}',
+    ],
+)
+def test_crafted_manifests_give_clear_errors(tmp_path: Path, text: str) -> None:
+    d = tmp_path / "ck"
+    d.mkdir()
+    (d / "manifest.json").write_text(text)
+    with pytest.raises(ManifestError) as ei:
+        tierstore.load_sharded(d, {"w": torch.zeros(2)})
+    assert str(d / "manifest.json") in str(ei.value)
+    r = subprocess.run([sys.executable, "-m", "tierstore", "inspect", str(d)], capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_layout_and_coverage_errors_are_tierstore_errors() -> None:
+    assert issubclass(tierstore.LayoutError, TierstoreError) and issubclass(tierstore.LayoutError, ValueError)
+    assert issubclass(CoverageError, TierstoreError) and issubclass(CoverageError, ValueError)
+
+
+def test_verify_dir_checks_objects_files(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    tierstore.save_sharded({"w": torch.ones(4), "optim": {"lr": 0.1, "m": [1, 2, 3]}}, d)
+    obj = next(p for p in d.iterdir() if p.name.startswith("objects-"))
+    raw = bytearray(obj.read_bytes())
+    i = raw.index(b"optim.lr")  # inside the pickled objects
+    raw[i] ^= 0x01
+    obj.write_bytes(bytes(raw))
+    r = subprocess.run([sys.executable, "-m", "tierstore", "verify", str(d)], capture_output=True, text=True)
+    assert r.returncode == 1, r.stdout
+
+
+def test_verify_file_checks_what_load_relies_on(tmp_path: Path) -> None:
+    p = tmp_path / "x.pt"
+    tierstore.save({"a": torch.ones(3)}, p)
+    raw = bytearray(p.read_bytes())
+    eocd = raw.rindex(b"PK\x05\x06")
+    raw[eocd + 8] += 1  # entries on this disk
+    raw[eocd + 10] += 1  # entries in total
+    p.write_bytes(bytes(raw))
+    load_ok = True
+    try:
+        tierstore.load(p)
+    except TierstoreError:
+        load_ok = False
+    rc = tierstore.cli.main(["verify", str(p)])
+    assert (rc == 0) == load_ok
