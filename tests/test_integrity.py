@@ -110,8 +110,9 @@ def test_every_flip_in_a_column_shard_is_caught(tmp_path: Path, verify: str) -> 
         try:
             tierstore.load_sharded(d, sd, verify=verify)
         except ChecksumError as e:
-            assert str(f) in str(e) and "record" in str(e)
+            msg = str(e)
             caught += 1
+            assert str(f) in msg and "record" in msg
             continue
         cols = sd["w"].shape[1]
         k = next(i for i in range(3) if torch.equal(sd["w"], full[:, i * cols : (i + 1) * cols]))
@@ -121,7 +122,7 @@ def test_every_flip_in_a_column_shard_is_caught(tmp_path: Path, verify: str) -> 
 
 
 def test_tp_target_load_misses_no_flip(tmp_path: Path) -> None:
-    d, full = _rows(tmp_path, 2, (128, 256))
+    d, _full = _rows(tmp_path, 2, (128, 256))
     f = _data_file(d)
     original = f.read_bytes()
     rng = random.Random(1)
@@ -130,9 +131,7 @@ def test_tp_target_load_misses_no_flip(tmp_path: Path) -> None:
             f.write_bytes(original)
             _flip(f, rng.randrange(lo, hi))
             # Every byte of the tensor is needed by some TP target: load them all.
-            sds = [
-                {"w": attach(torch.zeros(128, 64), Layout.shard("w", (128, 256), 1, k, 4))} for k in range(4)
-            ]
+            sds = [{"w": attach(torch.zeros(128, 64), Layout.shard("w", (128, 256), 1, k, 4))} for k in range(4)]
             errors = 0
             for sd in sds:
                 try:
@@ -185,7 +184,7 @@ def test_old_checkpoints_without_chunk_checksums_are_verified_whole(
     sd = _column_target((64, 128), 0, 2)
     tierstore.load_sharded(d, sd)
     assert torch.equal(sd["w"], full[:, :64])
-    lo, hi = _stored_ranges(d)[1]
+    _lo, hi = _stored_ranges(d)[1]
     _flip(_data_file(d), hi - 3)  # a byte of the last rows, in columns target 0 does not need
     with pytest.raises(ChecksumError):
         tierstore.load_sharded(d, _column_target((64, 128), 0, 2))
@@ -216,7 +215,7 @@ def test_manifest_checksum_catches_any_edit(tmp_path: Path) -> None:
 def test_resealed_metadata_is_checked_against_the_data_files(tmp_path: Path, edit: str) -> None:
     """An attacker can recompute the checksum; the fields must still agree
     with the data files' own directory and manifest."""
-    d, full = _rows(tmp_path, 2, (32, 48))
+    d, _full = _rows(tmp_path, 2, (32, 48))
     m = _manifest(d)
     s0, s1 = m["stored"][0], m["stored"][1]
     if edit == "offset_digit":
@@ -234,8 +233,8 @@ def test_resealed_metadata_is_checked_against_the_data_files(tmp_path: Path, edi
         s0["dtype"] = "int32"
         m["tensors"]["w"]["dtype"] = "int32"
     _reseal(d, m)
+    sd = {"w": torch.zeros(32, 48)}
     with pytest.raises(TierstoreError) as ei:
-        sd = {"w": torch.zeros(32, 48)}
         tierstore.load_sharded(d, sd)
     assert "manifest" in str(ei.value) or "rank-" in str(ei.value)
 
@@ -429,7 +428,8 @@ def test_a_step_directory_symlink_is_never_trusted(tmp_path: Path, target: str) 
     _tiers, _newest = _two_steps(other)
     tiers, _newest = _two_steps(tmp_path / "me")
     link = tmp_path / "me" / "local" / "step-000000000099"
-    src = other / "local" / "step-000000000002" if target == "other_job" else tmp_path / "me" / "local" / "step-000000000001"
+    mine = tmp_path / "me" / "local" / "step-000000000001"
+    src = other / "local" / "step-000000000002" if target == "other_job" else mine
     link.symlink_to(src, target_is_directory=True)
     ck = Checkpointer(tmp_path / "me", tiers=tiers)
     with warnings.catch_warnings(record=True) as w:
