@@ -8,8 +8,11 @@ saved by ``--ranks`` processes (gloo on loopback) as DTensors sharded
 ``Shard(1)`` layout. For each system it reports, per rank: bytes read divided
 by the bytes the rank needs (tierstore: bytes it asked for; both: bytes the
 kernel read from the device, from /proc/self/io), load time, save time and
-planning time. The UCP-style path consolidates the checkpoint offline into
-one file per tensor, then every rank loads whole tensors and slices them.
+planning time; tierstore in each verification mode (``verify="touched"``,
+the default; ``"full"``; ``False``), with bytes read also over the bytes
+needed rounded out to the 4 KiB blocks O_DIRECT reads anyway. The UCP-style
+path consolidates the checkpoint offline into one file per tensor, then every
+rank loads whole tensors and slices them.
 
 Also: planning time for 10,000 tensors x 64 ranks, from metadata alone.
 
@@ -25,6 +28,7 @@ import math
 import multiprocessing as mp
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -160,18 +164,26 @@ def _run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     sd = _local_dtensors(shp, job["dst"], world, False)
     needed = sum(dt.to_local().numel() * 4 for dt in sd.values())
     res["needed"] = needed
-    for system in ("tierstore", "dcp", "ucp"):
+    # tierstore's three verification modes, interleaved over rounds in
+    # alternating order so that drift favours none; DCP and the UCP path once.
+    order: list[str] = []
+    for rep in range(job["repeats"]):
+        order += TS_MODES if rep % 2 == 0 else TS_MODES[::-1]
+    order += ["dcp", "ucp"]
+    for system in order:
         sd = _local_dtensors(shp, job["dst"], world, False)
         if rank == 0:
             drop_caches()
         dist.barrier()
         io0 = io_counter("rchar")
         t0 = time.perf_counter()
-        if system == "tierstore":
+        if system in TS_MODES:
             stats: dict[str, Any] = {}
-            tierstore.load_sharded(job["tierstore"], sd, stats=stats)
-            res["tierstore_requested"] = stats["bytes_read"]
-            res["tierstore_plan_s"] = stats["plan_seconds"]
+            tierstore.load_sharded(job["tierstore"], sd, stats=stats, verify=TS_VERIFY[system])
+            res[f"{system}_requested"] = stats["bytes_read"]
+            res[f"{system}_verified"] = stats["bytes_verified"]
+            res["needed_blocks"] = stats["bytes_needed_blocks"]
+            res[f"{system}_plan_s"] = stats["plan_seconds"]
         elif system == "dcp":
             _TimedPlanner.seconds = 0.0
             dist_cp.load(sd, checkpoint_id=job["dcp"], planner=Planner())
@@ -187,7 +199,8 @@ def _run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                 lshape, off = compute_local_shape_and_global_offset(shp[name], dt.device_mesh, dt.placements)
                 dt.to_local().copy_(full[off[0] : off[0] + lshape[0], off[1] : off[1] + lshape[1]])
         dist.barrier()
-        res[f"{system}_load_s"] = time.perf_counter() - t0
+        res.setdefault(f"{system}_load_runs", []).append(time.perf_counter() - t0)
+        res[f"{system}_load_s"] = statistics.median(res[f"{system}_load_runs"])
         # Bytes each rank asked storage for: tierstore counts its own ranges,
         # DCP reads through read(2) (rchar), the UCP path reads whole files.
         if system == "dcp":
@@ -196,6 +209,12 @@ def _run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
             res["ucp_requested"] = ucp_bytes
         _check(sd, shp)
     return res
+
+
+# tierstore's verification modes: every chunk a read touches (the default),
+# every chunk of every record read from, none.
+TS_MODES = ["tierstore", "tierstore-full", "tierstore-noverify"]
+TS_VERIFY: dict[str, Any] = {"tierstore": "touched", "tierstore-full": "full", "tierstore-noverify": False}
 
 
 def run_ranks(world: int, job: dict[str, Any]) -> list[dict[str, Any]]:
@@ -251,6 +270,7 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=1280)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of each tierstore verification mode")
     ap.add_argument("--dir", type=Path, default=Path("bench-results/reshard-tmp"))
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     args = ap.parse_args()
@@ -282,13 +302,17 @@ def main() -> int:
     save_s = {s: max(r[f"{s}_save_s"] for r in saves) for s in ("tierstore", "dcp")}
     result: dict[str, Any] = {"ranks": args.ranks, "bytes": total, "ucp_convert_s": ucp_convert_s, "save_s": save_s}
     for dst in ("fsdp", "fsdp_tp", "tp_col"):
-        loads = run_ranks(args.ranks, {**job, "op": "load", "dst": dst})
-        for system in ("tierstore", "dcp", "ucp"):
+        loads = run_ranks(args.ranks, {**job, "op": "load", "dst": dst, "repeats": args.repeats})
+        for system in (*TS_MODES, "dcp", "ucp"):
+            ts = system in TS_MODES
             rows.append({
                 "transition": f"Shard(0) x{args.ranks} -> {dst}",
                 "system": system,
                 "load_s": max(r[f"{system}_load_s"] for r in loads),
+                "load_runs_s": [max(x) for x in zip(*(r[f"{system}_load_runs"] for r in loads), strict=True)],
                 "read_over_needed": max(r[f"{system}_requested"] / r["needed"] for r in loads),
+                "read_over_blocks": max(r[f"{system}_requested"] / r["needed_blocks"] for r in loads) if ts else None,
+                "verified_bytes": sum(r[f"{system}_verified"] for r in loads) if ts else None,
                 "plan_s": max(r.get(f"{system}_plan_s", float("nan")) for r in loads),
             })  # fmt: skip
     result["loads"] = rows
@@ -299,12 +323,20 @@ def main() -> int:
         f"checkpoint {total / 2**30:.2f} GiB, {args.ranks} ranks; save (durable): "
         f"tierstore {result['save_s']['tierstore']:.2f} s, DCP {result['save_s']['dcp']:.2f} s; "
         f"UCP-style offline conversion {ucp_convert_s:.2f} s",
-        f"{'transition':28} {'system':10} {'load s':>7} {'read/needed':>12} {'plan s':>8}",
+        f"{'transition':28} {'system':19} {'load s':>7} {'read/needed':>12} {'read/4K blocks':>15} {'plan s':>8}",
     ]
+    by = {(r["transition"], r["system"]): r for r in rows}
     for r in rows:
+        blocks = f"{r['read_over_blocks']:15.3f}" if r["read_over_blocks"] is not None else f"{'':15}"
         lines.append(
-            f"{r['transition']:28} {r['system']:10} {r['load_s']:7.2f} {r['read_over_needed']:12.3f} {r['plan_s']:8.3f}"
+            f"{r['transition']:28} {r['system']:19} {r['load_s']:7.2f} {r['read_over_needed']:12.3f} {blocks} "
+            f"{r['plan_s']:8.3f}"
         )
+    lines.append("verified load time / unverified (median of rounds, slowest rank):")
+    for t in dict.fromkeys(r["transition"] for r in rows):
+        raw = by[(t, "tierstore-noverify")]["load_s"]
+        touched, full = by[(t, "tierstore")]["load_s"] / raw, by[(t, "tierstore-full")]["load_s"] / raw
+        lines.append(f"  {t:28} touched {touched:.3f}x, full {full:.3f}x")
     lines.append(
         f"planning, 10,000 tensors x 64 ranks (metadata only): {result['planning_10k_tensors_64_ranks_s']:.3f} s"
     )

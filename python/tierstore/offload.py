@@ -49,6 +49,7 @@ import errno
 import fcntl
 import heapq
 import itertools
+import math
 import os
 import secrets
 import shutil
@@ -64,7 +65,7 @@ from typing import Any
 
 import torch
 
-from tierstore import _core
+from tierstore import _core, _paths
 from tierstore._engine import get_engine, host_buffer
 from tierstore.checkpointer import DiskTier, HostTier, parse_size
 from tierstore.errors import ChecksumError, TierstoreError
@@ -1374,16 +1375,19 @@ def _subgroup_bytes(
     """One saved subgroup's flat bytes (from its tensor, or its file checked
     against the CRC-32 recorded at save)."""
     n = int(e["nbytes"])
-    buf = out if out is not None else host_buffer(n)
     if "tensor" in e:
         t = tensors.get(e["tensor"])
-        if t is None or t.numel() != n:
+        if t is None or t.numel() * t.element_size() != n:
             raise TierstoreError(f"{d}: offloaded optimizer subgroup {e['index']}: tensor {e['tensor']!r} is missing")
+        buf = out if out is not None else host_buffer(n)
         buf.copy_(t.view(torch.uint8).reshape(-1))
         return buf
-    f = d / e["file"]
+    f = _paths.member(d, e["file"], source=str(d), field=f"offloaded optimizer subgroup {e['index']}")
     if not f.exists():
         raise TierstoreError(f"{f}: file of offloaded optimizer subgroup {e['index']} is missing")
+    if f.stat().st_size < n:
+        raise TierstoreError(f"{f}: file of offloaded optimizer subgroup {e['index']} holds fewer than {n} bytes")
+    buf = out if out is not None else host_buffer(n)
     got = _core.read_ranges(get_engine(), f, [0], [n], [buf.data_ptr()], direct=True)
     (crc,) = _core.crc32_regions([(buf.data_ptr(), n)], 1)
     if got != n or crc != e["crc32"]:
@@ -1428,7 +1432,41 @@ def offload_meta(value: Any, where: str) -> dict[str, Any]:
             f"{where}: offloaded optimizer state in format {value[0]!r}; this tierstore reads "
             f"{', '.join(OFFLOAD_FORMATS_READ)} (written by a newer version?)"
         )
+    _check_offload_meta(value[1], where)
     return value[1]
+
+
+def _check_offload_meta(meta: dict[str, Any], where: str) -> None:
+    """Every size and place an offload entry states, checked before use."""
+    from tierstore._metadata import Fields
+
+    f = Fields(f"{where}: offloaded optimizer state")
+    f.uint(meta.get("steps", 0), "steps")
+    f.array(f.get(meta, "param_groups", "param_groups"), "param_groups")
+    for i, e in enumerate(f.array(f.get(meta, "subgroups", "subgroups"), "subgroups")):
+        fld = f"subgroups[{i}]"
+        f.mapping(e, fld)
+        for k in ("index", "group", "first", "count"):
+            f.uint(f.get(e, k, f"{fld}.{k}"), f"{fld}.{k}", most=1 << 40)
+        nbytes = f.uint(f.get(e, "nbytes", f"{fld}.nbytes"), f"{fld}.nbytes")
+        if "tensor" in e:
+            f.string(e["tensor"], f"{fld}.tensor")
+        else:
+            f.string(f.get(e, "file", f"{fld}.file"), f"{fld}.file")
+            f.uint(f.get(e, "crc32", f"{fld}.crc32"), f"{fld}.crc32", most=0xFFFFFFFF)
+        f.mapping(f.get(e, "objects", f"{fld}.objects"), f"{fld}.objects")
+        for j, item in enumerate(f.array(f.get(e, "layout", f"{fld}.layout"), f"{fld}.layout")):
+            lf = f"{fld}.layout[{j}]"
+            f.array(item, lf, length=6)
+            f.uint(item[0], f"{lf}[0]", most=1 << 40)
+            o = f.uint(item[2], f"{lf}[2]")
+            n = f.uint(item[3], f"{lf}[3]")
+            dt = getattr(torch, item[4], None) if isinstance(item[4], str) and item[4].isidentifier() else None
+            if not isinstance(dt, torch.dtype):
+                f.fail(f"{lf}[4]", "a dtype", item[4])
+            shape = f.shape(item[5], f"{lf}[5]")
+            if o + n > nbytes or math.prod(shape) * torch.empty((), dtype=dt).element_size() != n:
+                f.fail(lf, f"a tensor of {n} bytes at {o} inside the subgroup's {nbytes} bytes", item)
 
 
 def offload(
