@@ -228,6 +228,9 @@ pub struct TableRange {
     pub table: usize,
 }
 
+/// Bytes of direct reads per batch (verified while the next batch is read).
+const DIRECT_BATCH: usize = 32 << 20;
+
 /// A read-only shared mapping of a whole file, unmapped on drop.
 struct Mapping {
     base: *const u8,
@@ -315,32 +318,40 @@ unsafe impl Send for SendPtr {}
 // SAFETY: as above.
 unsafe impl Sync for SendPtr {}
 
-/// Runs `f` on every item, on up to `threads` threads; the first error wins.
+/// Runs `f` on every item, on up to `threads` threads, in batches of about
+/// `batch` items; the first error wins and stops the others.
 fn par_each<T: Sync>(
     items: &[T],
     threads: usize,
+    batch: usize,
     f: impl Fn(&T) -> Result<()> + Sync,
 ) -> Result<()> {
     if items.is_empty() {
         return Ok(());
     }
-    let threads = threads.clamp(1, items.len());
+    let batch = batch.max(1);
+    let threads = threads.clamp(1, items.len().div_ceil(batch));
     if threads == 1 {
         return items.iter().try_for_each(f);
     }
     let next = AtomicUsize::new(0);
+    let stop = std::sync::atomic::AtomicBool::new(false);
     let failed: Mutex<Option<Error>> = Mutex::new(None);
     std::thread::scope(|sc| {
         for _ in 0..threads {
-            sc.spawn(|| loop {
-                if failed.lock().expect("lock").is_some() {
-                    break;
-                }
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(item) = items.get(i) else { break };
-                if let Err(e) = f(item) {
-                    failed.lock().expect("lock").get_or_insert(e);
-                    break;
+            sc.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let b = next.fetch_add(1, Ordering::Relaxed) * batch;
+                    if b >= items.len() {
+                        break;
+                    }
+                    for item in &items[b..(b + batch).min(items.len())] {
+                        if let Err(e) = f(item) {
+                            stop.store(true, Ordering::Relaxed);
+                            failed.lock().expect("lock").get_or_insert(e);
+                            return;
+                        }
+                    }
                 }
             });
         }
@@ -415,8 +426,12 @@ pub unsafe fn read_ranges_verified(
     // Split each range into runs of direct chunks (read into place by the
     // engine) and parts of shared or partial chunks (copied from the mapping).
     let mut direct: Vec<IoRange> = Vec::new();
+    // For each direct range, the end of its chunks in `direct_chunks`.
+    let mut direct_ends: Vec<usize> = Vec::new();
     let mut direct_chunks: Vec<(usize, u64, SendPtr)> = Vec::new(); // (table, chunk, memory)
-    let mut staged: Vec<(u64, usize, SendPtr)> = Vec::new(); // (file offset, len, memory)
+                                                                    // (table, chunk, file offset, length, memory) of each part of a range
+                                                                    // that lies in a shared or partial chunk.
+    let mut staged: Vec<(usize, u64, u64, usize, SendPtr)> = Vec::new();
     for r in ranges {
         let t = &tables[r.table];
         let (s, e) = (r.range.offset, r.range.offset + r.range.len as u64);
@@ -439,22 +454,36 @@ pub unsafe fn read_ranges_verified(
                             && unsafe { last.buf.add(last.len) } == mem =>
                     {
                         last.len += (pe - ps) as usize;
+                        *direct_ends.last_mut().expect("one end per range") = direct_chunks.len();
                     }
-                    _ => direct.push(IoRange {
-                        offset: t.data_offset + ps,
-                        len: (pe - ps) as usize,
-                        buf: mem,
-                    }),
+                    _ => {
+                        direct.push(IoRange {
+                            offset: t.data_offset + ps,
+                            len: (pe - ps) as usize,
+                            buf: mem,
+                        });
+                        direct_ends.push(direct_chunks.len());
+                    }
                 }
             } else {
-                staged.push((t.data_offset + ps, (pe - ps) as usize, SendPtr(mem)));
+                staged.push((
+                    r.table,
+                    i,
+                    t.data_offset + ps,
+                    (pe - ps) as usize,
+                    SendPtr(mem),
+                ));
             }
             i += 1;
         }
     }
-    // Chunks checked in the mapping: the shared and partial ones, and for full
-    // coverage every chunk no range touches.
-    let mut mapped_chunks: Vec<(usize, u64)> = Vec::new();
+    staged.sort_unstable_by_key(|&(ti, i, off, ..)| (ti, i, off));
+    // Chunks checked in the mapping, each with the staged parts it holds
+    // (copied right after the chunk is verified, while it is in cache): the
+    // shared and partial ones, and for full coverage every chunk no range
+    // touches.
+    let mut mapped: Vec<(usize, u64, usize, usize)> = Vec::new(); // (table, chunk, staged from, to)
+    let mut at = 0usize;
     for (ti, t) in tables.iter().enumerate() {
         for i in 0..t.sums.len() {
             let c = touch[ti].count[i];
@@ -463,51 +492,98 @@ pub unsafe fn read_ranges_verified(
             } else {
                 !direct_chunk(ti, i)
             };
-            if check {
-                mapped_chunks.push((ti, i as u64));
+            if !check {
+                continue;
             }
+            let from = at;
+            while at < staged.len() && (staged[at].0, staged[at].1) == (ti, i as u64) {
+                at += 1;
+            }
+            mapped.push((ti, i as u64, from, at));
         }
     }
+    debug_assert_eq!(
+        at,
+        staged.len(),
+        "every staged part belongs to a mapped chunk"
+    );
     let mut out = Verified::default();
     let direct_bytes: u64 = direct.iter().map(|r| r.len as u64).sum();
-    if !direct.is_empty() {
-        // SAFETY: the destinations are the caller's (contract above).
-        let task = unsafe {
-            reader::read_ranges(engine, Arc::clone(file), direct, class, TaskState::new())
-        }?;
-        task.join()?;
+    // Direct reads go in batches: batch k is verified in place while batch
+    // k + 1 is read, so checksumming hides behind the I/O.
+    let mut batches: Vec<(Vec<IoRange>, std::ops::Range<usize>)> = Vec::new();
+    let mut first_chunk = 0usize;
+    let mut cur: Vec<IoRange> = Vec::new();
+    let mut cur_bytes = 0usize;
+    for (r, &end) in direct.iter().zip(&direct_ends) {
+        cur.push(*r);
+        cur_bytes += r.len;
+        if cur_bytes >= DIRECT_BATCH {
+            batches.push((std::mem::take(&mut cur), first_chunk..end));
+            first_chunk = end;
+            cur_bytes = 0;
+        }
     }
-    par_each(&direct_chunks, threads, |&(ti, i, mem)| {
-        let t = &tables[ti];
-        let (cs, ce) = t.chunk_span(i);
-        // SAFETY: the chunk was read into this memory above; it is the caller's.
-        let data = unsafe { std::slice::from_raw_parts(mem.0, (ce - cs) as usize) };
-        t.verify(file, i, data)
-    })?;
-    out.read += direct_bytes;
-    out.checked += direct_bytes;
-    if !mapped_chunks.is_empty() {
-        let map = Mapping::new(file)?;
-        par_each(&mapped_chunks, threads, |&(ti, i)| {
+    if !cur.is_empty() {
+        batches.push((cur, first_chunk..direct_chunks.len()));
+    }
+    let start = |b: Vec<IoRange>| {
+        // SAFETY: the destinations are the caller's (contract above); every
+        // task started here is joined before this function returns.
+        unsafe { reader::read_ranges(engine, Arc::clone(file), b, class, TaskState::new()) }
+    };
+    let verify_direct = |chunks: std::ops::Range<usize>| {
+        par_each(&direct_chunks[chunks], threads, 256, |&(ti, i, mem)| {
             let t = &tables[ti];
             let (cs, ce) = t.chunk_span(i);
-            t.verify(file, i, map.slice(t.data_offset + cs, ce - cs))
-        })?;
-        par_each(&staged, threads, |&(off, len, mem)| {
-            let src = map.slice(off, len as u64);
-            // SAFETY: destination per the contract; source inside the mapping.
-            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), mem.0, len) };
+            // SAFETY: the chunk was read into this memory (its batch was
+            // joined); the memory is the caller's.
+            let data = unsafe { std::slice::from_raw_parts(mem.0, (ce - cs) as usize) };
+            t.verify(file, i, data)
+        })
+    };
+    let mut pending: Option<(crate::task::Task<u64>, std::ops::Range<usize>)> = None;
+    for (b, chunks) in batches {
+        let next = start(b);
+        if let Some((task, prev)) = pending.take() {
+            if let Err(e) = task.join().and_then(|_| verify_direct(prev)) {
+                if let Ok(n) = next {
+                    n.cancel();
+                    let _ = n.join();
+                }
+                return Err(e);
+            }
+        }
+        pending = Some((next?, chunks));
+    }
+    if let Some((task, chunks)) = pending {
+        task.join()?;
+        verify_direct(chunks)?;
+    }
+    out.read += direct_bytes;
+    out.checked += direct_bytes;
+    if !mapped.is_empty() {
+        let map = Mapping::new(file)?;
+        par_each(&mapped, threads, 64, |&(ti, i, from, to)| {
+            let t = &tables[ti];
+            let (cs, ce) = t.chunk_span(i);
+            t.verify(file, i, map.slice(t.data_offset + cs, ce - cs))?;
+            for &(_, _, off, len, mem) in &staged[from..to] {
+                let src = map.slice(off, len as u64);
+                // SAFETY: destination per the contract; source inside the mapping.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), mem.0, len) };
+            }
             Ok(())
         })?;
-        let mapped: u64 = mapped_chunks
+        let bytes: u64 = mapped
             .iter()
-            .map(|&(ti, i)| {
+            .map(|&(ti, i, ..)| {
                 let (cs, ce) = tables[ti].chunk_span(i);
                 ce - cs
             })
             .sum();
-        out.read += mapped;
-        out.checked += mapped;
+        out.read += bytes;
+        out.checked += bytes;
     }
     Ok(out)
 }
