@@ -337,12 +337,32 @@ pub struct CdEntry {
 }
 
 /// The parsed central directory of an archive.
+///
+/// Built only by [`read_directory`], which promises: the directory lies
+/// inside the file, every entry's local header and data (at least
+/// `30 + name + compressed_size` bytes from its header) fit in the record area
+/// before the directory, and no two entries overlap. [`check_data_range`]
+/// then confines each entry's data to the space between its own local header
+/// and the next one.
 #[derive(Clone, Debug)]
 pub struct Directory {
     pub entries: Vec<CdEntry>,
     /// Offset of the central directory (the end of the record area).
     pub cd_offset: u64,
     pub file_len: u64,
+    /// Every entry's local header offset, sorted (all distinct).
+    header_starts: Vec<u64>,
+}
+
+impl Directory {
+    /// Where the space of a record whose local header is at `header_offset`
+    /// ends: the next record's local header, or the central directory.
+    pub fn space_end(&self, header_offset: u64) -> u64 {
+        let i = self.header_starts.partition_point(|&s| s <= header_offset);
+        self.header_starts
+            .get(i)
+            .map_or(self.cd_offset, |&s| s.min(self.cd_offset))
+    }
 }
 
 fn u16_at(b: &[u8], i: usize) -> u16 {
@@ -497,9 +517,17 @@ fn find_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<(u64, u64
     Ok((n_entries, cd_offset, cd_size))
 }
 
-/// Parses `n_entries` central-directory entries from `cd` (read at `cd_offset`).
-fn parse_entries(cd: &[u8], n_entries: u64, cd_offset: u64, path: &Path) -> Result<Vec<CdEntry>> {
+/// Parses `n_entries` central-directory entries from `cd` (read at `cd_offset`),
+/// and returns them with their local header offsets, sorted.
+fn parse_entries(
+    cd: &[u8],
+    n_entries: u64,
+    cd_offset: u64,
+    path: &Path,
+) -> Result<(Vec<CdEntry>, Vec<u64>)> {
     let mut entries = Vec::with_capacity(n_entries as usize);
+    // (local header offset, least end of the record's bytes, entry index)
+    let mut spans: Vec<(u64, u64, usize)> = Vec::with_capacity(n_entries as usize);
     let mut p = 0usize;
     for idx in 0..n_entries {
         if p + CENTRAL_HEADER_LEN as usize > cd.len() || u32_at(cd, p) != CENTRAL_SIG {
@@ -573,6 +601,20 @@ fn parse_entries(cd: &[u8], n_entries: u64, cd_offset: u64, path: &Path) -> Resu
                 ),
             ));
         }
+        // The least a record occupies: its local header with the name the
+        // directory gives, then its data.
+        let least_end =
+            (header_offset + LOCAL_HEADER_LEN + name_len as u64).saturating_add(compressed_size);
+        if least_end > cd_offset {
+            return Err(Error::corrupt(
+                path,
+                Some(&name),
+                format!(
+                    "record at {header_offset} ({compressed_size} bytes of data) runs into the central directory at {cd_offset}"
+                ),
+            ));
+        }
+        spans.push((header_offset, least_end, entries.len()));
         entries.push(CdEntry {
             name,
             crc,
@@ -583,20 +625,45 @@ fn parse_entries(cd: &[u8], n_entries: u64, cd_offset: u64, path: &Path) -> Resu
         });
         p = next;
     }
-    Ok(entries)
+    check_disjoint(&mut spans, &entries, path)?;
+    Ok((entries, spans.into_iter().map(|s| s.0).collect()))
+}
+
+/// Checks that no two records' least spans `(header offset, least end,
+/// entry)` overlap, and sorts them by header offset. Overlapping entries
+/// would let a small file claim far more data than it holds (a zip bomb
+/// without compression).
+fn check_disjoint(spans: &mut [(u64, u64, usize)], entries: &[CdEntry], path: &Path) -> Result<()> {
+    spans.sort_unstable();
+    for w in spans.windows(2) {
+        let ((a_start, a_end, a), (b_start, _, b)) = (w[0], w[1]);
+        if a_end > b_start {
+            return Err(Error::corrupt(
+                path,
+                Some(&entries[b].name),
+                format!(
+                    "record at {b_start} overlaps record '{}' at {a_start} (which needs at least [{a_start}, {a_end}))",
+                    entries[a].name
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Reads and validates the central directory. Every size and offset is checked
-/// against the file length before anything is allocated from it.
+/// against the file length before anything is allocated from it, and entries
+/// whose records would overlap are refused (see [`Directory`]).
 pub fn read_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<Directory> {
     let file_len = src.len();
     let (n_entries, cd_offset, cd_size) = find_directory(src, path)?;
     let cd = read_at(src, path, cd_offset, cd_size, "central directory")?;
-    let entries = parse_entries(&cd, n_entries, cd_offset, path)?;
+    let (entries, header_starts) = parse_entries(&cd, n_entries, cd_offset, path)?;
     Ok(Directory {
         entries,
         cd_offset,
         file_len,
+        header_starts,
     })
 }
 
@@ -624,23 +691,41 @@ pub fn data_offset_from_local(
     }
     let name_len = u64::from(u16_at(buf, 26));
     let extra_len = u64::from(u16_at(buf, 28));
-    let data_offset = e.header_offset + LOCAL_HEADER_LEN + name_len + extra_len;
+    let Some(data_offset) = e
+        .header_offset
+        .checked_add(LOCAL_HEADER_LEN + name_len + extra_len)
+    else {
+        return Err(Error::corrupt(
+            path,
+            Some(&e.name),
+            format!("local header offset {} is out of range", e.header_offset),
+        ));
+    };
     check_data_range(e, data_offset, dir, path)?;
     Ok(data_offset)
 }
 
 /// Checks that `[data_offset, data_offset + compressed_size)` lies inside the
-/// record area, after the entry's local header.
+/// record area, after the entry's local header and before the next record's
+/// local header (or the directory), so that no two records share bytes.
 pub fn check_data_range(e: &CdEntry, data_offset: u64, dir: &Directory, path: &Path) -> Result<()> {
-    let min = e.header_offset + LOCAL_HEADER_LEN + e.name.len() as u64;
+    let min = e
+        .header_offset
+        .checked_add(LOCAL_HEADER_LEN + e.name.len() as u64);
+    let limit = dir.space_end(e.header_offset);
     let end = data_offset.checked_add(e.compressed_size);
-    if data_offset < min || end.is_none_or(|end| end > dir.cd_offset) {
+    if min.is_none_or(|min| data_offset < min) || end.is_none_or(|end| end > limit) {
+        let next = if limit < dir.cd_offset {
+            format!("the next record's header at {limit}")
+        } else {
+            format!("the directory at {limit}")
+        };
         return Err(Error::corrupt(
             path,
             Some(&e.name),
             format!(
-                "data [{data_offset}, +{}) does not fit between its header at {} and the directory at {}",
-                e.compressed_size, e.header_offset, dir.cd_offset
+                "data [{data_offset}, +{}) does not fit between its header at {} and {next}",
+                e.compressed_size, e.header_offset
             ),
         ));
     }
@@ -752,6 +837,93 @@ mod tests {
             u32::from_le_bytes(h[18..22].try_into().unwrap()),
             0xffff_ffff
         );
+    }
+
+    fn set(file: &mut [u8], at: usize, v: &[u8]) {
+        file[at..at + v.len()].copy_from_slice(v);
+    }
+
+    /// Offset of central-directory entry `i` (names of `name_len` bytes, no extras).
+    fn cd_entry(dir: &Directory, i: usize, name_len: usize) -> usize {
+        dir.cd_offset as usize + i * (CENTRAL_HEADER_LEN as usize + name_len)
+    }
+
+    #[test]
+    fn overlapping_records_are_refused() {
+        let p = Path::new("f");
+        let recs: [(&str, &[u8]); 3] = [("a/r0", &[1u8; 100]), ("a/r1", &[2u8; 10]), ("a/r2", b"")];
+        let file = build(&recs, 64);
+        let dir = read_directory(file.as_slice(), p).unwrap();
+        let h1 = dir.entries[1].header_offset as u32;
+        // Two entries naming the same local header (and so the same data).
+        let mut bad = file.clone();
+        set(&mut bad, cd_entry(&dir, 2, 4) + 42, &h1.to_le_bytes());
+        let err = read_directory(bad.as_slice(), p).unwrap_err();
+        assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+        // An entry whose header lies inside the data of the one before it:
+        // refused with the directory when the least spans overlap, ...
+        let mut bad = file.clone();
+        set(
+            &mut bad,
+            cd_entry(&dir, 1, 4) + 42,
+            &(h1 - 40).to_le_bytes(),
+        );
+        let err = read_directory(bad.as_slice(), p).unwrap_err();
+        assert!(err.to_string().contains("overlaps"), "{err}");
+        // ... and otherwise when the local header places the data.
+        let mut bad = file.clone();
+        set(
+            &mut bad,
+            cd_entry(&dir, 1, 4) + 42,
+            &(h1 - 20).to_le_bytes(),
+        );
+        let d = read_directory(bad.as_slice(), p).unwrap();
+        assert!(data_offset_from_local(&bad, &d.entries[0], &d, p).is_err());
+        // Found by tests/fuzz_parsers.rs: entry 0's header moved into the
+        // padding before entry 1's data. Each entry's least span fits, but
+        // entry 1's data (per its local header) would cover entry 0's header.
+        let file = build(&[("a/data/0", b""), ("a/data/1", b"")], 256);
+        let dir = read_directory(file.as_slice(), p).unwrap();
+        let mut bad = file.clone();
+        let moved = dir.cd_offset as u32 - 38;
+        set(&mut bad, cd_entry(&dir, 0, 8) + 42, &moved.to_le_bytes());
+        let dir = read_directory(bad.as_slice(), p).unwrap();
+        let e = &dir.entries[1];
+        let err = data_offset_from_local(&bad[e.header_offset as usize..], e, &dir, p).unwrap_err();
+        assert!(err.to_string().contains("next record's header"), "{err}");
+    }
+
+    #[test]
+    fn data_may_not_run_into_the_next_record() {
+        let p = Path::new("f");
+        let file = build(&[("a/r0", &[1u8; 100]), ("a/r1", &[2u8; 10])], 64);
+        let dir = read_directory(file.as_slice(), p).unwrap();
+        let (e0, e1) = (&dir.entries[0], &dir.entries[1]);
+        let good = data_offset_from_local(&file, e0, &dir, p).unwrap();
+        // A longer extra field in the local header pushes the data over the
+        // next record's header; so does an offset a manifest states.
+        let mut bad = file.clone();
+        set(&mut bad, 28, &(good as u16 - 30 - 4 + 16).to_le_bytes());
+        assert!(data_offset_from_local(&bad, e0, &dir, p).is_err());
+        assert!(check_data_range(e0, good + 16, &dir, p).is_err());
+        assert!(check_data_range(e0, e1.header_offset - 100, &dir, p).is_ok());
+        assert!(check_data_range(e0, e1.header_offset - 99, &dir, p).is_err());
+        assert_eq!(dir.space_end(e0.header_offset), e1.header_offset);
+        assert_eq!(dir.space_end(e1.header_offset), dir.cd_offset);
+    }
+
+    #[test]
+    fn forged_entries_do_not_overflow() {
+        let p = Path::new("f");
+        let file = build(&[("a/r0", &[1u8; 100])], 64);
+        let dir = read_directory(file.as_slice(), p).unwrap();
+        let mut e = dir.entries[0].clone();
+        e.header_offset = u64::MAX - 10;
+        assert!(data_offset_from_local(&file, &e, &dir, p).is_err());
+        assert!(check_data_range(&e, 0, &dir, p).is_err());
+        e.header_offset = 0;
+        e.compressed_size = u64::MAX;
+        assert!(check_data_range(&e, 64, &dir, p).is_err());
     }
 
     #[test]
