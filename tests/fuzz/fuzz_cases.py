@@ -665,6 +665,55 @@ def legacy_and_script_files(marker: str) -> dict[str, bytes]:
     }
 
 
+class _Evil:
+    """Pickles as a call of ``fn(arg)``: what a hostile file holds."""
+
+    def __init__(self, fn: Callable[[str], Any], arg: str) -> None:
+        self.fn = fn
+        self.arg = arg
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.fn, (self.arg,))
+
+
+def evil_object(rng: random.Random, marker: str) -> tuple[str, Any]:
+    sh = f"touch {shlex.quote(marker)}"
+    py = f"open({marker!r}, 'w').close()"
+    name, fn, arg = rng.choice([("os.system", os.system, sh), ("exec", exec, py), ("eval", eval, py)])
+    return name, _Evil(fn, arg)
+
+
+def file_facts(path: Path) -> tuple[int, int]:
+    """A tierstore file's length and the CRC-32 of its manifest record."""
+    data = path.read_bytes()
+    zm = zip_map(data)
+    assert zm is not None
+    return len(data), zm.by_suffix(".tierstore/manifest.json")[0].crc
+
+
+def hostile_objects_file(ctx: Ctx, d: Path) -> str | None:
+    """Rewrites an objects file of sharded checkpoint ``d`` with the library's
+    own writer, one value replaced by a hostile object, and fixes and
+    re-seals manifest.json: consistent at every level."""
+    objs = sorted(p for p in d.iterdir() if p.name.startswith("objects-") and p.name.endswith(".pt"))
+    if not objs:
+        return None
+    p = objs[0]
+    saved = tierstore.load(p)  # our own file, before any mutation
+    key = ctx.rng.choice(sorted(saved["objects"]))
+    what, obj = evil_object(ctx.rng, str(ctx.marker))
+    saved["objects"][key] = obj
+    tierstore.save(saved, p)
+    size, crc = file_facts(p)
+    m, _old = read_json(d / "manifest.json")
+    for f in m.get("object_files", []):
+        if f.get("name") == p.name:
+            f["bytes"], f["manifest_crc32"] = size, crc
+    write_json(d / "manifest.json", m, sealed=True, old=None)
+    ctx.sealed, ctx.oracle = True, "safe"
+    return f"{p.name}: value {key!r} is a {what} call (written by tierstore.save; manifest.json fixed and re-sealed)"
+
+
 # ----------------------------------------------------------------------------------------------
 # JSON documents: paths to nodes, changes, sealing
 
@@ -1186,6 +1235,12 @@ def single_mutate(ctx: Ctx, path: Path, tier_file: bool) -> None:
         ctx.sealed = True
         return got[0]
 
+    def m_hostile_saved() -> str:
+        what, obj = evil_object(rng, str(ctx.marker))
+        tierstore.save({"model": {"w": torch.zeros(3)}, "evil": obj, "step": 1}, path)
+        ctx.sealed, ctx.oracle = True, "safe"
+        return f"a consistent tierstore file (written by tierstore.save) holding a {what} call"
+
     def m_special() -> str:
         which = rng.choice(["empty", "directory", "missing", "zip of nothing"])
         if which == "empty":
@@ -1222,6 +1277,7 @@ def single_mutate(ctx: Ctx, path: Path, tier_file: bool) -> None:
         ("swap_records", 2 if tier_file else 0, m_swap),
         ("dup_central_entry", 1, m_dup_entry),
         ("hostile_pickle", 8, m_hostile),
+        ("hostile_saved", 2, m_hostile_saved),
         ("bomb_pickle", 7, m_bomb),
         ("legacy_dispatch", 2, m_legacy),
         ("torchscript_dispatch", 1, m_torchscript),
@@ -2021,6 +2077,9 @@ def sharded_file_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[s
         ctx.sealed = True
         return f"{p.name}: {got[0]}; manifest.json updated and re-sealed"
 
+    def f_objects_hostile() -> str:
+        return hostile_objects_file(ctx, d) or f_obj_flip()
+
     def f_dir_symlink() -> str:
         # The whole checkpoint directory is a symlink to a copy: the user named it, legitimate.
         real = ctx.dir / "ck-real"
@@ -2056,6 +2115,7 @@ def sharded_file_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[s
         ("symlink_inside", 1, f_symlink_inside),
         ("dir_symlink", 0.5, f_dir_symlink),
         ("inner_manifest_resealed", 4, f_inner_manifest),
+        ("objects_hostile_resealed", 3, f_objects_hostile),
     ]
 
 
@@ -2162,14 +2222,6 @@ def dcp_put(d: Path, md: Any) -> None:
     (d / ".metadata").write_bytes(pickle.dumps(md))
 
 
-class _Evil:
-    def __init__(self, code: str) -> None:
-        self.code = code
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (exec, (self.code,))
-
-
 def dcp_mutators(ctx: Ctx, dc: Dcp) -> list[tuple[str, float, Any]]:
     rng = ctx.rng
     d = dc.dir
@@ -2195,9 +2247,9 @@ def dcp_mutators(ctx: Ctx, dc: Dcp) -> list[tuple[str, float, Any]]:
             where = rng.choice(["storage_meta", "planner_data", "storage_data value", "version"])
             if where == "storage_data value":
                 k = rng.choice(list(md.storage_data))
-                md.storage_data[k] = _Evil(py)
+                md.storage_data[k] = _Evil(exec, py)
             elif hasattr(md, where.split()[0]):
-                setattr(md, where.split()[0], _Evil(py))
+                setattr(md, where.split()[0], _Evil(exec, py))
             dcp_put(d, md)
             return f".metadata: a real Metadata whose {where} runs exec on unpickling"
         name, pkl = rng.choice(sorted(hostile_pickles(str(ctx.marker)).items()))
@@ -2722,6 +2774,12 @@ def ckpt_mutators(
         c = ctx.plant(p)
         return replace_by_symlink(p, c) + " (identical copy outside)"
 
+    def c_objects_hostile() -> str:
+        d = newest()
+        got = hostile_objects_file(ctx, d)
+        ctx.oracle = "same"  # the fallback rules apply
+        return got or c_rank_damage()
+
     def c_fifo_meta() -> str:
         d = newest()
         return make_fifo(d / rng.choice(["checkpoint.json", "manifest.json"]))
@@ -2801,6 +2859,7 @@ def ckpt_mutators(
         ("step_meta_swap", 1, c_meta_swap),
         ("step_data_damage", 6, c_rank_damage),
         ("step_fifo_metadata", 1, c_fifo_meta),
+        ("step_objects_hostile", 2, c_objects_hostile),
         ("step_symlink_foreign", 3, c_symlink_foreign),
         ("step_symlink_older", 2, c_symlink_older),
         ("step_clone_older", 2, c_clone_older),
