@@ -3,71 +3,916 @@
 A DCP checkpoint is a directory with a pickled ``.metadata`` (global tensor
 shapes, dtypes, and the n-D chunks that were saved, each with its file,
 offset and length) and ``__<rank>_<i>.distcp`` files in which every chunk is
-a ``torch.save`` blob. tierstore reads the metadata with DCP's own reader,
-maps each chunk to a piece of the global tensor, and reshards exactly as for
-its own checkpoints: the planner finds the chunks a target needs and the
-coverage proof checks the result. DCP chunks are opaque blobs, so a chunk is
-read whole even when only part of it is needed (what DCP itself does).
+a ``torch.save`` blob. tierstore maps each chunk to a piece of the global
+tensor and reshards exactly as for its own checkpoints: the planner finds the
+chunks a target needs and the coverage proof checks the result. DCP chunks
+are opaque blobs, so a chunk is read whole even when only part of it is
+needed (what DCP itself does).
+
+Nothing in a DCP checkpoint is trusted:
+
+- ``.metadata`` is a pickle, and unpickling it with plain ``pickle`` (what
+  DCP's own reader does) runs whatever code the file names. tierstore first
+  walks its opcodes without running them (:func:`_scan`: memo indices and
+  lengths bounded by the file, nesting bounded, each global on the
+  allow-list, ``BUILD`` only on objects the pickle itself created, never on a
+  class or a shared singleton), then unpickles it with an unpickler whose
+  ``find_class`` admits only DCP's metadata classes, ``torch.Size``, torch
+  dtypes, layouts and memory formats, the memory-format enum,
+  ``collections.OrderedDict`` and ``pathlib`` paths (:func:`allowed_globals`).
+  ``weights_only=False`` uses the plain unpickler instead (the caller's
+  explicit choice; the opcode walk still bounds memory and nesting).
+- Every field of the result is checked for its type and range, every
+  ``relative_path`` is confined to the checkpoint and must be a regular file,
+  every chunk's byte range must lie inside its file, apart from every other
+  chunk's, and be large enough for the elements it claims; the chunks of a
+  tensor must be pairwise disjoint and inside its shape, and tile it exactly
+  before a whole tensor is allocated (and then only within the memory there
+  is).
+- Every chunk is read with tierstore's own loader, which verifies the zip
+  CRC-32s of the blob (torch does not), with ``weights_only=True``; the
+  tensor must have the shape and dtype the metadata gives it.
+
+Every failure is a :class:`~tierstore.errors.TierstoreError` naming the file
+and the field or chunk.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
+import math
 import os
+import pickle
+import pickletools
+import stat
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from tierstore.errors import FormatError
+from tierstore import _limits, _paths
+from tierstore.errors import (
+    CorruptFileError,
+    CoverageError,
+    FormatError,
+    ManifestError,
+    MissingRecordError,
+    NotFoundError,
+    TierstoreError,
+    TruncatedFileError,
+    UnsafeObjectError,
+    UnsafePathError,
+    os_error,
+)
 from tierstore.layout import Box, Layout
-from tierstore.reshard import prove_coverage
+from tierstore.reshard import overlapping_pair, prove_coverage
+
+__all__ = ["DcpCheckpoint", "allowed_globals", "is_dcp", "load_dcp_into", "save_dcp", "to_state_dict"]
+
+METADATA = ".metadata"
+#: The largest ``.metadata`` read (a DCP checkpoint of 16k ranks and
+#: thousands of tensors stays well below).
+MAX_METADATA_BYTES = 1 << 30
+#: Nesting deeper than this is refused before unpickling: CPython hashes
+#: nested tuples recursively in C, and a crafted pickle of a megabyte nests
+#: deep enough to overflow the C stack (DCP's own metadata nests 10 deep).
+MAX_NESTING = 100
+_MAX_DIMS = 64
+_MAX_ELEMENTS = 1 << 62
+_MAX_NAME = 1 << 16
+_VERIFY_MODES = ("touched", "full", True, False)
 
 
 def is_dcp(path: str | os.PathLike[str]) -> bool:
-    return (Path(path) / ".metadata").is_file()
+    return (Path(path) / METADATA).is_file()
+
+
+# --------------------------------------------------------------------------
+# The allow-list
+
+
+_DCP_CLASS_NAMES: dict[str, tuple[str, ...]] = {
+    "torch.distributed.checkpoint.metadata": (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+    ),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    # Written by torch < 2.2, where TensorProperties lived with ShardedTensor.
+    "torch.distributed._shard.sharded_tensor.metadata": ("TensorProperties",),
+}
+_ENUM_NAMES: dict[str, tuple[str, ...]] = {
+    "torch.distributed.checkpoint.metadata": ("_MEM_FORMAT_ENCODING",),
+    "torch.distributed._shard.sharded_tensor.metadata": ("MEM_FORMAT_ENCODING",),
+}
+
+_allowed: dict[tuple[str, str], Any] | None = None
+_dcp_classes: frozenset[tuple[str, str]] = frozenset()
+
+
+def allowed_globals() -> dict[tuple[str, str], Any]:
+    """``{(module, name): object}``: every global a DCP ``.metadata`` may name
+    when it is loaded with ``weights_only=True``.
+
+    DCP's metadata dataclasses (``Metadata``, ``TensorStorageMetadata``,
+    ``BytesStorageMetadata``, ``ChunkStorageMetadata``, ``TensorProperties``,
+    ``MetadataIndex``, ``StorageMeta``, ``_StorageInfo``, and the
+    ``TensorProperties`` of torch < 2.2), the memory-format enums they
+    pickle, ``torch.Size``, every ``torch.<name>`` that is a dtype, a layout
+    or a memory format, ``torch.serialization._get_layout`` (how layouts
+    pickle), ``collections.OrderedDict`` and ``pathlib``'s path classes
+    (``StorageMeta.checkpoint_id``; a ``WindowsPath`` is read as a
+    ``PureWindowsPath``, which any system can build). Modules are imported
+    here, from this fixed list, never because a file names them.
+    """
+    global _allowed, _dcp_classes
+    if _allowed is not None:
+        return _allowed
+    import collections
+    import importlib
+    import pathlib
+
+    table: dict[tuple[str, str], Any] = {}
+    classes = set()
+    for group, is_class in ((_DCP_CLASS_NAMES, True), (_ENUM_NAMES, False)):
+        for mod, names in group.items():
+            try:
+                m = importlib.import_module(mod)
+            except ImportError:
+                continue
+            for n in names:
+                obj = getattr(m, n, None)
+                if isinstance(obj, type):
+                    table[(mod, n)] = obj
+                    if is_class:
+                        classes.add((mod, n))
+    for n in dir(torch):
+        v = getattr(torch, n, None)
+        if isinstance(v, (torch.dtype, torch.layout, torch.memory_format)):
+            table[("torch", n)] = v
+    table[("torch", "Size")] = torch.Size
+    table[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    table[("collections", "OrderedDict")] = collections.OrderedDict
+    for mod in ("pathlib", "pathlib._local"):  # 3.13 moved the classes
+        table[(mod, "PurePath")] = pathlib.PurePath
+        table[(mod, "PurePosixPath")] = pathlib.PurePosixPath
+        table[(mod, "PureWindowsPath")] = pathlib.PureWindowsPath
+        table[(mod, "PosixPath")] = pathlib.PurePosixPath if os.name == "nt" else pathlib.PosixPath
+        table[(mod, "WindowsPath")] = pathlib.PureWindowsPath if os.name != "nt" else pathlib.WindowsPath
+    _dcp_classes = frozenset(classes)
+    _allowed = table
+    return table
+
+
+def _unsafe_hint() -> str:
+    return (
+        "a DCP .metadata holds only DCP's metadata classes, torch.Size, dtypes, layouts and plain containers, "
+        "and unpickling anything else can run code. If you trust the file, load it with weights_only=False "
+        "(tierstore.load_sharded, tierstore.sharded.consolidate, tierstore.dcp.to_state_dict) or pass --unsafe "
+        "to the tierstore command (consolidate, convert, verify)"
+    )
+
+
+def _refused(where: str, what: str) -> NoReturn:
+    raise UnsafeObjectError(f"{where}: weights_only=True refused {what}: {_unsafe_hint()}", path=where)
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """``find_class`` admits only :func:`allowed_globals` (resolved from the
+    fixed table, never imported on the file's say)."""
+
+    def __init__(self, file: io.BytesIO, where: str) -> None:
+        super().__init__(file)
+        self._where = where
+        self._table = allowed_globals()
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = self._table.get((module, name))
+        if obj is None:
+            _refused(self._where, f"the global {str(module)[:200]}.{str(name)[:200]}")
+        return obj
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise ManifestError(f"{self._where}: a DCP .metadata holds no persistent ids", path=self._where)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, where: str) -> None:
+        super().__init__(file)
+        self._where = where
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise ManifestError(f"{self._where}: a DCP .metadata holds no persistent ids", path=self._where)
+
+
+# --------------------------------------------------------------------------
+# Walking the opcodes before anything runs
+
+# Argument sizes from pickletools: >= 0 fixed, -1 up to a newline, -2/-3/-4/-5
+# counted by a 1-byte / signed 4-byte / unsigned 4-byte / unsigned 8-byte length.
+_ARG_N = {op.name: (op.arg.n if op.arg is not None else 0) for op in pickletools.opcodes}
+(
+    _A_LEAF, _A_STR, _A_MEMOIZE, _A_GET, _A_PUT, _A_MARK, _A_TUPLE_N, _A_TUPLE, _A_EMPTY, _A_COLLECT,
+    _A_ADD, _A_STACK_GLOBAL, _A_GLOBAL, _A_CALL, _A_BUILD, _A_POP, _A_POP_MARK, _A_DUP, _A_NOP, _A_STOP,
+    _A_OTHER,
+) = range(21)  # fmt: skip
+# Node kinds.
+_K_LIST, _K_DICT, _K_SET, _K_TUPLE, _K_INST, _K_VALUE = range(6)
+_KIND_NAMES = ("list", "dict", "set", "tuple", "object", "value")
+_LEAF_OPS = (
+    "NONE", "NEWTRUE", "NEWFALSE", "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT",
+    "BINFLOAT", "STRING", "BINSTRING", "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8",
+)  # fmt: skip
+_ACTIONS: dict[str, tuple[int, Any]] = {
+    **{n: (_A_LEAF, None) for n in _LEAF_OPS},
+    **{n: (_A_STR, None) for n in ("UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8")},
+    "MEMOIZE": (_A_MEMOIZE, None),
+    "GET": (_A_GET, "text"),
+    "BINGET": (_A_GET, None),
+    "LONG_BINGET": (_A_GET, None),
+    "PUT": (_A_PUT, "text"),
+    "BINPUT": (_A_PUT, None),
+    "LONG_BINPUT": (_A_PUT, None),
+    "MARK": (_A_MARK, None),
+    "TUPLE1": (_A_TUPLE_N, 1),
+    "TUPLE2": (_A_TUPLE_N, 2),
+    "TUPLE3": (_A_TUPLE_N, 3),
+    "EMPTY_TUPLE": (_A_TUPLE_N, 0),
+    "TUPLE": (_A_TUPLE, _K_TUPLE),
+    "FROZENSET": (_A_TUPLE, _K_TUPLE),
+    "EMPTY_LIST": (_A_EMPTY, _K_LIST),
+    "EMPTY_DICT": (_A_EMPTY, _K_DICT),
+    "EMPTY_SET": (_A_EMPTY, _K_SET),
+    "LIST": (_A_COLLECT, _K_LIST),
+    "DICT": (_A_COLLECT, _K_DICT),
+    "APPEND": (_A_ADD, (_K_LIST, 1)),
+    "SETITEM": (_A_ADD, (_K_DICT, 2)),
+    "APPENDS": (_A_ADD, (_K_LIST, 0)),
+    "SETITEMS": (_A_ADD, (_K_DICT, 0)),
+    "ADDITEMS": (_A_ADD, (_K_SET, 0)),
+    "STACK_GLOBAL": (_A_STACK_GLOBAL, None),
+    "GLOBAL": (_A_GLOBAL, None),
+    "REDUCE": (_A_CALL, 1),
+    "NEWOBJ": (_A_CALL, 1),
+    "NEWOBJ_EX": (_A_CALL, 2),
+    "BUILD": (_A_BUILD, None),
+    "POP": (_A_POP, None),
+    "POP_MARK": (_A_POP_MARK, None),
+    "DUP": (_A_DUP, None),
+    "PROTO": (_A_NOP, None),
+    "FRAME": (_A_NOP, None),
+    "STOP": (_A_STOP, None),
+}
+# What a DCP .metadata never holds and that would reach code or state outside
+# the allow-list (old-style instances, the copyreg extension registry,
+# persistent ids, out-of-band buffers): refused with weights_only=True.
+_OTHER = ("INST", "OBJ", "EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID", "NEXT_BUFFER", "READONLY_BUFFER")
+_OPS: list[tuple[int, int, str, Any] | None] = [None] * 256
+for _op in pickletools.opcodes:
+    _act, _extra = _ACTIONS.get(_op.name, (_A_OTHER, None))
+    assert _act != _A_OTHER or _op.name in _OTHER, _op.name
+    _OPS[ord(_op.code.encode("latin-1"))] = (_act, _ARG_N[_op.name], _op.name, _extra)
+
+
+def _scan(data: bytes, where: str, strict: bool) -> None:
+    """Walks the pickle's opcodes without running anything.
+
+    Refuses what would make CPython's unpickler (or what it builds) misbehave
+    before any object exists: a memo index beyond the memo (the C unpickler
+    sizes its memo by the largest index: 10 bytes could ask for 64 GiB), an
+    argument longer than the file (it allocates the length first), stack
+    underflow, unknown opcodes, nesting deeper than :data:`MAX_NESTING`
+    (CPython hashes nested tuples recursively in C: a crafted megabyte
+    overflows the C stack) and changing an object after it was put inside
+    another (a cycle, which would defeat the nesting bound; pickle fills
+    every container before it uses it, and DCP metadata holds no cycles).
+    With ``strict`` (``weights_only=True``) also: every global outside the
+    allow-list; ``REDUCE`` of anything but an allowed global and ``NEWOBJ``
+    of anything but DCP's classes; ``BUILD`` on anything but an object this
+    pickle made from one of DCP's classes (a class, a function or an enum
+    member would be changed for the whole process);
+    ``APPEND``/``SETITEM``/``ADDITEMS`` on anything but a list, dict or set;
+    and the opcodes in ``_OTHER``.
+
+    A stack item is a leaf (``None``; for a string, the position of its
+    opcode; for a global, ``(module, name)``) or a node ``[depth, kind,
+    sealed]``, sealed once it is inside another node.
+    """
+    import gc
+
+    table = allowed_globals()
+    dcp_classes = _dcp_classes
+    ops = _OPS
+    n = len(data)
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: list[Any] = []
+    fence = 0
+    pos = 0
+    at = 0
+    name = ""
+
+    def bad(why: str) -> NoReturn:
+        raise ManifestError(f"{where}: not a valid DCP metadata pickle: {why} (at byte {at})", path=where)
+
+    def refuse(what: str) -> NoReturn:
+        _refused(where, f"{what} (at byte {at} of the pickle)")
+
+    def depth_of(items: list[Any], into: Any = None) -> int:
+        """The depth of a node holding ``items`` (which are sealed), new or ``into``."""
+        d = 1
+        for c in items:
+            if type(c) is list:
+                if c is into:
+                    bad(f"{name} of an object into itself (a cycle, which DCP metadata never holds)")
+                c[2] = True
+                if c[0] >= d:
+                    d = c[0] + 1
+        if d > MAX_NESTING:
+            bad(f"objects nested more than {MAX_NESTING} deep")
+        return d
+
+    def underflow() -> NoReturn:
+        bad(f"{name} finds too few items on the stack")
+
+    def pop_mark() -> list[Any]:
+        nonlocal fence
+        if not marks:
+            bad(f"{name} without a MARK")
+        k = marks.pop()
+        items = stack[k:]
+        del stack[k:]
+        fence = marks[-1] if marks else 0
+        return items
+
+    def string_at(p: int) -> str:
+        _act, an, _name, _extra = ops[data[p]]  # type: ignore[misc]
+        if an == -1:  # UNICODE: raw-unicode-escape up to the newline
+            return data[p + 1 : data.index(b"\n", p + 1)].decode("raw-unicode-escape")
+        w = 1 if an == -2 else 8 if an == -5 else 4
+        ln = int.from_bytes(data[p + 1 : p + 1 + w], "little")
+        return data[p + 1 + w : p + 1 + w + ln].decode("utf-8", "surrogatepass")
+
+    def glob(module: str, gname: str) -> tuple[str, str]:
+        if strict and (module, gname) not in table:
+            refuse(f"the global {module[:200]}.{gname[:200]}")
+        return (module, gname)
+
+    def memo_index(a0: int, end: int, text: bool) -> int:
+        if not text:
+            return int.from_bytes(data[a0:end], "little")
+        raw = data[a0 : end - 1].strip()
+        if len(raw) > 20 or not raw.isdigit():
+            bad(f"{name} with a memo index that is not a small number")
+        return int(raw)
+
+    gc_was = gc.isenabled()
+    gc.disable()  # millions of small lists, none in a cycle
+    try:
+        while True:
+            if pos >= n:
+                bad("the pickle ends before its STOP")
+            at = pos
+            op = ops[data[pos]]
+            if op is None:
+                bad(f"unknown opcode {data[pos]:#04x}")
+            act, an, name, extra = op
+            a0 = pos + 1
+            if an == 0:
+                end = a0
+            elif an > 0:
+                end = a0 + an
+            elif an == -2:
+                if a0 >= n:
+                    bad(f"{name} is cut short")
+                end = a0 + 1 + data[a0]
+                a0 += 1
+            elif an == -1:
+                end = data.find(b"\n", a0) + 1
+                if end and name in ("GLOBAL", "INST"):
+                    end = data.find(b"\n", end) + 1
+                if not end:
+                    bad(f"{name} without its end of line")
+            else:
+                w = 8 if an == -5 else 4
+                if a0 + w > n:
+                    bad(f"{name} is cut short")
+                ln = int.from_bytes(data[a0 : a0 + w], "little", signed=an == -3)
+                if ln < 0:
+                    bad(f"{name} with a negative length")
+                a0 += w
+                end = a0 + ln
+            if end > n:
+                bad(f"{name} is cut short (its argument runs past the end of the pickle)")
+            pos = end
+
+            if act == _A_MEMOIZE:
+                if len(stack) <= fence:
+                    underflow()
+                memo.append(stack[-1])
+            elif act == _A_GET:
+                i = data[a0] if an == 1 else memo_index(a0, end, extra is not None)
+                if i >= len(memo):
+                    bad(f"memo entry {i} is read before it is written")
+                stack.append(memo[i])
+            elif act == _A_LEAF:
+                stack.append(None)
+            elif act == _A_STR:
+                stack.append(at)
+            elif act == _A_MARK:
+                fence = len(stack)
+                marks.append(fence)
+            elif act == _A_TUPLE_N:
+                if extra:
+                    if len(stack) - extra < fence:
+                        underflow()
+                    items = stack[-extra:]
+                    del stack[-extra:]
+                    stack.append([depth_of(items), _K_TUPLE, False])
+                else:
+                    stack.append([1, _K_TUPLE, False])
+            elif act == _A_ADD:
+                want, k = extra
+                if k:
+                    if len(stack) - k <= fence:
+                        underflow()
+                    items = stack[-k:]
+                    del stack[-k:]
+                else:
+                    items = pop_mark()
+                    if len(stack) <= fence:
+                        underflow()
+                    if want == _K_DICT and len(items) % 2:
+                        bad(f"{name} with an odd number of items")
+                target = stack[-1]
+                if type(target) is list:
+                    if target[2]:
+                        bad(f"{name} on a {_KIND_NAMES[target[1]]} after it was put inside another object (a cycle)")
+                    if strict and target[1] != want:
+                        refuse(f"{name} on a {_KIND_NAMES[target[1]]}, not a {_KIND_NAMES[want]}")
+                    d = depth_of(items, target)
+                    if d > target[0]:
+                        target[0] = d
+                elif strict:
+                    refuse(f"{name} on something that is not a {_KIND_NAMES[want]}")
+            elif act == _A_EMPTY:
+                stack.append([1, extra, False])
+            elif act == _A_CALL:
+                if len(stack) - extra - 1 < fence:
+                    underflow()
+                items = stack[-extra:]
+                del stack[-extra:]
+                fn = stack.pop()
+                is_glob = type(fn) is tuple
+                if strict:
+                    if not is_glob:
+                        refuse(f"{name} of something that is not an allowed global")
+                    if name != "REDUCE" and fn not in dcp_classes:
+                        refuse(f"{name} of {fn[0]}.{fn[1]}, which is not one of DCP's classes")
+                kind = (
+                    _K_INST
+                    if is_glob and fn in dcp_classes
+                    else _K_DICT
+                    if is_glob and fn[1] == "OrderedDict"
+                    else _K_VALUE
+                )
+                stack.append([depth_of(items), kind, False])
+            elif act == _A_BUILD:
+                if len(stack) - 2 < fence:
+                    underflow()
+                state = stack.pop()
+                target = stack[-1]
+                if type(target) is list:
+                    if target[2]:
+                        bad("BUILD on an object after it was put inside another (a cycle)")
+                    if strict and target[1] != _K_INST:
+                        refuse(f"BUILD on a {_KIND_NAMES[target[1]]}, not a new object of DCP's classes")
+                    d = depth_of([state], target)
+                    if d > target[0]:
+                        target[0] = d
+                elif strict:
+                    refuse("BUILD on a class, function or constant, not a new object of DCP's classes")
+            elif act == _A_TUPLE:
+                stack.append([depth_of(pop_mark()), extra, False])
+            elif act == _A_COLLECT:
+                items = pop_mark()
+                if extra == _K_DICT and len(items) % 2:
+                    bad("DICT with an odd number of items")
+                stack.append([depth_of(items), extra, False])
+            elif act == _A_STACK_GLOBAL:
+                if len(stack) - 2 < fence:
+                    underflow()
+                gname = stack.pop()
+                module = stack.pop()
+                if type(gname) is not int or type(module) is not int:
+                    bad("STACK_GLOBAL of something other than two strings")
+                stack.append(glob(string_at(module), string_at(gname)))
+            elif act == _A_GLOBAL:
+                line = data[a0:end].split(b"\n")
+                stack.append(glob(line[0].decode("utf-8"), line[1].decode("utf-8")))
+            elif act == _A_PUT:
+                if len(stack) <= fence:
+                    underflow()
+                i = memo_index(a0, end, extra is not None)
+                if i > len(memo):
+                    bad(f"memo index {i} beyond the {len(memo)} entries written so far")
+                if i == len(memo):
+                    memo.append(stack[-1])
+                else:
+                    memo[i] = stack[-1]
+            elif act == _A_POP:
+                if len(stack) > fence:
+                    stack.pop()
+                else:
+                    pop_mark()
+            elif act == _A_POP_MARK:
+                pop_mark()
+            elif act == _A_DUP:
+                if len(stack) <= fence:
+                    underflow()
+                stack.append(stack[-1])
+            elif act == _A_NOP:
+                pass
+            elif act == _A_STOP:
+                if len(stack) <= fence:
+                    underflow()
+                return
+            else:  # _OTHER, with weights_only=False: no depth is known beyond this
+                if strict:
+                    refuse(f"the pickle opcode {name}")
+                if name in ("INST", "OBJ"):
+                    pop_mark()
+                elif name == "BINPERSID":
+                    if len(stack) <= fence:
+                        underflow()
+                    stack.pop()
+                if name != "READONLY_BUFFER":
+                    stack.append(None)
+    finally:
+        if gc_was:
+            gc.enable()
+
+
+def _unpickle_metadata(data: bytes, where: str, weights_only: bool) -> Any:
+    """The object of a ``.metadata`` pickle: scanned, then unpickled with the
+    allow-list (or plainly, with ``weights_only=False``). Every failure is a
+    TierstoreError naming ``where``."""
+    try:
+        _scan(data, where, strict=weights_only)
+        cls = _RestrictedUnpickler if weights_only else _PlainUnpickler
+        return cls(io.BytesIO(data), where).load()
+    except TierstoreError:
+        raise
+    except RecursionError:
+        raise ManifestError(f"{where}: not a valid DCP metadata file (nested too deeply)", path=where) from None
+    except MemoryError:
+        raise ManifestError(
+            f"{where}: not a valid DCP metadata file (it asks for more memory than there is)", path=where
+        ) from None
+    except Exception as e:  # UnpicklingError, EOFError, UnicodeDecodeError, ValueError, TypeError, ...
+        raise ManifestError(
+            f"{where}: not a valid DCP metadata file ({type(e).__name__}: {_text(e)})", path=where
+        ) from None
+
+
+def _text(e: BaseException) -> str:
+    try:
+        s = str(e)
+    except Exception:
+        s = "?"
+    return s if len(s) <= 200 else s[:197] + "..."
+
+
+# --------------------------------------------------------------------------
+# Checking what the pickle held
+
+
+def _show(v: Any) -> str:
+    """A short description of ``v`` that cannot fail or run for long."""
+    if v is None or isinstance(v, (bool, float)):
+        return repr(v)
+    if isinstance(v, int):
+        return repr(v) if v.bit_length() < 200 else f"an integer of {v.bit_length()} bits"
+    if isinstance(v, str):
+        return repr(v[:80]) + ("..." if len(v) > 80 else "")
+    if isinstance(v, (tuple, list, dict, set, frozenset)) and type(v).__module__ == "builtins":
+        return f"a {type(v).__name__} of {len(v)} items"
+    return f"a {type(v).__module__}.{type(v).__qualname__}"
+
+
+class _Check:
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(
+        self, field: str, expected: str, got: Any = ..., cls: type[FormatError] = ManifestError, detail: str = ""
+    ) -> NoReturn:
+        tail = "" if got is ... else f", got {_show(got)}"
+        tail += f"; {detail}" if detail else ""
+        raise cls(f"{self.where}: {field}: expected {expected}{tail}", path=self.where, record=field)
+
+    def attr(self, obj: Any, name: str, field: str) -> Any:
+        try:
+            return getattr(obj, name)
+        except AttributeError:
+            self.fail(f"{field}.{name}", "a value (the field is missing)")
+        except Exception as e:
+            self.fail(f"{field}.{name}", f"a plain field ({type(e).__name__}: {_text(e)})")
+
+    def of(self, v: Any, types: Any, field: str, expected: str) -> Any:
+        if not isinstance(v, types):
+            self.fail(field, expected, v)
+        return v
+
+    def string(self, v: Any, field: str) -> str:
+        if not isinstance(v, str) or len(v) > _MAX_NAME:
+            self.fail(field, f"a string of at most {_MAX_NAME} characters", v)
+        return str(v)
+
+    def uint(self, v: Any, field: str, most: int = _MAX_ELEMENTS) -> int:
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= most:
+            self.fail(field, f"an integer in [0, {most}]", v)
+        return int(v)
+
+    def dims(self, v: Any, field: str, ndim: int | None = None) -> tuple[int, ...]:
+        if not isinstance(v, tuple):
+            self.fail(field, "a torch.Size", v)
+        if len(v) > _MAX_DIMS or (ndim is not None and len(v) != ndim):
+            self.fail(field, f"a size of {ndim if ndim is not None else f'at most {_MAX_DIMS}'} dimensions", v)
+        out = tuple(self.uint(x, f"{field}[{i}]") for i, x in enumerate(v))
+        if math.prod(out) > _MAX_ELEMENTS:
+            self.fail(field, f"at most 2^62 elements, got {out}")
+        return out
+
+
+def _field(fqn: str) -> str:
+    return f"state_dict_metadata[{fqn[:200]!r}]"
+
+
+def _chunk_what(fqn: str, j: int, box: Box) -> str:
+    return f"chunk {j} of {fqn[:200]!r} (offsets {box.offsets}, sizes {box.lengths})"
 
 
 class DcpCheckpoint:
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+    """A DCP checkpoint directory, its ``.metadata`` read safely and checked.
 
+    ``tensors`` maps each tensor's fqn to ``(shape, dtype, [(box, info)])``
+    (``info`` is DCP's ``_StorageInfo``: ``relative_path``, ``offset``,
+    ``length``), ``objects`` each non-tensor's fqn to its ``info``. With
+    ``weights_only=True`` (the default) ``.metadata`` is unpickled with the
+    allow-list of :func:`allowed_globals`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], weights_only: bool = True) -> None:
         self.dir = Path(path)
-        self.meta = FileSystemReader(str(path)).read_metadata()
+        mp = _paths.member(self.dir, METADATA, source=str(self.dir), field=METADATA)
+        self.metadata_path = str(mp)
+        where = self.metadata_path
+        data = _paths.read_regular(mp, MAX_METADATA_BYTES, METADATA)
+        self.meta = _unpickle_metadata(data, where, weights_only)
+        classes = _classes()
+        c = _Check(where)
+        if not isinstance(self.meta, classes["Metadata"]):
+            c.fail("the pickled object", "a torch.distributed.checkpoint.metadata.Metadata", self.meta)
+        sdm = c.of(
+            c.attr(self.meta, "state_dict_metadata", "Metadata"),
+            dict,
+            "state_dict_metadata",
+            "a dict of fqn to storage metadata",
+        )
+        sdata = c.of(
+            c.attr(self.meta, "storage_data", "Metadata"), dict, "storage_data", "a dict of MetadataIndex to storage"
+        )
+        # storage_data: every name confined to the checkpoint, every range inside its file.
+        where_of: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+        files: dict[str, tuple[Path, int]] = {}
+        self._files = files
+        regions: list[tuple[str, int, int, str]] = []
+        for k, (idx, info) in enumerate(sdata.items()):
+            fld = f"storage_data[{k}]"
+            c.of(idx, classes["MetadataIndex"], f"{fld} key", "a MetadataIndex")
+            fqn = c.string(c.attr(idx, "fqn", f"{fld} key"), f"{fld} key.fqn")
+            fld = f"storage_data[{fqn[:200]!r}]"
+            off = c.attr(idx, "offset", fld)
+            key = (fqn, None if off is None else c.dims(off, f"{fld}.offset"))
+            fld = f"storage_data[{fqn[:200]!r}, {key[1]}]" if key[1] is not None else fld
+            c.of(info, classes["_StorageInfo"], fld, "a _StorageInfo")
+            rel = c.attr(info, "relative_path", fld)
+            start = c.uint(c.attr(info, "offset", fld), f"{fld}.offset")
+            length = c.uint(c.attr(info, "length", fld), f"{fld}.length")
+            tds = getattr(info, "transform_descriptors", None)
+            if tds is not None:
+                c.of(tds, (list, tuple), f"{fld}.transform_descriptors", "None or a list of names")
+                if tds:
+                    raise FormatError(
+                        f"{where}: {fld}.transform_descriptors: the chunk was stored through DCP transforms "
+                        f"({', '.join(_show(t) for t in list(tds)[:4])}), which tierstore does not read",
+                        path=where,
+                        record=f"{fld}.transform_descriptors",
+                    )
+            if not isinstance(rel, str):
+                c.fail(f"{fld}.relative_path", "a file name", rel)
+            if rel not in files:
+                p = _paths.member(self.dir, rel, source=where, field=f"{fld}.relative_path")
+                try:
+                    size = os.stat(p).st_size
+                except FileNotFoundError:
+                    raise NotFoundError(
+                        f"{p}: data file of the DCP checkpoint is missing (named by {where}: {fld}.relative_path)",
+                        path=str(p),
+                    ) from None
+                except OSError as e:
+                    raise os_error(e, str(p), "stat") from None
+                files[rel] = (p, size)
+            p, size = files[rel]
+            if start + length > size:
+                raise TruncatedFileError(
+                    f"{p}: {fld}: bytes {start}..{start + length} lie past the end of the file ({size} bytes); "
+                    "the file is cut short",
+                    path=str(p),
+                    record=fld,
+                )
+            if key in where_of:
+                c.fail(fld, "one storage entry per chunk (this one is listed twice)")
+            where_of[key] = info
+            if length:
+                regions.append((rel, start, length, fld))
+        regions.sort()
+        for ra, rb in itertools.pairwise(regions):
+            if ra[0] == rb[0] and rb[1] < ra[1] + ra[2]:
+                c.fail(rb[3], f"a byte range apart from {ra[3]} ({ra[1]}+{ra[2]}) in {ra[0]!r}", f"{rb[1]}+{rb[2]}")
+        # state_dict_metadata: tensors whose chunks lie apart inside their shape.
         self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[Box, Any]]]] = {}
         self.objects: dict[str, Any] = {}
-        by_fqn: dict[str, list[tuple[Any, Any]]] = {}
-        for idx, info in self.meta.storage_data.items():
-            by_fqn.setdefault(idx.fqn, []).append((idx, info))
-        for fqn, md in self.meta.state_dict_metadata.items():
-            if isinstance(md, TensorStorageMetadata):
-                chunks = []
-                infos = {tuple(i.offset): inf for i, inf in by_fqn.get(fqn, [])}
-                for ch in md.chunks:
-                    box = Box(tuple(int(x) for x in ch.offsets), tuple(int(x) for x in ch.sizes))
-                    chunks.append((box, infos[tuple(ch.offsets)]))
-                self.tensors[fqn] = (tuple(int(x) for x in md.size), md.properties.dtype, chunks)
-            elif isinstance(md, BytesStorageMetadata):
-                self.objects[fqn] = by_fqn[fqn][0][1]
+        self._expect: dict[int, tuple[str, tuple[int, ...], torch.dtype]] = {}
+        used: set[int] = set()
+        for fqn, md in sdm.items():
+            if not isinstance(fqn, str) or len(fqn) > _MAX_NAME:
+                c.fail("state_dict_metadata key", "a string", fqn)
+            fld = _field(fqn)
+            if isinstance(md, classes["TensorStorageMetadata"]):
+                props = c.of(c.attr(md, "properties", fld), classes["TensorProperties"], f"{fld}.properties",
+                             "a TensorProperties")  # fmt: skip
+                dtype = c.of(c.attr(props, "dtype", f"{fld}.properties"), torch.dtype, f"{fld}.properties.dtype",
+                             "a torch.dtype")  # fmt: skip
+                shape = c.dims(c.attr(md, "size", fld), f"{fld}.size")
+                item = _itemsize(dtype)
+                chunks = c.of(c.attr(md, "chunks", fld), list, f"{fld}.chunks", "a list of chunks")
+                out: list[tuple[Box, Any]] = []
+                for j, ch in enumerate(chunks):
+                    cf = f"{fld}.chunks[{j}]"
+                    c.of(ch, classes["ChunkStorageMetadata"], cf, "a ChunkStorageMetadata")
+                    offs = c.dims(c.attr(ch, "offsets", cf), f"{cf}.offsets", len(shape))
+                    lens = c.dims(c.attr(ch, "sizes", cf), f"{cf}.sizes", len(shape))
+                    if any(o + s > d for o, s, d in zip(offs, lens, shape, strict=True)):
+                        inside = f"a chunk inside the tensor's size {shape}"
+                        c.fail(cf, inside, detail=f"it has offsets {offs}, sizes {lens}", cls=CoverageError)
+                    info = where_of.get((fqn, offs))
+                    if info is None:
+                        c.fail(cf, f"a storage_data entry for offsets {offs}", detail="no storage_data entry names it")
+                    box = Box(offs, lens)
+                    if box.numel * item > info.length:
+                        c.fail(cf, f"a blob of at least {box.numel * item} bytes for {box.numel} elements of "
+                                   f"{dtype}", f"{info.length} bytes")  # fmt: skip
+                    if id(info) in used:
+                        c.fail(cf, "a storage entry of its own (another chunk uses this one)")
+                    used.add(id(info))
+                    self._expect[id(info)] = (fqn, lens, dtype)
+                    out.append((box, info))
+                pair = overlapping_pair([b for b, _ in out])
+                if pair is not None:
+                    a, b = out[pair[0]][0], out[pair[1]][0]
+                    raise CoverageError(
+                        f"{where}: {fld}: chunks {pair[0]} ({a.offsets}+{a.lengths}) and {pair[1]} "
+                        f"({b.offsets}+{b.lengths}) overlap; the metadata is damaged",
+                        path=where,
+                        record=fld,
+                    )
+                self.tensors[fqn] = (shape, dtype, out)
+            elif isinstance(md, classes["BytesStorageMetadata"]):
+                info = where_of.get((fqn, None))
+                if info is None:
+                    c.fail(fld, "a storage_data entry for this object", detail="no storage_data entry names it")
+                self.objects[fqn] = info
+            else:
+                c.fail(fld, "a TensorStorageMetadata or BytesStorageMetadata", md)
 
-    def _blob(self, info: Any) -> bytes:
-        with open(self.dir / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
-        if len(data) != info.length:
-            raise FormatError(f"{self.dir / info.relative_path}: chunk at {info.offset} is cut short",
-                              path=str(self.dir / info.relative_path))  # fmt: skip
-        return data
+    # -- reading chunks
 
-    def chunk(self, info: Any) -> torch.Tensor:
-        t = torch.load(io.BytesIO(self._blob(info)), weights_only=True)
-        assert isinstance(t, torch.Tensor)
+    def _blob(self, info: Any, what: str) -> tuple[bytes, str]:
+        rel = info.relative_path
+        known = self._files.get(rel) if isinstance(rel, str) else None
+        p = known[0] if known is not None else None
+        if p is None:
+            p = _paths.member(self.dir, rel, source=self.metadata_path, field=f"{what}: relative_path")
+        return _read_range(str(p), int(info.offset), int(info.length), what), str(p)
+
+    def _load_blob(self, blob: bytes, file: str, what: str, weights_only: bool, verify: bool, **kw: Any) -> Any:
+        from tierstore import api
+
+        bio = io.BytesIO(blob)
+        bio.name = f"{file} ({what})"
+        try:
+            return api.load(bio, weights_only=weights_only, verify=verify, **kw)
+        except TierstoreError as e:
+            e._locate(file, e.record)
+            raise
+        except Exception as e:
+            raise CorruptFileError(
+                f"{file}: {what}: not a torch.save blob tierstore can load ({type(e).__name__}: {_text(e)})",
+                path=file,
+            ) from e
+
+    def chunk(self, info: Any, verify: str | bool = True) -> torch.Tensor:
+        """The tensor of one chunk, its CRC-32s checked (unless ``verify`` is
+        False), with the shape and dtype the metadata gives it."""
+        exp = self._expect.get(id(info))
+        what = "chunk" if exp is None else f"chunk of {exp[0][:200]!r}"
+        what = f"{what} at bytes {info.offset}+{info.length}"
+        blob, file = self._blob(info, what)
+        t = self._load_blob(blob, file, what, True, verify is not False, map_location="cpu")
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            raise CorruptFileError(f"{file}: {what}: expected a dense tensor, got {_show(t)}", path=file)
+        if exp is not None and (tuple(t.shape) != exp[1] or t.dtype != exp[2]):
+            raise CorruptFileError(
+                f"{file}: {what}: holds a tensor of shape {tuple(t.shape)} and dtype {t.dtype}; the metadata "
+                f"({self.metadata_path}) says shape {exp[1]} and dtype {exp[2]}",
+                path=file,
+            )
         return t
 
-    def obj(self, fqn: str, weights_only: bool) -> Any:
-        return torch.load(io.BytesIO(self._blob(self.objects[fqn])), weights_only=weights_only)
+    def obj(self, fqn: str, weights_only: bool, verify: str | bool = True) -> Any:
+        """The object saved for ``fqn``, loaded with ``weights_only``."""
+        info = self.objects[fqn]
+        what = f"object {fqn[:200]!r} at bytes {info.offset}+{info.length}"
+        blob, file = self._blob(info, what)
+        return self._load_blob(blob, file, what, weights_only, verify is not False)
+
+
+def _classes() -> dict[str, tuple[type, ...]]:
+    table = allowed_globals()
+    out: dict[str, list[type]] = {}
+    for (_mod, name), obj in table.items():
+        if (_mod, name) in _dcp_classes:
+            out.setdefault(name, []).append(obj)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return max(1, int(dtype.itemsize))
+
+
+def _read_range(path: str, offset: int, length: int, what: str) -> bytes:
+    """``length`` bytes at ``offset`` of the regular file ``path``; opened
+    without blocking, the range checked against the open file's size."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise NotFoundError(f"{path}: data file of the DCP checkpoint is missing ({what})", path=path) from None
+    except OSError as e:
+        raise os_error(e, path, f"open ({what})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{path}: {what}: the data file is not a regular file", path=path)
+        if offset + length > st.st_size:
+            raise TruncatedFileError(
+                f"{path}: {what}: ends past the end of the file ({st.st_size} bytes); the file is cut short",
+                path=path,
+            )
+        parts = []
+        done = 0
+        while done < length:
+            b = os.pread(fd, min(length - done, 64 << 20), offset + done)
+            if not b:
+                break
+            parts.append(b)
+            done += len(b)
+        if done != length:
+            raise TruncatedFileError(f"{path}: {what}: the file was cut short while it was read", path=path)
+        return b"".join(parts)
+    except OSError as e:
+        raise os_error(e, path, f"read ({what})") from None
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------
+# Loading
+
+
+def _check_verify(verify: str | bool) -> str | bool:
+    if verify is True:
+        return "touched"
+    if verify not in _VERIFY_MODES:
+        raise ValueError(f"verify must be 'touched', 'full' or False, not {verify!r}")
+    return verify
 
 
 def load_dcp_into(
@@ -76,8 +921,15 @@ def load_dcp_into(
     objects: list[tuple[str, MutableMapping[str, Any], str]],
     weights_only: bool = True,
     stats: dict[str, Any] | None = None,
+    verify: str | bool = "touched",
 ) -> None:
-    ck = DcpCheckpoint(path)
+    """Fills each target's pieces from the DCP checkpoint at ``path`` and
+    sets each object. ``verify``: ``"touched"`` or ``"full"`` check the
+    CRC-32s of every chunk read (a DCP chunk is read whole, so the two are
+    the same), ``False`` none."""
+    verify = _check_verify(verify)
+    ck = DcpCheckpoint(path, weights_only=weights_only)
+    where = ck.metadata_path
     cache: dict[int, torch.Tensor] = {}
     read = 0
     needed = 0
@@ -86,8 +938,18 @@ def load_dcp_into(
         flat = dest.view(-1)
         for p in lay.pieces:
             if p.tensor not in ck.tensors:
-                raise FormatError(f"{path}: DCP checkpoint has no tensor {p.tensor!r}", path=str(path))
-            _shape, _dt, chunks = ck.tensors[p.tensor]
+                raise CoverageError(
+                    f"{where}: tensor {key!r}: the DCP checkpoint has no tensor {p.tensor!r}", path=where
+                )
+            shape, _dt, chunks = ck.tensors[p.tensor]
+            want = lay.global_shapes.get(p.tensor) if lay.global_shapes else None
+            if (want is not None and tuple(want) != shape) or not p.box.within(shape):
+                raise CoverageError(
+                    f"{where}: tensor {key!r}: global tensor {p.tensor!r} has shape {shape} in the checkpoint, "
+                    f"but the target asks for region {p.box.offsets}+{p.box.lengths}"
+                    + (f" of shape {tuple(want)}" if want is not None else ""),
+                    path=where,
+                )
             boxes = []
             for box, info in chunks:
                 inter = box.intersect(p.box)
@@ -96,10 +958,10 @@ def load_dcp_into(
                 boxes.append(inter)
                 k = id(info)
                 if k not in cache:
-                    cache[k] = ck.chunk(info)
+                    cache[k] = ck.chunk(info, verify)
                     read += info.length
-                where = zip(inter.offsets, box.offsets, inter.lengths, strict=True)
-                src = cache[k][tuple(slice(o - b, o - b + n) for o, b, n in where)]
+                where_ = zip(inter.offsets, box.offsets, inter.lengths, strict=True)
+                src = cache[k][tuple(slice(o - b, o - b + n) for o, b, n in where_)]
                 rel = [o - b for o, b in zip(inter.offsets, p.box.offsets, strict=True)]
                 if isinstance(p.local, Box):
                     lb = p.local
@@ -121,24 +983,47 @@ def load_dcp_into(
         prove_coverage(key, lay, inters_all)
     for key, parent, pkey in objects:
         if key not in ck.objects:
-            raise FormatError(f"{path}: DCP checkpoint has no value for {key!r}", path=str(path))
-        parent[pkey] = ck.obj(key, weights_only)
+            raise MissingRecordError(f"{where}: the DCP checkpoint has no value for {key!r}", path=where)
+        parent[pkey] = ck.obj(key, weights_only, verify)
     if stats is not None:
         stats["bytes_read"] = read
+        stats["bytes_verified"] = read if verify is not False else 0
         stats["bytes_needed"] = needed
 
 
-def to_state_dict(path: str | os.PathLike[str], weights_only: bool = True) -> dict[str, Any]:
-    """A DCP checkpoint as one flat dict of full tensors and objects."""
-    ck = DcpCheckpoint(path)
+def to_state_dict(
+    path: str | os.PathLike[str], weights_only: bool = True, verify: str | bool = "touched"
+) -> dict[str, Any]:
+    """A DCP checkpoint as one flat dict of full tensors and objects.
+
+    Each tensor's chunks must tile it exactly, and the whole must fit in the
+    memory there is, before anything is allocated."""
+    verify = _check_verify(verify)
+    ck = DcpCheckpoint(path, weights_only=weights_only)
+    where = ck.metadata_path
+    total = 0
+    for fqn, (shape, dtype, chunks) in ck.tensors.items():
+        # Chunks are inside the shape and pairwise disjoint (checked on
+        # opening), so they tile it exactly when their volumes add up.
+        got = sum(b.numel for b, _ in chunks)
+        want = math.prod(shape)
+        if got != want:
+            raise CoverageError(
+                f"{where}: {_field(fqn)}: the chunks hold {got} of the tensor's {want} elements (shape {shape}); "
+                "the checkpoint is incomplete or its metadata is damaged",
+                path=where,
+                record=_field(fqn),
+            )
+        total += want * _itemsize(dtype)
+    _limits.check_allocation(total, f"the {len(ck.tensors)} tensors of the DCP checkpoint", where)
     out: dict[str, Any] = {}
     for fqn, (shape, dtype, chunks) in ck.tensors.items():
         t = torch.empty(shape, dtype=dtype)
         for box, info in chunks:
-            t[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))] = ck.chunk(info)
+            t[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))] = ck.chunk(info, verify)
         out[fqn] = t
     for fqn in ck.objects:
-        out[fqn] = ck.obj(fqn, weights_only)
+        out[fqn] = ck.obj(fqn, weights_only, verify)
     return out
 
 

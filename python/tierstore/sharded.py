@@ -681,7 +681,7 @@ def _load_from_dcp(
             targets.append((key, local, lay))
         else:
             objects.append((key, parent, k))
-    dcp.load_dcp_into(path, targets, objects, weights_only, stats)
+    dcp.load_dcp_into(path, targets, objects, weights_only, stats, verify)
     return state_dict
 
 
