@@ -72,7 +72,12 @@ def loads(data: bytes, path: str, *, required: bool) -> tuple[dict[str, Any], bo
 
 
 def _short(v: Any) -> str:
-    r = repr(v)
+    if isinstance(v, int) and v.bit_length() > 256:
+        return f"<an integer of {v.bit_length()} bits>"
+    try:
+        r = repr(v)
+    except (ValueError, RecursionError):
+        return f"<a {type(v).__name__}>"
     return r if len(r) <= 80 else r[:77] + "..."
 
 

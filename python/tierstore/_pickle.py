@@ -238,11 +238,16 @@ def _bounded_bytearray(limit: int) -> Any:
 
 
 def refuse_absurd_sizes(data: bytes, path: str) -> None:
-    """Scans a pickle (without running it) for ``bytearray(<int>)`` beyond
-    what the pickle could hold, before torch's weights-only unpickler runs it."""
+    """Scans a pickle without running it, before torch's weights-only
+    unpickler runs it: its structure (memo indices, argument lengths,
+    nesting: what makes CPython's own unpickler allocate or recurse without
+    bound) and ``bytearray(<int>)`` beyond what the pickle could hold."""
     import pickletools
 
+    from tierstore.dcp import scan_pickle
     from tierstore.errors import CorruptFileError, UnsafeObjectError
+
+    scan_pickle(data, f"{path}: record 'data.pkl'")
 
     last_global = None
     pending_int: int | None = None

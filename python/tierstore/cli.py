@@ -86,7 +86,7 @@ def _inspect_dir(args: argparse.Namespace) -> int:
     path = args.file
     rows: list[dict[str, Any]]
     if dcp.is_dcp(path) and not os.path.exists(os.path.join(path, "manifest.json")):
-        ck = dcp.DcpCheckpoint(path)
+        ck = dcp.DcpCheckpoint(path, weights_only=not args.unsafe)
         rows = [
             {"tensor": n, "shape": list(s), "dtype": str(dt).removeprefix("torch."), "pieces": len(ch),
              "covered": _exactly_covered([b for b, _ in ch], s)}
@@ -360,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("file")
     i.add_argument("--no-verify", action="store_true", help="do not read the data to check checksums")
     i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.add_argument("--unsafe", action="store_true", help="DCP metadata: allow globals outside DCP's own classes")
     i.set_defaults(func=cmd_inspect)
     v = sub.add_parser("verify", help="check every checksum and everything a load relies on; exit 1 on damage")
     v.add_argument("file")

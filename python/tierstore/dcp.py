@@ -280,7 +280,7 @@ for _op in pickletools.opcodes:
     _OPS[ord(_op.code.encode("latin-1"))] = (_act, _ARG_N[_op.name], _op.name, _extra)
 
 
-def _scan(data: bytes, where: str, strict: bool) -> None:
+def _scan(data: bytes, where: str, strict: bool, what: str = "DCP metadata pickle") -> None:
     """Walks the pickle's opcodes without running anything.
 
     Refuses what would make CPython's unpickler (or what it builds) misbehave
@@ -319,7 +319,7 @@ def _scan(data: bytes, where: str, strict: bool) -> None:
     name = ""
 
     def bad(why: str) -> NoReturn:
-        raise ManifestError(f"{where}: not a valid DCP metadata pickle: {why} (at byte {at})", path=where)
+        raise ManifestError(f"{where}: not a valid {what}: {why} (at byte {at})", path=where)
 
     def refuse(what: str) -> NoReturn:
         _refused(where, f"{what} (at byte {at} of the pickle)")
@@ -557,6 +557,14 @@ def _scan(data: bytes, where: str, strict: bool) -> None:
     finally:
         if gc_was:
             gc.enable()
+
+
+def scan_pickle(data: bytes, where: str, *, strict: bool = False) -> None:
+    """Walks any pickle's opcodes without running anything and refuses what
+    would make CPython's unpickler, or what it builds, misbehave (see
+    ``_scan``; ``strict=False`` checks the structure only). Used before a
+    ``data.pkl`` goes to torch's weights-only unpickler."""
+    _scan(data, where, strict, "pickle")
 
 
 def _unpickle_metadata(data: bytes, where: str, weights_only: bool) -> Any:

@@ -81,6 +81,9 @@ fn is_in(obj: &Bound<'_, PyAny>, set: &[Bound<'_, PyAny>]) -> bool {
     set.iter().any(|v| v.is(obj))
 }
 
+/// Deepest tuple nesting accepted (a checkpoint's deepest is a handful).
+const MAX_TUPLE_DEPTH: u32 = 1000;
+
 /// Runs `data` (a `data.pkl`) under torch's weights-only rules. `Ok(None)`
 /// means "fall back to torch's unpickler".
 #[allow(clippy::too_many_lines)] // one opcode per arm, as in torch's loop
@@ -121,6 +124,28 @@ fn run<'py>(
     let mut stack: Vec<Bound<'py, PyAny>> = Vec::new();
     let mut metastack: Vec<Vec<Bound<'py, PyAny>>> = Vec::new();
     let mut memo: HashMap<u32, Bound<'py, PyAny>> = HashMap::new();
+    // Nesting depth of the tuples built here (by address; an address is
+    // recorded when its tuple is made, so a reused one is overwritten).
+    // CPython hashes nested tuples recursively without a depth guard: a
+    // crafted megabyte of nested tuples used as a dict key would overflow the
+    // C stack, so deeper nesting than any checkpoint holds is refused.
+    let mut depth: HashMap<usize, u32> = HashMap::new();
+    let mut tuple = |items: Vec<Bound<'py, PyAny>>| -> Result<Bound<'py, PyAny>, Stop> {
+        let d = 1 + items
+            .iter()
+            .filter(|x| x.is_exact_instance_of::<PyTuple>())
+            .map(|x| depth.get(&(x.as_ptr() as usize)).copied().unwrap_or(1))
+            .max()
+            .unwrap_or(0);
+        if d > MAX_TUPLE_DEPTH {
+            return Err(Stop::Py(pyo3::exceptions::PyValueError::new_err(format!(
+                "tuples nested more than {MAX_TUPLE_DEPTH} deep"
+            ))));
+        }
+        let t = PyTuple::new(py, items).map_err(Stop::Py)?.into_any();
+        depth.insert(t.as_ptr() as usize, d);
+        Ok(t)
+    };
     let pop = |stack: &mut Vec<Bound<'py, PyAny>>| stack.pop().ok_or(GiveUp);
     let top = |stack: &Vec<Bound<'py, PyAny>>| stack.last().cloned().ok_or(GiveUp);
     let pop_mark = |stack: &mut Vec<Bound<'py, PyAny>>,
@@ -234,22 +259,22 @@ fn run<'py>(
             }
             b't' => {
                 let items = pop_mark(&mut stack, &mut metastack)?;
-                stack.push(PyTuple::new(py, items).map_err(call_err)?.into_any());
+                stack.push(tuple(items)?);
             }
             0x85 => {
                 let a = pop(&mut stack)?;
-                stack.push(PyTuple::new(py, [a]).map_err(call_err)?.into_any());
+                stack.push(tuple(vec![a])?);
             }
             0x86 => {
                 let b = pop(&mut stack)?;
                 let a = pop(&mut stack)?;
-                stack.push(PyTuple::new(py, [a, b]).map_err(call_err)?.into_any());
+                stack.push(tuple(vec![a, b])?);
             }
             0x87 => {
                 let c = pop(&mut stack)?;
                 let b = pop(&mut stack)?;
                 let a = pop(&mut stack)?;
-                stack.push(PyTuple::new(py, [a, b, c]).map_err(call_err)?.into_any());
+                stack.push(tuple(vec![a, b, c])?);
             }
             b'a' => {
                 let item = pop(&mut stack)?;
