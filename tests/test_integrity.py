@@ -500,3 +500,24 @@ def test_verify_file_checks_what_load_relies_on(tmp_path: Path) -> None:
         load_ok = False
     rc = tierstore.cli.main(["verify", str(p)])
     assert (rc == 0) == load_ok
+
+
+@pytest.mark.parametrize("proto", [2, 4])
+def test_deeply_nested_pickle_is_refused_not_a_crash(tmp_path: Path, proto: int) -> None:
+    """CPython hashes nested tuples recursively in C: a data.pkl of 200,000
+    nested tuples used as a dict key crashed the process (torch.load too)."""
+    import zipfile
+
+    p = tmp_path / "x.pt"
+    torch.save({"a": torch.ones(2)}, p)
+    with zipfile.ZipFile(p) as z:
+        items = [(i, z.read(i.filename)) for i in z.infolist()]
+    payload = b"\x80" + bytes([proto]) + b"}N" + b"\x85" * 200_000 + b"Ns."
+    out = tmp_path / "deep.pt"
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for info, data in items:
+            z.writestr(info, payload if info.filename.endswith("data.pkl") else data)
+    code = f"import tierstore\ntry:\n    tierstore.load({str(out)!r})\nexcept tierstore.TierstoreError as e:\n    print('refused', e)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("refused"), (r.returncode, r.stdout, r.stderr[-500:])
+    assert "nested" in r.stdout
