@@ -517,7 +517,10 @@ def test_deeply_nested_pickle_is_refused_not_a_crash(tmp_path: Path, proto: int)
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
         for info, data in items:
             z.writestr(info, payload if info.filename.endswith("data.pkl") else data)
-    code = f"import tierstore\ntry:\n    tierstore.load({str(out)!r})\nexcept tierstore.TierstoreError as e:\n    print('refused', e)"
+    code = (
+        f"import tierstore\ntry:\n    tierstore.load({str(out)!r})\n"
+        "except tierstore.TierstoreError as e:\n    print('refused', e)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("refused"), (r.returncode, r.stdout, r.stderr[-500:])
     assert "nested" in r.stdout
