@@ -389,7 +389,7 @@ def deciding_op(r: dict[str, Any]) -> dict[str, Any]:
 
 def signature(r: dict[str, Any]) -> str:
     o = deciding_op(r)
-    exc = o.get("exc") or o.get("detail") or r.get("why", "")
+    exc = o.get("exc") or re.sub(r"^<root>\S*: ", "", o.get("detail") or "") or r.get("why", "")
     exc_type = exc.split(":", 1)[0] if o.get("exc") else ""
     mut = r["mutator"].removesuffix("+seal")
     return f"[{r['class']}] {r['kind']}/{mut} {o.get('op', '?')}: {exc_type or _norm(exc)[:80]}"

@@ -2836,8 +2836,15 @@ def ckpt_mutators(
             ctx.damaged_steps.add(s)
             d = step_dir(run, s)
             mp = d / "manifest.json"
-            how = rng.choice(["manifest flip", "manifest null", "rank delete", "meta delete"])
-            if how == "manifest flip":
+            how = rng.choice(["manifest flip", "manifest null", "rank delete", "meta delete", "data flip", "data flip"])
+            if how == "data flip":
+                # The last storage of the rank file: the tensors before it load first.
+                p = data_files(d, "rank-")[0]
+                zm = zip_map(p.read_bytes())
+                sto = [e for e in (zm.storages() if zm else []) if e.size]
+                e = max(sto, key=lambda e: e.data_off)
+                flip_bits(p, rng, e.data_off, e.data_off + e.size, n=1)
+            elif how == "manifest flip":
                 flip_bits(mp, rng, n=2)
             elif how == "manifest null":
                 mp.write_bytes(b"null")
@@ -2953,6 +2960,7 @@ def case_checkpointer(ctx: Ctx) -> None:
         ck = fresh()
         try:
             into_box["into"] = template()
+            into_box["before"] = template()
             into_box["result"] = ck.load_latest(into=into_box["into"])
             into_box["restored"] = ck.restored
         finally:
@@ -2962,6 +2970,10 @@ def case_checkpointer(ctx: Ctx) -> None:
     def judge_into(r: Any, wl: list[Any]) -> tuple[str, str]:
         if r is not None and r is not into_box["into"]:
             return SILENT, "load_latest(into=...) returned something other than `into`"
+        if r is None and into_box.get("restored") is None:
+            d = compare(into_box["into"], into_box["before"], ordered=False)
+            if d is not None:
+                return SILENT, f"returned None, but `into` was changed by the failed attempts ({d})"
         return judge(r, into_box.get("restored"), wl, into_box["into"] if r is not None else None)
 
     ctx.op("load_latest_into", into, judge_into)
