@@ -21,7 +21,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
 
-.PHONY: help setup demo test test-rust test-py lint bench bench-checkpoint bench-offload clean gpu-check
+.PHONY: help setup demo test test-rust test-py lint bench bench-checkpoint bench-offload bench-reshard fuzz clean gpu-check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -76,6 +76,12 @@ bench-checkpoint: setup ## training loop with torch.save, DCP async_save and the
 
 bench-offload: setup ## optimizer offload: in memory, naive, tierstore on 1 and 2 paths, DeepSpeed (needs root for loop devices)
 	$(VPY) benches/bench_offload.py --json docs/bench/offload.json | tee docs/bench/offload.txt
+
+bench-reshard: setup ## resharding loads against DCP and a UCP-style path; tierstore in each verify mode
+	$(VPY) benches/bench_reshard.py --out docs/bench
+
+fuzz: setup ## long fuzz campaign over every load path (10,000 cases); prints the table
+	$(VPY) tests/fuzz/campaign.py --cases 10000 --seed 1 --json docs/bench/fuzz.json | tee docs/bench/fuzz.txt
 
 gpu-check: setup ## GPU checks (on a machine with a GPU)
 	bash benches/gpu_check.sh
