@@ -179,7 +179,19 @@ def verify(path: str, progress: Callable[[int, int], None] | None = None) -> tup
     Raises ``ChecksumError`` naming the first damaged record, or another
     ``FormatError`` for structural damage.
     """
-    arch, _m, offsets = open_archive(path)
+    arch, m, offsets = open_archive(path)
+    if m is not None:
+        # Readers without our manifest (torch.load, zipfile) find each record
+        # through its local header: those must agree with the manifest too.
+        local = dict(zip(arch.records, _core.data_offsets(path), strict=True))
+        for rel, off in offsets.items():
+            if local.get(rel) != off:
+                raise CorruptFileError(
+                    f"{path}: record '{arch.full(rel)}': its local header puts the data at {local.get(rel)}, the "
+                    f"manifest at {off}; the header is damaged (torch.load would fail)",
+                    path=path,
+                    record=arch.full(rel),
+                )
     specs = [
         (arch.full(rel), offsets[rel], size, crc)
         for rel, (crc, size, _cs, _m2, _h) in sorted(arch.records.items(), key=lambda kv: offsets[kv[0]])

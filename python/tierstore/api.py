@@ -27,6 +27,7 @@ from tierstore._engine import get_engine
 from tierstore.errors import (
     ChecksumError,
     CorruptFileError,
+    ManifestError,
     MissingRecordError,
     NotAContainerError,
     TierstoreError,
@@ -422,14 +423,29 @@ def load(
 
 
 def _hand_to_torch(src: Any, opts: dict[str, Any], mmap: bool) -> Any:
+    """Files in formats that are torch's alone (legacy pre-1.6, TorchScript)."""
     kwargs = dict(opts["pickle_load_args"])
     if not opts["weights_only"]:
         kwargs["encoding"] = opts["encoding"]
     if opts["pickle_module"] is not None:
         kwargs["pickle_module"] = opts["pickle_module"]
-    return torch.load(
-        src, map_location=opts["map_location"], weights_only=opts["weights_only"], mmap=mmap or None, **kwargs
-    )
+    name = str(src) if isinstance(src, (str, os.PathLike)) else str(getattr(src, "name", "<stream>"))
+    try:
+        return torch.load(
+            src, map_location=opts["map_location"], weights_only=opts["weights_only"], mmap=mmap or None, **kwargs
+        )
+    except TierstoreError:
+        raise
+    except Exception as e:
+        if not opts["weights_only"]:
+            raise  # the file's own code may raise anything; running it was the caller's choice
+        msg = " ".join(str(e).split())[:400]
+        if "weights_only" in msg or "weights only" in msg.lower():
+            raise UnsafeObjectError(f"{name}: torch.load refused it with weights_only=True: {msg}", path=name) from None
+        raise CorruptFileError(
+            f"{name}: a legacy or TorchScript torch file that torch.load cannot read ({type(e).__name__}: {msg})",
+            path=name,
+        ) from None
 
 
 def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts: dict[str, Any]) -> Any:
@@ -528,6 +544,7 @@ def _load_stream(f: IO[bytes], verify: bool, opts: dict[str, Any]) -> Any:
     offs = _core.data_offsets_bytes(buf, name)
     offsets = dict(zip(arch.records, offs, strict=True))
     view = memoryview(buf)
+    _check_stream_manifest(name, arch, offsets, view)
 
     def rec(rel: str) -> memoryview:
         off = offsets[rel]
@@ -548,6 +565,30 @@ def _load_stream(f: IO[bytes], verify: bool, opts: dict[str, Any]) -> Any:
                 else torch.UntypedStorage(0)
             )
     return _unpickle(name, data_pkl, storages, byteorder, opts)
+
+
+def _check_stream_manifest(name: str, arch: _archive.Archive, offsets: dict[str, int], view: memoryview) -> None:
+    """The checks a path load makes of a tierstore manifest, for an archive
+    read from a file object: each record it lists has the size, CRC-32 and
+    data offset the zip directory and local headers give."""
+    rel = manifest.MANIFEST_NAME
+    if rel not in arch.records:
+        return
+    crc, size, *_rest = arch.records[rel]
+    if size > manifest.MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{name}: record '{arch.full(rel)}': absurd size {size}", path=name, record=rel)
+    data = bytes(view[offsets[rel] : offsets[rel] + size])
+    _archive.check_crc(name, arch.full(rel), data, crc)
+    m = manifest.parse(data, name, arch.file_len)
+    for r in m["records"]:
+        ent = arch.records.get(r["name"])
+        if ent is None or ent[0] != r["crc32"] or ent[1] != r["size"] or offsets.get(r["name"]) != r["offset"]:
+            raise ManifestError(
+                f"{name}: record '{rel}': entry for '{r['name']}' (size {r['size']}, crc32 {r['crc32']:08x}, offset "
+                f"{r['offset']}) disagrees with the zip directory and local headers",
+                path=name,
+                record=rel,
+            )
 
 
 def _storage_over(buf: Any) -> torch.UntypedStorage:

@@ -811,8 +811,12 @@ class Checkpointer:
             for p in self._tier_paths(t):
                 for d in _step_dirs(p, t.name):
                     m = STEP_DIR.match(d.name)
-                    if m and (d / MANIFEST).is_file():
+                    mp = d / MANIFEST
+                    if m and mp.is_file():
                         out.append({"step": int(m.group(1)), "tier": t.name, "path": str(d), "rank": ti + 1})
+                    elif m and (mp.exists() or mp.is_symlink()):
+                        _warn_once(f"tierstore: {mp} on tier {t.name!r} is not a regular file; step {int(m.group(1))} "
+                                   "is skipped")  # fmt: skip
         out.sort(key=lambda c: (-c["step"], c["rank"]))
         for c in out:
             c.pop("rank")
@@ -832,8 +836,10 @@ class Checkpointer:
         :func:`~tierstore.load_sharded`): fills it in place and returns it.
         A copy that fails to load (damaged, missing files) is reported with a
         warning and the next copy (farther tier, then older step) is tried.
-        Returns None when no checkpoint exists. :attr:`restored` tells which
-        copy was used.
+        Returns None when no checkpoint exists (or, without ``into``, when no
+        copy is usable); with ``into``, when copies exist and none is usable,
+        raises ``TierstoreError`` (a failed copy may have written part of
+        ``into``). :attr:`restored` tells which copy was used.
         """
         self._raise_errors()
         cands = self.checkpoints()
@@ -841,6 +847,7 @@ class Checkpointer:
             # Every rank must take the same copy: agree on the candidates of rank 0.
             disk = [{k: v for k, v in c.items() if k != "_snap"} for c in cands if c["path"] is not None]
             cands = _all_gather(disk, self.world, self._pg_ctl)[0]
+        failures: list[str] = []
         for c in cands:
             err: BaseException | None = None
             result: Any = None
@@ -861,7 +868,16 @@ class Checkpointer:
                 f"{why}; trying the next copy",
                 stacklevel=2,
             )
+            failures.append(f"step {c['step']} on tier {c['tier']!r}: {why}")
         self.restored = None
+        if into is not None and failures:
+            # A copy that failed may have written part of its bytes into
+            # `into` before its damage was found: never let that pass for "no
+            # checkpoint" (the caller would train on from those tensors).
+            raise TierstoreError(
+                f"no usable checkpoint among {len(failures)} copies; the tensors of `into` may have been partly "
+                "overwritten by a copy that then failed its checks: " + "; ".join(failures)
+            )
         return None
 
     def close(self, wait: bool = True) -> None:

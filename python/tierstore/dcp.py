@@ -872,6 +872,12 @@ def _classes() -> dict[str, tuple[type, ...]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
+def _same_width_int(dtype: torch.dtype) -> torch.dtype:
+    """An integer dtype of ``dtype``'s width, to copy its bits (the dtype
+    itself where there is none: complex128)."""
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(_itemsize(dtype), dtype)
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return max(1, int(dtype.itemsize))
 
@@ -985,7 +991,9 @@ def load_dcp_into(
                     # Flat local: copy element runs in the piece box's C order.
                     idx = torch.arange(p.box.numel).reshape(p.box.lengths)
                     sel = idx[tuple(slice(r, r + n) for r, n in zip(rel, inter.lengths, strict=True))].reshape(-1)
-                    flat[p.local + sel] = src.reshape(-1).to(flat.dtype)
+                    # Indexed copies of raw bits (index_put lacks some dtypes, uint16 among them).
+                    bits = _same_width_int(flat.dtype)
+                    flat.view(bits)[p.local + sel] = src.reshape(-1).to(flat.dtype).view(bits)
             inters_all.append(boxes)
             needed += p.box.numel * dest.element_size()
         prove_coverage(key, lay, inters_all)

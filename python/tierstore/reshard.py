@@ -204,6 +204,31 @@ def prove_coverage(name: str, target: Layout, inters: list[list[Box]]) -> None:
         )
 
 
+def prove_tiling(name: str, shape: Sequence[int], boxes: Sequence[Box], where: str = "checkpoint") -> None:
+    """Raises :class:`CoverageError` unless ``boxes`` (each inside ``shape``)
+    tile the global tensor ``name`` exactly once: no overlap, no hole.
+
+    A load checks this for every global tensor it reads from, not only inside
+    the region it needs: a manifest whose pieces overlap elsewhere says two
+    different things about where some saved element belongs, so none of its
+    claims about that tensor can be trusted.
+    """
+    total = sum(b.numel for b in boxes)
+    want = math.prod(shape)
+    pair = overlapping_pair(boxes)
+    if pair is not None:
+        a, b = boxes[pair[0]], boxes[pair[1]]
+        raise CoverageError(
+            f"{where}: global tensor {name!r}: saved pieces {a.offsets}+{a.lengths} and {b.offsets}+{b.lengths} "
+            "overlap; the manifest is damaged"
+        )
+    if total != want:
+        raise CoverageError(
+            f"{where}: global tensor {name!r} of shape {tuple(shape)}: its saved pieces hold {total} of {want} "
+            "elements; the manifest is damaged"
+        )
+
+
 def overlapping_pair(boxes: Sequence[Box]) -> tuple[int, int] | None:
     """Two boxes that overlap, or None when all are pairwise disjoint.
 

@@ -471,6 +471,7 @@ def make_plan(ck: Checkpoint, targets: list[_Target]) -> Plan:
                     f"tensor {t.key!r}: global tensor {piece.tensor!r} has shape {idx.shape} in the checkpoint, "
                     f"but the target layout says {t.layout.global_shapes[piece.tensor]}"
                 )
+            ck.check_tensor(piece.tensor)
             hits = idx.overlapping(piece.box)
             for src, _b in hits:
                 if src.itemsize != item:

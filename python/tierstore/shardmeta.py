@@ -34,7 +34,7 @@ import torch
 from tierstore import _archive, _metadata, _paths, manifest
 from tierstore.errors import ManifestError, NotFoundError
 from tierstore.layout import Box, Piece
-from tierstore.reshard import GlobalIndex, Source
+from tierstore.reshard import GlobalIndex, Source, prove_tiling
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "Checkpoint", "dtype_of", "read_manifest", "write_manifest"]
 
@@ -262,6 +262,7 @@ class Checkpoint:
         stored = m["stored"]
         self.stored = stored
         self._checked: dict[int, dict[str, ChunkTable]] = {}
+        self._tiled: set[str] = set()
         self.index: dict[str, GlobalIndex] = {}
         items = {name: _itemsize(dtype_of(g["dtype"])) for name, g in m["tensors"].items()}
         for name, g in m["tensors"].items():
@@ -283,6 +284,15 @@ class Checkpoint:
 
     def dtype_of(self, name: str) -> torch.dtype:
         return dtype_of(self.manifest["tensors"][name]["dtype"])
+
+    def check_tensor(self, name: str) -> None:
+        """Proves (once) that the saved pieces of global tensor ``name`` tile
+        it exactly: the planner relies on it for every region it reads."""
+        if name in self._tiled:
+            return
+        idx = self.index[name]
+        prove_tiling(name, idx.shape, [s.piece.box for s in idx.sources], self.manifest_path)
+        self._tiled.add(name)
 
     def check_file(self, fi: int) -> dict[str, ChunkTable]:
         """Checks data file ``fi`` against the manifest (once) and returns the
