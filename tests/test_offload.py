@@ -846,8 +846,17 @@ def test_offload_entry_formats() -> None:
     from tierstore.errors import TierstoreError
     from tierstore.offload import offload_meta
 
-    assert offload_meta(("tierstore-offload/1", {"steps": 1}), "ck") == {"steps": 1}  # before split masters
-    assert offload_meta(("tierstore-offload/2", {"steps": 2}), "ck") == {"steps": 2}
+    empty = {"param_groups": [], "subgroups": []}  # the least a valid entry holds
+    assert offload_meta(("tierstore-offload/1", {"steps": 1, **empty}), "ck") == {"steps": 1, **empty}  # before split
+    assert offload_meta(("tierstore-offload/2", {"steps": 2, **empty}), "ck") == {"steps": 2, **empty}
+    with pytest.raises(TierstoreError, match=r"subgroups\[0\]\.nbytes"):  # every size is checked before use
+        offload_meta(
+            (
+                "tierstore-offload/2",
+                {"param_groups": [], "subgroups": [{"index": 0, "group": 0, "first": 0, "count": 1, "nbytes": -1}]},
+            ),
+            "ck",
+        )
     with pytest.raises(TierstoreError, match=r"ck/step-3: .*'tierstore-offload/9'.*newer"):
         offload_meta(("tierstore-offload/9", {}), "ck/step-3")
     with pytest.raises(TierstoreError, match="not the checkpoint of an offloaded optimizer"):
