@@ -524,3 +524,33 @@ def test_deeply_nested_pickle_is_refused_not_a_crash(tmp_path: Path, proto: int)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("refused"), (r.returncode, r.stdout, r.stderr[-500:])
     assert "nested" in r.stdout
+
+
+@pytest.mark.parametrize("edit", ["transpose_all", "empty_tensor", "move_piece"])
+def test_a_resealed_manifest_cannot_redescribe_what_a_file_holds(tmp_path: Path, edit: str) -> None:
+    """Each data file records the layout of every tensor it holds: a manifest
+    re-sealed with a valid checksum that consistently transposes a tensor,
+    declares it empty, or moves a piece is refused against it."""
+    d = tmp_path / "ck"
+    full = torch.arange(4 * 8, dtype=torch.float32).reshape(4, 8)
+    sd = {f"p{r}": attach(full[2 * r : 2 * r + 2].clone(), Layout.shard("w", (4, 8), 0, r, 2)) for r in range(2)}
+    tierstore.save_sharded({**sd, "b": torch.ones(3)}, d)
+    m = _manifest(d)
+    g = m["tensors"]["w"]
+    if edit == "transpose_all":
+        g["shape"] = g["shape"][::-1]
+        for s in m["stored"]:
+            if s["key"].startswith("p"):
+                s["shape"] = s["shape"][::-1]
+        for pc in g["pieces"]:
+            pc[1] = [pc[1][0][::-1], pc[1][1][::-1]]
+            pc[2] = [pc[2][0][::-1], pc[2][1][::-1]]
+    elif edit == "empty_tensor":
+        g["shape"] = [0]
+        g["pieces"] = []
+    elif edit == "move_piece":
+        g["pieces"][0][1][0] = [2, 0]
+        g["pieces"][1][1][0] = [0, 0]
+    _reseal(d, m)
+    with pytest.raises(ManifestError, match=r"does not match manifest\.json"):
+        consolidate(d)

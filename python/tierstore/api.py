@@ -79,7 +79,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _tensor_entries(
-    found: list[tuple[list[str | int], torch.Tensor]], collector: _pickle.StorageCollector
+    found: list[tuple[list[str | int], torch.Tensor]],
+    collector: _pickle.StorageCollector,
+    layouts: Mapping[tuple[str | int, ...], Any] | None = None,
 ) -> list[dict[str, Any]]:
     out = []
     for path, t in found:
@@ -99,7 +101,7 @@ def _tensor_entries(
                 "shape": list(t.shape),
                 "stride": list(t.stride()),
                 "storage_offset": t.storage_offset(),
-                "layout": None,
+                "layout": None if layouts is None else layouts.get(tuple(path)),
             }
         )
     return out
@@ -141,6 +143,7 @@ def save(
     background: bool = False,
     _gates: Gates | None = None,
     _chunk_checksums: bool = False,
+    _layouts: Mapping[tuple[str | int, ...], Any] | None = None,
 ) -> None:
     """Saves ``obj`` to ``f`` like ``torch.save``, at the disk's speed.
 
@@ -171,12 +174,23 @@ def save(
     pickler = _PickleJob(obj, pickle_module, pickle_protocol, collector)
     if isinstance(f, (str, os.PathLike)):
         _save_path(
-            os.fspath(f), prefix, pickler, found, small, durable, progress, align, background, _gates, _chunk_checksums
+            os.fspath(f),
+            prefix,
+            pickler,
+            found,
+            small,
+            durable,
+            progress,
+            align,
+            background,
+            _gates,
+            _chunk_checksums,
+            layouts=_layouts,
         )
     else:
         data_pkl = pickler.run()
         storages = _host_storages(collector)
-        parts = _ManifestParts(prefix, collector, found, align)
+        parts = _ManifestParts(prefix, collector, found, align, _layouts)
         _save_stream(f, prefix, data_pkl, storages, small, parts, align)
 
 
@@ -198,9 +212,10 @@ class _ManifestParts:
         collector: _pickle.StorageCollector,
         found: list[tuple[list[str | int], torch.Tensor]],
         align: int,
+        layouts: Mapping[tuple[str | int, ...], Any] | None = None,
     ) -> None:
         self.prefix, self.collector, self.align = prefix, collector, align
-        self.tensors_json = manifest.dump_tensors(_tensor_entries(found, collector))
+        self.tensors_json = manifest.dump_tensors(_tensor_entries(found, collector, layouts))
 
     def build(
         self,
@@ -272,6 +287,8 @@ def _save_path(
     background: bool = False,
     gates: Gates | None = None,
     chunk_checksums: bool = False,
+    *,
+    layouts: Mapping[tuple[str | int, ...], Any] | None = None,
 ) -> None:
     collector = pickler.collector
     w = _core.create_writer(get_engine(), path, align=align, durable=durable, background=background)
@@ -293,7 +310,7 @@ def _save_path(
             # Pickling and most of the manifest are done while the engine writes.
             data_pkl = pickler.run()
             late = [key for key in collector.storages if key not in added]
-            parts = _ManifestParts(prefix, collector, found, align)
+            parts = _ManifestParts(prefix, collector, found, align, layouts)
             w.wait_data(cb)
             if late:  # storages only the pickler found (inside custom objects)
                 add_new()

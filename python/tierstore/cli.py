@@ -252,6 +252,7 @@ def _verify_dir(path: str, weights_only: bool) -> int:
     if dcp.is_dcp(path) and not os.path.exists(os.path.join(path, MANIFEST)):
         return _verify_dcp(path, weights_only)
     ck = Checkpoint(path)
+    ck.check_all_files()
     m = ck.manifest
     for name, g in m["tensors"].items():
         boxes = [Box.from_json(p[1]) for p in g["pieces"]]

@@ -52,7 +52,6 @@ from tierstore.shardmeta import (
     Checkpoint,
     ChunkTable,
     dtype_of,
-    read_manifest,
     write_atomic,
     write_manifest,
 )
@@ -278,6 +277,7 @@ def save_sharded(
                 background=background,
                 _gates=_gates,
                 _chunk_checksums=True,
+                _layouts={("tensors", k): layouts[k].to_json() for k in contiguous},
             )
             arch, m, _offsets = _archive.open_archive(str(d / fname))
             assert m is not None
@@ -537,6 +537,7 @@ def load_sharded(
     weights_only: bool = True,
     stats: dict[str, Any] | None = None,
     verify: str | bool = "touched",
+    _checkpoint: Checkpoint | None = None,
 ) -> MutableMapping[str, Any]:
     """Fills ``state_dict`` in place from the checkpoint at ``path``.
 
@@ -562,7 +563,7 @@ def load_sharded(
 
     if not (Path(path) / MANIFEST).exists() and dcp.is_dcp(path):
         return _load_from_dcp(path, state_dict, world, weights_only, stats, verify)
-    ck = Checkpoint(path)
+    ck = _checkpoint if _checkpoint is not None else Checkpoint(path)
     targets: list[_Target] = []
     objects_wanted: list[tuple[str, MutableMapping[str, Any], str]] = []
     for key, v, parent, k in _flatten(state_dict):
@@ -701,8 +702,10 @@ def consolidate(
 
     if not (Path(path) / MANIFEST).exists() and dcp.is_dcp(path):
         return dcp.to_state_dict(path, weights_only)
-    m = read_manifest(path)
+    ck = Checkpoint(path)
+    m = ck.manifest
     _check_consolidated_size(Path(path), m)
+    ck.check_all_files()  # the global shapes it allocates, against what each file holds
     sd: dict[str, Any] = {name: torch.empty(g["shape"], dtype=_dtype(g["dtype"])) for name, g in m["tensors"].items()}
     for key in m["objects"]:
         sd[key] = None
@@ -722,7 +725,7 @@ def consolidate(
         )
     flat_sd: dict[str, Any] = {}
     # load_sharded flattens nested dicts; global names are already flat keys.
-    load_sharded(path, sd, weights_only=weights_only, per_rank_policy=per_rank_policy)
+    load_sharded(path, sd, weights_only=weights_only, per_rank_policy=per_rank_policy, _checkpoint=ck)
     flat_sd.update(sd)
     return flat_sd
 

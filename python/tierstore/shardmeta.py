@@ -232,6 +232,17 @@ def read_attachment(d: Path, m: dict[str, Any], name: str, limit: int = 1 << 30)
     return data
 
 
+def _piece_key(name: str, box: Any, local: Any) -> tuple[Any, ...]:
+    """A piece as ``(tensor, box, local)`` of tuples, comparable and hashable."""
+    b = (tuple(box[0]), tuple(box[1]))
+    lo = ("box", tuple(local[0]), tuple(local[1])) if isinstance(local, list) else ("flat", int(local))
+    return (name, b, lo)
+
+
+def _local_json(p: Piece) -> Any:
+    return p.local.to_json() if isinstance(p.local, Box) else p.local
+
+
 @dataclass
 class ChunkTable:
     """The checksums of one record, as ``_core.read_ranges_verified`` takes them."""
@@ -263,6 +274,12 @@ class Checkpoint:
         self.stored = stored
         self._checked: dict[int, dict[str, ChunkTable]] = {}
         self._tiled: set[str] = set()
+        # stored index -> the pieces manifest.json says it holds, in a form
+        # comparable with the layout the data file recorded for the tensor.
+        self._pieces_of: dict[int, list[tuple[Any, ...]]] = {}
+        for name, g in m["tensors"].items():
+            for sidx, box, local in g["pieces"]:
+                self._pieces_of.setdefault(sidx, []).append(_piece_key(name, box, local))
         self.index: dict[str, GlobalIndex] = {}
         items = {name: _itemsize(dtype_of(g["dtype"])) for name, g in m["tensors"].items()}
         for name, g in m["tensors"].items():
@@ -364,10 +381,57 @@ class Checkpoint:
             assert isinstance(so, int)
             if s["offset"] != r["offset"] + so * item:
                 raise bad(f"stored[{si}] ({key!r}): offset {s['offset']} is not where the tensor starts")
+            if self.version >= 2:
+                self._check_layout(si, s, t.get("layout"), bad)
             if rname not in tables:
                 tables[rname] = self._table(p, arch, fm, offsets, r)
         self._checked[fi] = tables
         return tables
+
+    def check_all_files(self) -> None:
+        """Checks every data file against the manifest (for readers that take
+        the manifest's word for whole tensors: consolidate, verify)."""
+        for fi in range(len(self.files)):
+            self.check_file(fi)
+
+    def _check_layout(self, si: int, s: dict[str, Any], lay_json: Any, bad: Any) -> None:
+        """The pieces manifest.json gives stored tensor ``si`` against the
+        layout its data file recorded for it: every piece it names must be
+        one the file holds, with the same global shape, and every piece of
+        the file's no global tensor references must be a replica (held and
+        referenced elsewhere). So no manifest can move, drop, reshape or
+        transpose what a data file says it holds."""
+        from tierstore.layout import Layout
+
+        key = s["key"]
+        try:
+            lay = Layout.from_json(lay_json)
+        except Exception as e:  # any malformed layout in the data file
+            raise bad(f"stored[{si}] ({key!r}): the file records no valid layout for it ({type(e).__name__})") from None
+        if lay.local_shape != tuple(s["shape"]):
+            raise bad(f"stored[{si}] ({key!r}): the file's layout is for a local shape {list(lay.local_shape)}")
+        held = {_piece_key(p.tensor, p.box.to_json(), _local_json(p)): p for p in lay.pieces}
+        named = self._pieces_of.get(si, [])
+        tensors = self.manifest["tensors"]
+        for pk in named:
+            if pk not in held:
+                raise bad(
+                    f"stored[{si}] ({key!r}): manifest.json says it holds {pk[0]!r} box {list(pk[1])}, which its "
+                    "data file's layout does not"
+                )
+            if tuple(tensors[pk[0]]["shape"]) != tuple(lay.global_shapes.get(pk[0], ())):
+                raise bad(
+                    f"stored[{si}] ({key!r}): global tensor {pk[0]!r} has shape {tensors[pk[0]]['shape']} in "
+                    f"manifest.json and {list(lay.global_shapes.get(pk[0], ()))} in the data file's layout"
+                )
+        left = set(held) - set(named)
+        for pk in left:
+            p = held[pk]
+            if not lay.is_replica(p):
+                raise bad(
+                    f"stored[{si}] ({key!r}): its piece of {p.tensor!r} box {list(pk[1])} is referenced by no "
+                    "global tensor of manifest.json"
+                )
 
     def check_objects_file(self, name: str) -> Path:
         """The objects file ``name``, checked against the manifest's record of
