@@ -81,7 +81,9 @@ bench-reshard: setup ## resharding loads against DCP and a UCP-style path; tiers
 	$(VPY) benches/bench_reshard.py --out docs/bench
 
 fuzz: setup ## long fuzz campaign over every load path (10,000 cases); prints the table
-	$(VPY) tests/fuzz/campaign.py --cases 10000 --seed 1 --json docs/bench/fuzz.json | tee docs/bench/fuzz.txt
+	@mkdir -p bench-results
+	$(VPY) tests/fuzz/campaign.py --cases 10000 --seed 1 --json bench-results/fuzz.json | tee bench-results/fuzz.log
+	grep -v '^\[' bench-results/fuzz.log > docs/bench/fuzz.txt
 
 gpu-check: setup ## GPU checks (on a machine with a GPU)
 	bash benches/gpu_check.sh
