@@ -554,3 +554,26 @@ def test_a_resealed_manifest_cannot_redescribe_what_a_file_holds(tmp_path: Path,
     _reseal(d, m)
     with pytest.raises(ManifestError, match=r"does not match manifest\.json"):
         consolidate(d)
+
+
+def test_overlap_sweep_agrees_with_brute_force() -> None:
+    import itertools
+
+    from tierstore.layout import Box
+    from tierstore.reshard import overlapping_pair
+
+    rng = random.Random(3)
+    for _ in range(3000):
+        nd = rng.randrange(1, 4)
+        boxes = [
+            Box(tuple(rng.randrange(8) for _ in range(nd)), tuple(rng.randrange(0, 5) for _ in range(nd)))
+            for _ in range(rng.randrange(2, 14))
+        ]
+        brute = next(
+            ((i, j) for (i, a), (j, b) in itertools.combinations(enumerate(boxes), 2) if a.intersect(b) is not None),
+            None,
+        )
+        got = overlapping_pair(boxes)
+        assert (got is None) == (brute is None), boxes
+        if got is not None:
+            assert boxes[got[0]].intersect(boxes[got[1]]) is not None

@@ -253,10 +253,9 @@ def overlapping_pair(boxes: Sequence[Box]) -> tuple[int, int] | None:
     starts = slo[:, dim]
     # Box k overlaps in `dim` with the boxes after it that start before it ends.
     stop = np.searchsorted(starts, shi[:, dim], side="left")
-    for k in range(len(order)):
+    # Only those boxes need a look (none, for row or column shards and flat ranges).
+    for k in np.nonzero(stop > np.arange(1, len(order) + 1))[0].tolist():
         j0, j1 = k + 1, int(stop[k])
-        if j1 <= j0:
-            continue
         meet = np.all(np.maximum(slo[j0:j1], slo[k]) < np.minimum(shi[j0:j1], shi[k]), axis=1)
         hit = np.nonzero(meet)[0]
         if len(hit):
