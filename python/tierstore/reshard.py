@@ -213,14 +213,24 @@ def prove_tiling(name: str, shape: Sequence[int], boxes: Sequence[Box], where: s
     different things about where some saved element belongs, so none of its
     claims about that tensor can be trusted.
     """
-    total = sum(b.numel for b in boxes)
+    nd = len(shape)
+    lo = np.array([b.offsets for b in boxes], dtype=np.int64).reshape(len(boxes), nd)
+    hi = lo + np.array([b.lengths for b in boxes], dtype=np.int64).reshape(len(boxes), nd)
+    prove_tiling_arrays(name, shape, lo, hi, where)
+
+
+def prove_tiling_arrays(name: str, shape: Sequence[int], lo: np.ndarray, hi: np.ndarray, where: str) -> None:
+    """:func:`prove_tiling` of boxes given as ``(k, nd)`` arrays of starts and ends."""
+    # Each box lies inside the shape (checked when the manifest was read), so
+    # no product below overflows; the sum is taken in Python integers.
+    total = sum((hi - lo).prod(axis=1).tolist()) if len(lo) else 0
     want = math.prod(shape)
-    pair = overlapping_pair(boxes)
+    pair = _overlapping_pair(lo, hi)
     if pair is not None:
-        a, b = boxes[pair[0]], boxes[pair[1]]
+        i, j = pair
         raise CoverageError(
-            f"{where}: global tensor {name!r}: saved pieces {a.offsets}+{a.lengths} and {b.offsets}+{b.lengths} "
-            "overlap; the manifest is damaged"
+            f"{where}: global tensor {name!r}: saved pieces {tuple(lo[i].tolist())}+{tuple((hi[i] - lo[i]).tolist())} "
+            f"and {tuple(lo[j].tolist())}+{tuple((hi[j] - lo[j]).tolist())} overlap; the manifest is damaged"
         )
     if total != want:
         raise CoverageError(
@@ -232,7 +242,7 @@ def prove_tiling(name: str, shape: Sequence[int], boxes: Sequence[Box], where: s
 def overlapping_pair(boxes: Sequence[Box]) -> tuple[int, int] | None:
     """Two boxes that overlap, or None when all are pairwise disjoint.
 
-    A sweep along the dimension where the boxes' starts are most spread:
+    A sweep along the dimension where the boxes' starts spread furthest:
     after sorting by start there, each box is compared only with the boxes
     that start before it ends (vectorised), so blocks, rows, columns and flat
     ranges cost about n log n; the worst case stays exact.
@@ -241,12 +251,22 @@ def overlapping_pair(boxes: Sequence[Box]) -> tuple[int, int] | None:
     if n < 2:
         return None
     nd = len(boxes[0].offsets)
-    if nd == 0:
-        return (0, 1)  # two pieces of one 0-dim tensor
     lo = np.array([b.offsets for b in boxes], dtype=np.int64).reshape(n, nd)
     hi = lo + np.array([b.lengths for b in boxes], dtype=np.int64).reshape(n, nd)
+    return _overlapping_pair(lo, hi)
+
+
+def _overlapping_pair(lo: np.ndarray, hi: np.ndarray) -> tuple[int, int] | None:
+    n, nd = lo.shape
+    if n < 2:
+        return None
+    if nd == 0:
+        return (0, 1)  # two pieces of one 0-dim tensor
     empty = np.any(hi <= lo, axis=1)
-    dim = int(np.argmax([len(np.unique(lo[:, d])) for d in range(nd)]))
+    # The dimension whose starts spread furthest across the boxes' extent
+    # (only speed depends on the choice, never the answer).
+    spread = np.ptp(lo, axis=0) / np.maximum(hi.max(axis=0) - lo.min(axis=0), 1)
+    dim = int(np.argmax(spread))
     order = np.argsort(lo[:, dim], kind="stable")
     order = order[~empty[order]]
     slo, shi = lo[order], hi[order]

@@ -34,7 +34,7 @@ import torch
 from tierstore import _archive, _metadata, _paths, manifest
 from tierstore.errors import ManifestError, NotFoundError
 from tierstore.layout import Box, Piece
-from tierstore.reshard import GlobalIndex, Source, prove_tiling
+from tierstore.reshard import GlobalIndex, Source, prove_tiling_arrays
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "Checkpoint", "dtype_of", "read_manifest", "write_manifest"]
 
@@ -308,7 +308,7 @@ class Checkpoint:
         if name in self._tiled:
             return
         idx = self.index[name]
-        prove_tiling(name, idx.shape, [s.piece.box for s in idx.sources], self.manifest_path)
+        prove_tiling_arrays(name, idx.shape, idx.lo, idx.hi, self.manifest_path)
         self._tiled.add(name)
 
     def check_file(self, fi: int) -> dict[str, ChunkTable]:
