@@ -230,7 +230,7 @@ pub struct TableRange {
 }
 
 /// Bytes of direct reads per batch (verified while the next batch is read).
-const DIRECT_BATCH: usize = 32 << 20;
+const DIRECT_BATCH: usize = 8 << 20;
 
 /// A read-only shared mapping of a whole file, unmapped on drop.
 struct Mapping {
@@ -292,6 +292,27 @@ impl Mapping {
         }
         // SAFETY: inside the mapping (asserted), which lives as long as `self`.
         unsafe { std::slice::from_raw_parts(self.base.add(o), n) }
+    }
+}
+
+impl Mapping {
+    /// Asks the kernel to read `[offset, offset + len)` ahead (a hint; a
+    /// refusal is not an error).
+    fn will_need(&self, offset: u64, len: u64) {
+        let page = 4096u64;
+        let start = offset / page * page;
+        let end = (offset + len).min(self.len as u64);
+        if self.len == 0 || start >= end {
+            return;
+        }
+        // SAFETY: a range inside our own mapping; MADV_WILLNEED only schedules reads.
+        unsafe {
+            libc::madvise(
+                self.base.add(start as usize).cast_mut().cast(),
+                (end - start) as usize,
+                libc::MADV_WILLNEED,
+            );
+        }
     }
 }
 
@@ -570,6 +591,22 @@ pub unsafe fn read_ranges_verified(
     out.checked += direct_bytes;
     if !mapped.is_empty() {
         let map = Mapping::new(file)?;
+        // Start the reads of every record span the mapped chunks lie in, so
+        // that the disk works while the first chunks are checksummed
+        // (`mapped` is in table order).
+        let mut k = 0;
+        while k < mapped.len() {
+            let ti = mapped[k].0;
+            let mut j = k;
+            while j + 1 < mapped.len() && mapped[j + 1].0 == ti {
+                j += 1;
+            }
+            let t = &tables[ti];
+            let (s, _) = t.chunk_span(mapped[k].1);
+            let (_, e) = t.chunk_span(mapped[j].1);
+            map.will_need(t.data_offset + s, e - s);
+            k = j + 1;
+        }
         par_each(&mapped, threads, 64, |&(ti, i, from, to)| {
             let t = &tables[ti];
             let (cs, ce) = t.chunk_span(i);
