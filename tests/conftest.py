@@ -1,4 +1,11 @@
-"""Shared fixtures: the I/O backend matrix, helpers for subprocesses and mounts."""
+"""Shared fixtures: the I/O backend matrix, helpers for subprocesses and mounts.
+
+Tests that need root (a tmpfs mount, a remount, loop devices, ptrace) skip
+through :func:`skip_for_privilege`, whose reason starts with
+``PRIVILEGE_SKIP``; the terminal summary counts those skips in a line of its
+own, so that a CI machine without root cannot drop them silently, and
+``TIERSTORE_REQUIRE_ROOT_TESTS=1`` turns each of them into a failure.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
 import torch
@@ -16,6 +24,40 @@ import tierstore
 from tierstore import _core
 
 BACKENDS = ["io_uring", "threads", "buffered"]
+
+PRIVILEGE_SKIP = "needs root: "
+REQUIRE_ROOT_ENV = "TIERSTORE_REQUIRE_ROOT_TESTS"
+
+
+def skip_for_privilege(why: str) -> NoReturn:
+    """Skips a test that cannot run without root (or fails it when
+    ``TIERSTORE_REQUIRE_ROOT_TESTS=1``); counted in the terminal summary."""
+    msg = f"{PRIVILEGE_SKIP}{why}"
+    if os.environ.get(REQUIRE_ROOT_ENV, "") not in ("", "0"):
+        pytest.fail(f"{msg} ({REQUIRE_ROOT_ENV} is set)", pytrace=False)
+    pytest.skip(msg)
+
+
+def _skip_reason(rep: pytest.TestReport) -> str:
+    lr = rep.longrepr
+    if isinstance(lr, tuple) and len(lr) == 3:
+        return str(lr[2]).removeprefix("Skipped: ")
+    return str(lr)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """One line counting the tests skipped for lack of privilege, in red."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if _skip_reason(r).startswith(PRIVILEGE_SKIP)]
+    if not skipped:
+        return
+    terminalreporter.write_sep(
+        "!",
+        f"{len(skipped)} test(s) SKIPPED FOR LACK OF PRIVILEGE (run as root, or set {REQUIRE_ROOT_ENV}=1 to fail)",
+        red=True,
+        bold=True,
+    )
+    for r in skipped:
+        terminalreporter.write_line(f"  {r.nodeid}: {_skip_reason(r)}")
 
 
 def _available(backend: str) -> bool:
@@ -56,7 +98,7 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
     mnt.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True, check=False)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+        skip_for_privilege(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     try:
         yield mnt
     finally:

@@ -10,7 +10,7 @@ import zipfile
 
 import pytest
 import torch
-from conftest import tensors_equal
+from conftest import skip_for_privilege, tensors_equal
 
 import tierstore
 from tierstore import _archive
@@ -165,7 +165,7 @@ def test_directory_with_absurd_size_does_not_allocate(tmp_path: pathlib.Path) ->
 def _mount_ro(src: pathlib.Path) -> None:
     r = subprocess.run(["mount", "-o", "remount,ro", str(src)], capture_output=True, check=False)
     if r.returncode != 0:
-        pytest.skip(f"cannot remount read-only: {r.stderr.decode().strip()}")
+        skip_for_privilege(f"cannot remount read-only: {r.stderr.decode().strip()}")
 
 
 def test_read_only_directory(tmpfs: pathlib.Path) -> None:

@@ -51,6 +51,7 @@ from tierstore.shardmeta import (
     MANIFEST,
     Checkpoint,
     ChunkTable,
+    _fsync_dir,
     dtype_of,
     write_atomic,
     write_manifest,
@@ -197,6 +198,23 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     write_atomic(path, _metadata.dumps(data))
 
 
+def _make_dir(d: Path, durable: bool) -> None:
+    """Creates ``d`` and its missing parents. When ``durable``, fsyncs the
+    parent of each directory made here, and ``d``'s parent in any case (the
+    caller may just have made ``d``, as a Checkpointer makes its step
+    directory), so that the checkpoint's directory entry survives a power loss
+    once the manifest is committed."""
+    made: list[Path] = []
+    p = d
+    while not os.path.lexists(p) and p.parent != p:
+        made.append(p)
+        p = p.parent
+    d.mkdir(parents=True, exist_ok=True)
+    if durable:
+        for parent in dict.fromkeys([d.parent, *(m.parent for m in made)]):
+            _fsync_dir(parent)
+
+
 def save_sharded(
     state_dict: Mapping[str, Any],
     path: str | os.PathLike[str],
@@ -211,13 +229,16 @@ def save_sharded(
 
     See the module documentation for what the values may be. Returns after
     the checkpoint is committed (``manifest.json`` written by rank 0).
+    ``durable=False`` skips every fsync (of the data files, the manifest and
+    the directories): the commit stays atomic against a process crash but
+    not against a power loss.
     ``_attachments`` names files rank 0 wrote into the directory before
     (``checkpoint.json``): the manifest records their size and CRC-32.
     """
     rank, world, pg = _group_info(process_group)
     d = Path(path)
     if rank == 0:
-        d.mkdir(parents=True, exist_ok=True)
+        _make_dir(d, durable)
     _barrier(world, pg)
     if not d.is_dir():
         raise NotFoundError(f"{d}: checkpoint directory does not exist", path=str(d))
@@ -316,7 +337,7 @@ def save_sharded(
         for name in _attachments:
             data = (d / name).read_bytes()
             m["attachments"][name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
-        write_manifest(d, m)
+        write_manifest(d, m, durable)
         _collect_garbage(d, save_id)
     _barrier(world, pg)
 

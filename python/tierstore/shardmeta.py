@@ -66,19 +66,23 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Writes ``data`` to ``path`` through a temporary name, fsynced, renamed, directory fsynced."""
+def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
+    """Writes ``data`` to ``path`` through a temporary name, fsynced, renamed,
+    directory fsynced; ``durable=False`` skips both fsyncs (the replace stays
+    atomic against a process crash, not against a power loss)."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    if durable:
+        _fsync_dir(path.parent)
 
 
-def write_manifest(d: Path, m: dict[str, Any]) -> None:
-    write_atomic(d / MANIFEST, _metadata.dumps(m))
+def write_manifest(d: Path, m: dict[str, Any], durable: bool = True) -> None:
+    write_atomic(d / MANIFEST, _metadata.dumps(m), durable)
 
 
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
