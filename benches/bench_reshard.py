@@ -5,11 +5,15 @@ A model-shaped checkpoint (fp32 transformer weights, ~1.2 GiB by default) is
 saved by ``--ranks`` processes (gloo on loopback) as DTensors sharded
 ``Shard(0)`` on a 1-D mesh, then loaded by the same number of processes on a
 2-D mesh with ``(Shard(1), Shard(0))`` (FSDP + TP) and on a column-parallel
-``Shard(1)`` layout. For each system it reports, per rank: bytes read divided
-by the bytes the rank needs (tierstore: bytes it asked for; both: bytes the
-kernel read from the device, from /proc/self/io), load time, save time and
-planning time; tierstore in each verification mode (``verify="touched"``,
-the default; ``"full"``; ``False``), with bytes read also over the bytes
+``Shard(1)`` layout. For each system it reports, per rank, the bytes read
+over the bytes the rank needs, measured the same way for every system: what
+the rank's process read from the device (``read_bytes`` of its own
+/proc/self/io before and after its load, page cache dropped before each
+load; readahead and O_DIRECT counted alike), next to tierstore's planner's
+count of the bytes it asked for and ``rchar``; and load time, save time and
+planning time. tierstore runs in each verification mode (``verify="touched"``,
+the default; ``"full"``; ``False``), interleaved with DCP over ``--repeats``
+rounds, with bytes read also over the bytes
 needed rounded out to the 4 KiB blocks O_DIRECT reads anyway. The UCP-style
 path consolidates the checkpoint offline into one file per tensor, then every
 rank loads whole tensors and slices them.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import math
 import multiprocessing as mp
@@ -44,12 +49,15 @@ def drop_caches() -> None:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def io_counter(name: str) -> int:
-    """A field of /proc/self/io: ``rchar`` (bytes asked of read calls)."""
+def proc_io() -> dict[str, int]:
+    """/proc/self/io of this rank's process (all its threads): ``read_bytes``
+    (bytes its reads brought from the block device, readahead and O_DIRECT
+    included), ``rchar`` (bytes asked of read(2)-style calls)."""
+    out = {}
     for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith(name + ":"):
-            return int(line.split()[1])
-    return 0
+        k, v = line.split(":")
+        out[k] = int(v)
+    return out
 
 
 def shapes(layers: int, hidden: int) -> dict[str, tuple[int, int]]:
@@ -164,23 +172,23 @@ def _run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     sd = _local_dtensors(shp, job["dst"], world, False)
     needed = sum(dt.to_local().numel() * 4 for dt in sd.values())
     res["needed"] = needed
-    # tierstore's three verification modes, interleaved over rounds in
-    # alternating order so that drift favours none; DCP and the UCP path once.
+    # tierstore's three verification modes and DCP, interleaved over rounds in
+    # alternating order so that drift favours none; the UCP path once.
     order: list[str] = []
     for rep in range(job["repeats"]):
-        order += TS_MODES if rep % 2 == 0 else TS_MODES[::-1]
-    order += ["dcp", "ucp"]
+        order += LOAD_SYSTEMS if rep % 2 == 0 else LOAD_SYSTEMS[::-1]
+    order += ["ucp"]
     for system in order:
         sd = _local_dtensors(shp, job["dst"], world, False)
         if rank == 0:
             drop_caches()
         dist.barrier()
-        io0 = io_counter("rchar")
+        io0 = proc_io()
         t0 = time.perf_counter()
         if system in TS_MODES:
             stats: dict[str, Any] = {}
             tierstore.load_sharded(job["tierstore"], sd, stats=stats, verify=TS_VERIFY[system])
-            res[f"{system}_requested"] = stats["bytes_read"]
+            res[f"{system}_planned"] = stats["bytes_read"]
             res[f"{system}_verified"] = stats["bytes_verified"]
             res["needed_blocks"] = stats["bytes_needed_blocks"]
             res[f"{system}_plan_s"] = stats["plan_seconds"]
@@ -198,15 +206,13 @@ def _run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                 full = tierstore.load(f)
                 lshape, off = compute_local_shape_and_global_offset(shp[name], dt.device_mesh, dt.placements)
                 dt.to_local().copy_(full[off[0] : off[0] + lshape[0], off[1] : off[1] + lshape[1]])
+            res["ucp_planned"] = ucp_bytes
+        io1 = proc_io()  # this rank's own reads, before waiting for the others
         dist.barrier()
         res.setdefault(f"{system}_load_runs", []).append(time.perf_counter() - t0)
         res[f"{system}_load_s"] = statistics.median(res[f"{system}_load_runs"])
-        # Bytes each rank asked storage for: tierstore counts its own ranges,
-        # DCP reads through read(2) (rchar), the UCP path reads whole files.
-        if system == "dcp":
-            res["dcp_requested"] = io_counter("rchar") - io0
-        elif system == "ucp":
-            res["ucp_requested"] = ucp_bytes
+        res.setdefault(f"{system}_read_bytes_runs", []).append(io1["read_bytes"] - io0["read_bytes"])
+        res.setdefault(f"{system}_rchar_runs", []).append(io1["rchar"] - io0["rchar"])
         _check(sd, shp)
     return res
 
@@ -215,6 +221,7 @@ def _run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 # every chunk of every record read from, none.
 TS_MODES = ["tierstore", "tierstore-full", "tierstore-noverify"]
 TS_VERIFY: dict[str, Any] = {"tierstore": "touched", "tierstore-full": "full", "tierstore-noverify": False}
+LOAD_SYSTEMS = [*TS_MODES, "dcp"]
 
 
 def run_ranks(world: int, job: dict[str, Any]) -> list[dict[str, Any]]:
@@ -274,7 +281,7 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=1280)
-    ap.add_argument("--repeats", type=int, default=3, help="rounds of each tierstore verification mode")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of each tierstore verification mode and DCP")
     ap.add_argument("--dir", type=Path, default=Path("bench-results/reshard-tmp"))
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     args = ap.parse_args()
@@ -309,13 +316,26 @@ def main() -> int:
         loads = run_ranks(args.ranks, {**job, "op": "load", "dst": dst, "repeats": args.repeats})
         for system in (*TS_MODES, "dcp", "ucp"):
             ts = system in TS_MODES
+            # Per rank: the median over rounds of what its process read from
+            # the device; the slowest (most-reading) rank and the job's total.
+            dev = [statistics.median(r[f"{system}_read_bytes_runs"]) for r in loads]
+            rchar = [statistics.median(r[f"{system}_rchar_runs"]) for r in loads]
+            needed = [r["needed"] for r in loads]
             rows.append({
                 "transition": f"Shard(0) x{args.ranks} -> {dst}",
                 "system": system,
                 "load_s": max(r[f"{system}_load_s"] for r in loads),
                 "load_runs_s": [max(x) for x in zip(*(r[f"{system}_load_runs"] for r in loads), strict=True)],
-                "read_over_needed": max(r[f"{system}_requested"] / r["needed"] for r in loads),
-                "read_over_blocks": max(r[f"{system}_requested"] / r["needed_blocks"] for r in loads) if ts else None,
+                "device_read_over_needed": max(d / n for d, n in zip(dev, needed, strict=True)),
+                "device_read_over_needed_job": sum(dev) / sum(needed),
+                "device_read_over_blocks": max(d / r["needed_blocks"] for d, r in zip(dev, loads, strict=True))
+                if ts else None,
+                "device_read_bytes_per_rank": dev,
+                "device_read_bytes_runs": [r[f"{system}_read_bytes_runs"] for r in loads],
+                "planned_over_needed": max(r[f"{system}_planned"] / r["needed"] for r in loads)
+                if system != "dcp" else None,
+                "planned_over_blocks": max(r[f"{system}_planned"] / r["needed_blocks"] for r in loads) if ts else None,
+                "rchar_over_needed": max(c / n for c, n in zip(rchar, needed, strict=True)),
                 "verified_bytes": sum(r[f"{system}_verified"] for r in loads) if ts else None,
                 "plan_s": max(r.get(f"{system}_plan_s", float("nan")) for r in loads),
             })  # fmt: skip
@@ -324,17 +344,31 @@ def main() -> int:
     result["planning_10k_tensors_64_ranks_s"] = plan_s
     result["expanding_10k_tensors_64_ranks_s"] = expand_s
     lines = [
+        f"benches/bench_reshard.py --ranks {args.ranks} --repeats {args.repeats} ({datetime.date.today().isoformat()}, "
+        f"{os.cpu_count()} cores; page cache dropped before every load)",
         f"checkpoint {total / 2**30:.2f} GiB, {args.ranks} ranks; save (durable): "
         f"tierstore {result['save_s']['tierstore']:.2f} s, DCP {result['save_s']['dcp']:.2f} s; "
         f"UCP-style offline conversion {ucp_convert_s:.2f} s",
-        f"{'transition':28} {'system':19} {'load s':>7} {'read/needed':>12} {'read/4K blocks':>15} {'plan s':>8}",
+        "bytes over the bytes each rank needs: device = read_bytes of the rank's own /proc/self/io around its load "
+        "(median of rounds; max over ranks, and the job's total), planner = what tierstore's plan asked for "
+        "(UCP: the whole files), rchar = bytes asked of read calls; /4K = over the needed bytes rounded out to "
+        "4 KiB blocks",
+        f"{'transition':24} {'system':19} {'load s (min-max)':>18} {'device':>7} {'job':>6} {'dev/4K':>7} "
+        f"{'planner':>8} {'plan/4K':>8} {'rchar':>7} {'plan s':>7}",
     ]
     by = {(r["transition"], r["system"]): r for r in rows}
+
+    def f3(x: float | None, w: int) -> str:
+        return f"{x:{w}.3f}" if x is not None else " " * w
+
     for r in rows:
-        blocks = f"{r['read_over_blocks']:15.3f}" if r["read_over_blocks"] is not None else f"{'':15}"
+        runs = r["load_runs_s"]
+        ls = f"{r['load_s']:.2f} ({min(runs):.2f}-{max(runs):.2f})"
         lines.append(
-            f"{r['transition']:28} {r['system']:19} {r['load_s']:7.2f} {r['read_over_needed']:12.3f} {blocks} "
-            f"{r['plan_s']:8.3f}"
+            f"{r['transition']:24} {r['system']:19} {ls:>18} {r['device_read_over_needed']:7.3f} "
+            f"{r['device_read_over_needed_job']:6.3f} {f3(r['device_read_over_blocks'], 7)} "
+            f"{f3(r['planned_over_needed'], 8)} {f3(r['planned_over_blocks'], 8)} {r['rchar_over_needed']:7.3f} "
+            f"{r['plan_s']:7.3f}"
         )
     lines.append("verified load time / unverified (median of rounds, slowest rank):")
     for t in dict.fromkeys(r["transition"] for r in rows):

@@ -4,121 +4,207 @@ One run measures, on the same state dicts and the same disk:
 
 - durable saves (each followed by fsync, for every system): ``tierstore.save``,
   ``torch.save``, ``safetensors.torch.save_file``;
-- cold loads (page cache dropped before each): ``tierstore.load``,
-  ``torch.load`` with and without ``mmap=True``, ``safetensors.torch.load_file``;
-  every load touches every page of every tensor, so lazy loaders pay their I/O;
-- the device ceiling: fio with O_DIRECT at queue depth 16 (write with fsync, read).
+- cold loads: ``tierstore.load``, ``torch.load`` with and without
+  ``mmap=True``, ``safetensors.torch.load_file``; before each the file is
+  evicted from the page cache (fsync, ``POSIX_FADV_DONTNEED``; every clean
+  page is dropped once at the start with ``drop_caches``), checked with
+  ``mincore``, and the bytes the load read from the device are counted
+  (``/proc/self/io`` ``read_bytes``); every load touches
+  every page of every tensor, so lazy loaders pay their I/O.
+
+The shared disk's speed drifts within minutes, so the systems are interleaved:
+each repetition runs every save, then every load, once each, in an order that
+is reversed every other repetition, and each measurement is bracketed by a
+short fio probe of the device (O_DIRECT, io_uring, the block size and queue
+depth that were best at the start; a sequential write with fsync before a
+save, a cold sequential read before a load). Each figure is reported against
+the ceiling of its own moment (the better of the probes just before and just
+after it), and as the median with min-max over repetitions. A claim that one
+system is faster than another needs their ranges of fractions of the ceiling
+not to overlap; otherwise the difference is within the spread.
+
+Every measurement runs in a fresh process (``benches/saveload_child.py``), so
+that its memory is its own: current RSS is sampled from ``/proc/self/statm``
+during the operation (and the kernel's peak, reset just before, catches what
+falls between samples); the table gives the peak above the RSS before the
+operation and the RSS once it is over (a load's result still held: N bytes),
+and for tierstore the engine's own buffer accounting.
 
 Two state dicts: ``large`` (a few big fp32 and bf16 tensors, 2 GiB) and
-``small`` (20,000 tensors of 4-256 KiB). Each figure is the median of
-``--reps`` runs, with the spread. It prints a table (GiB/s, ratio to torch and
-to the ceiling, CPU seconds per GiB, peak RSS growth), writes JSON and a PNG
-chart to ``--out``.
+``small`` (20,000 tensors of 4-256 KiB). Prints a table, writes JSON with every
+measurement, a text table, a Markdown table and a PNG chart to ``--out``.
 
-    python benches/bench_save_load.py [--reps 3] [--dir /path/on/the/disk] [--out bench-results]
+    python benches/bench_save_load.py [--reps 5] [--dir /path/on/the/disk] [--out bench-results]
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import datetime
 import json
 import os
-import random
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
-import threading
+import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-import torch
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
-import tierstore
+import saveload_child as child  # noqa: E402
 
 GiB = float(1 << 30)
+MiB = float(1 << 20)
+
+SAVES = ["tierstore", "torch.save", "safetensors"]
+LOADS = ["tierstore", "torch.load", "torch.load mmap", "safetensors"]
+SUFFIX = {"tierstore": ".ts.pt", "torch": ".torch.pt", "safetensors": ".st"}
+
+
+def file_for(d: Path, dataset: str, system: str) -> Path:
+    key = "tierstore" if system == "tierstore" else "safetensors" if system == "safetensors" else "torch"
+    return d / f"{dataset}{SUFFIX[key]}"
 
 
 def drop_caches() -> bool:
+    os.sync()
     try:
-        subprocess.run(["sync"], check=True)
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
         return True
     except OSError:
         return False
 
 
-def prefault(nbytes: int) -> None:
-    """Touches and frees ``nbytes`` of memory before a measurement.
+# ---------------------------------------------------------------- ceiling probes
 
-    On a virtual machine the first touch of guest memory that the host has
-    reclaimed is many times slower than later touches. Every system is
-    measured right after this, so none pays (or escapes) that cost by luck of
-    ordering; on bare metal it changes nothing.
-    """
-    t = torch.empty(nbytes + (256 << 20), dtype=torch.uint8)
-    t.fill_(1)
-    del t
+FIO_CONFIGS = [("8M", 16), ("1M", 64), ("4M", 32)]
 
 
-def fsync_path(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    dfd = os.open(p.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+class Probe:
+    """The device ceiling at a moment: one fio run of ``size`` bytes
+    (O_DIRECT, io_uring), a sequential write ending in fsync or a sequential
+    read of the last file written, cold. Without fio: Python O_DIRECT at queue
+    depth 1 (a lower figure; the report says which)."""
 
-
-def touch(obj: Any) -> None:
-    """Reads one byte of every page of every tensor (forces lazy loads)."""
-    vals = obj.values() if isinstance(obj, dict) else obj
-    acc = 0
-    for t in vals:
-        if isinstance(t, torch.Tensor) and t.numel():
-            flat = t.reshape(-1).view(torch.uint8)
-            acc += int(flat[::4096].sum())
-    if acc == -1:
-        print("impossible")
-
-
-class PeakRSS:
-    """Samples the process RSS every 2 ms; reports the growth above the start."""
-
-    def __init__(self) -> None:
-        self.proc = psutil.Process()
-        self.base = self.proc.memory_info().rss
-        self.peak = self.base
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.002)
-
-    def __enter__(self) -> PeakRSS:
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
+    def __init__(self, directory: Path, size_gib: float) -> None:
+        self.file = directory / "ceiling.probe"
+        self.size = max(int(size_gib * GiB) // (8 << 20) * (8 << 20), 8 << 20)
+        self.fio = shutil.which("fio") is not None
+        self.best = {"write": FIO_CONFIGS[0], "read": FIO_CONFIGS[0]}
+        self.calibration: dict[str, dict[str, float]] = {}
 
     @property
-    def growth(self) -> int:
-        return self.peak - self.base
+    def method(self) -> str:
+        if not self.fio:
+            return f"Python O_DIRECT, queue depth 1, {self.size / GiB:.2f} GiB (fio not found)"
+        w, r = self.best["write"], self.best["read"]
+        return (
+            f"fio O_DIRECT io_uring, {self.size / GiB:.2f} GiB; write bs {w[0]} QD{w[1]} + fsync, "
+            f"cold read bs {r[0]} QD{r[1]}"
+        )
+
+    def _fio(self, rw: str, bs: str, qd: int) -> float:
+        cmd = [
+            "fio", "--name=ceiling", f"--filename={self.file}", f"--size={self.size}", f"--bs={bs}",
+            "--direct=1", "--ioengine=io_uring", f"--iodepth={qd}", "--output-format=json", f"--rw={rw}",
+        ]  # fmt: skip
+        if rw == "write":
+            cmd.append("--end_fsync=1")
+        run = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        job = json.loads(run.stdout)["jobs"][0][rw]
+        return float(job["bw_bytes"]) / GiB
+
+    def _py(self, rw: str) -> float:
+        import mmap
+
+        chunk = 8 << 20
+        buf = mmap.mmap(-1, chunk)
+        buf.write(b"\x01" * chunk)
+        flags = os.O_DIRECT | (os.O_WRONLY | os.O_CREAT | os.O_TRUNC if rw == "write" else os.O_RDONLY)
+        fd = os.open(self.file, flags, 0o644)
+        t0 = time.perf_counter()
+        try:
+            for off in range(0, self.size, chunk):
+                if rw == "write":
+                    os.pwrite(fd, buf, off)
+                else:
+                    os.preadv(fd, [buf], off)
+            if rw == "write":
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return self.size / GiB / (time.perf_counter() - t0)
+
+    def write(self, config: tuple[str, int] | None = None) -> float:
+        self.file.unlink(missing_ok=True)
+        os.sync()
+        bs, qd = config or self.best["write"]
+        return self._fio("write", bs, qd) if self.fio else self._py("write")
+
+    def read(self, config: tuple[str, int] | None = None) -> float:
+        if not self.file.exists() or self.file.stat().st_size < self.size:
+            self.write()
+        child.evict(self.file)
+        bs, qd = config or self.best["read"]
+        return self._fio("read", bs, qd) if self.fio else self._py("read")
+
+    def calibrate(self) -> None:
+        """Tries each fio configuration once; the best for each direction is
+        used for every probe after."""
+        if not self.fio:
+            return
+        for bs, qd in FIO_CONFIGS:
+            key = f"{bs}/QD{qd}"
+            w = self.write((bs, qd))
+            r = self.read((bs, qd))
+            self.calibration[key] = {"write": w, "read": r}
+        for rw in ("write", "read"):
+            best = max(FIO_CONFIGS, key=lambda c: self.calibration[f"{c[0]}/QD{c[1]}"][rw])
+            self.best[rw] = best
+
+
+def engine_ceiling(directory: Path, size_gib: float) -> dict[str, float]:
+    """The engine's raw path: one record written durably and read back cold
+    (no pickling, no checksums). Context only: it is tierstore measuring
+    itself, not an independent ceiling."""
+    code = f"""
+import json, os, time, torch, tierstore
+from tierstore import _core, _archive
+import saveload_child as c
+n = {int(size_gib * GiB) // 4096 * 4096}
+f = {str(directory / "raw.ceiling")!r}
+buf = torch.ones(n, dtype=torch.uint8); st = buf.untyped_storage()
+c.prefault(n); os.sync()
+t0 = time.perf_counter()
+w = _core.create_writer(tierstore.get_engine(), f)
+w.add_memory("raw/data/0", st.data_ptr(), st.nbytes(), st); w.write_data(); w.commit()
+wt = time.perf_counter() - t0
+del buf, st
+_a, _m, offs = _archive.open_archive(f)
+c.prefault(n); c.evict(__import__("pathlib").Path(f))
+t0 = time.perf_counter()
+bufs = _core.read_records(tierstore.get_engine(), f, [("raw/data/0", offs["data/0"], n, None)])
+rt = time.perf_counter() - t0
+os.unlink(f)
+print(json.dumps({{"write": n / 2**30 / wt, "read": n / 2**30 / rt}}))
+"""
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=HERE, timeout=600
+        )
+        out: dict[str, float] = json.loads(run.stdout.strip().splitlines()[-1])
+        return out
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as e:
+        print(f"engine raw path failed: {e}", file=sys.stderr)
+        return {}
+
+
+# ---------------------------------------------------------------- measurements
 
 
 @dataclass
@@ -127,424 +213,392 @@ class Result:
     op: str
     dataset: str
     nbytes: int
-    seconds: list[float] = field(default_factory=list)
-    cpu: list[float] = field(default_factory=list)
-    rss: list[int] = field(default_factory=list)
-    cold: bool = True
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    def col(self, key: str) -> list[float]:
+        return [float(r[key]) for r in self.runs]
+
+    @property
+    def gibps_runs(self) -> list[float]:
+        return [self.nbytes / GiB / s for s in self.col("seconds")]
+
+    @property
+    def fractions(self) -> list[float]:
+        return self.col("fraction")
 
     @property
     def gibps(self) -> float:
-        return self.nbytes / GiB / statistics.median(self.seconds)
+        return statistics.median(self.gibps_runs)
 
     @property
-    def spread(self) -> tuple[float, float]:
-        return self.nbytes / GiB / max(self.seconds), self.nbytes / GiB / min(self.seconds)
+    def fraction(self) -> float:
+        return statistics.median(self.fractions)
+
+    @property
+    def cpu_per_gib_runs(self) -> list[float]:
+        return [c / (self.nbytes / GiB) for c in self.col("cpu_seconds")]
 
     @property
     def cpu_per_gib(self) -> float:
-        return statistics.median(self.cpu) / (self.nbytes / GiB)
+        return statistics.median(self.cpu_per_gib_runs)
+
+    def mib(self, key: str, base: str = "rss_base") -> list[float]:
+        return [(r[key] - r[base]) / MiB for r in self.runs]
 
 
-def cpu_now() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+def run_child(job: dict[str, Any]) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tf:
+        out = Path(tf.name)
+    try:
+        subprocess.run([sys.executable, str(HERE / "saveload_child.py"), json.dumps(job), str(out)], check=True)
+        res: dict[str, Any] = json.loads(out.read_text())
+        return res
+    finally:
+        out.unlink(missing_ok=True)
 
 
-def measure(fn: Callable[[], Any], res: Result, before: Callable[[], None] | None = None) -> Any:
-    if before is not None:
-        before()
-    gc.collect()
-    with PeakRSS() as rss:
-        c0, t0 = cpu_now(), time.perf_counter()
-        out = fn()
-        dt, dc = time.perf_counter() - t0, cpu_now() - c0
-    res.seconds.append(dt)
-    res.cpu.append(dc)
-    res.rss.append(rss.growth)
-    return out
+def run_dataset(name: str, args: argparse.Namespace, probe: Probe, systems: set[str] | None) -> list[Result]:
+    spec = child.spec_for(name, args.large_gib, args.small_count)
+    nbytes = child.spec_bytes(spec)
+    saves = [s for s in SAVES if systems is None or s in systems or s.split(".")[0] in systems]
+    loads = [s for s in LOADS if systems is None or s in systems or s.split(".")[0] in systems]
+    # A load needs its file: torch.load's and safetensors' come from their saves.
+    for s in loads:
+        src = "tierstore" if s == "tierstore" else "safetensors" if s == "safetensors" else "torch.save"
+        if src not in saves:
+            saves.append(src)
+    results = {(op, s): Result(s, op, name, nbytes) for op, ss in (("save", saves), ("load", loads)) for s in ss}
+    base = {"dataset": name, "large_gib": args.large_gib, "small_count": args.small_count, "level": not args.no_level}
+    for rep in range(args.reps):
+        for op, order in (("save", saves), ("load", loads)):
+            order = order if rep % 2 == 0 else order[::-1]
+            # Probe, measure, probe, measure, ... probe: each measurement has
+            # a probe just before and just after it.
+            after = probe.write() if op == "save" else probe.read()
+            for system in order:
+                f = file_for(args.dir, name, system)
+                before = after
+                r = run_child({**base, "op": op, "system": system, "file": str(f)})
+                after = probe.write() if op == "save" else probe.read()
+                r["rep"] = rep
+                r["position"] = order.index(system)
+                r["ceiling_before"], r["ceiling_after"] = before, after
+                r["ceiling"] = max(before, after)
+                r["gibps"] = nbytes / GiB / r["seconds"]
+                r["fraction"] = r["gibps"] / r["ceiling"]
+                results[(op, system)].runs.append(r)
+                extra = ""
+                if op == "load":
+                    extra = f", device read {r['read_bytes'] / r['file_bytes']:.3f} of the file"
+                print(
+                    f"  {name:5} rep {rep + 1} {op} {system:16} {r['gibps']:6.2f} GiB/s = {r['fraction']:.2f} x "
+                    f"ceiling {r['ceiling']:.2f} ({before:.2f} before, {after:.2f} after), "
+                    f"peak RSS +{(r['rss_peak'] - r['rss_base']) / MiB:.0f} MiB{extra}",
+                    flush=True,
+                )
+    for s in {*saves}:
+        file_for(args.dir, name, s).unlink(missing_ok=True)
+    return [results[("save", s)] for s in SAVES if s in saves] + [results[("load", s)] for s in LOADS if s in loads]
 
 
-def make_large(total: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    out: dict[str, torch.Tensor] = {}
-    n32 = int(total * 0.75) // 6 // 4
-    for i in range(6):
-        out[f"layer{i}.weight"] = torch.randn(n32, generator=g)
-    n16 = int(total * 0.25) // 4 // 2
-    for i in range(4):
-        out[f"emb{i}.weight"] = torch.randn(n16, generator=g).bfloat16()
-    return out
+# ---------------------------------------------------------------- reporting
 
 
-def make_small(count: int) -> dict[str, torch.Tensor]:
-    rng = random.Random(0)
-    out: dict[str, torch.Tensor] = {}
-    for i in range(count):
-        nbytes = rng.randint(4, 256) * 1024
-        if i % 2:
-            out[f"blk{i}.w"] = torch.empty(nbytes // 4).uniform_()
-        else:
-            out[f"blk{i}.w"] = torch.empty(nbytes // 2, dtype=torch.bfloat16).uniform_()
-    return out
+def rng(xs: list[float], fmt: str = ".2f") -> str:
+    return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}-{max(xs):{fmt}})"
 
 
-def state_bytes(sd: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in sd.values())
-
-
-FIO_CONFIGS = [("8M", 16), ("1M", 64), ("4M", 32)]
-
-
-def fio_ceiling(directory: Path, size_gib: int) -> dict[str, float]:
-    """Device ceiling with fio: O_DIRECT, io_uring, high queue depth; the best
-    of a few block sizes and depths, for writes (with fsync) and reads."""
-    if shutil.which("fio") is None:
-        return {}
-    f = directory / "fio.ceiling"
-    out: dict[str, float] = {}
-    for bs, qd in FIO_CONFIGS:
-        common = [
-            "fio", "--name=ceiling", f"--filename={f}", f"--size={size_gib}G", f"--bs={bs}", "--direct=1",
-            "--ioengine=io_uring", f"--iodepth={qd}", "--output-format=json",
-        ]  # fmt: skip
-        try:
-            run = subprocess.run([*common, "--rw=write", "--end_fsync=1"], capture_output=True, text=True, check=True)
-            w = json.loads(run.stdout)
-            out["write"] = max(out.get("write", 0.0), w["jobs"][0]["write"]["bw_bytes"] / GiB)
-            drop_caches()
-            run = subprocess.run([*common, "--rw=read"], capture_output=True, text=True, check=True)
-            r = json.loads(run.stdout)
-            out["read"] = max(out.get("read", 0.0), r["jobs"][0]["read"]["bw_bytes"] / GiB)
-        except (subprocess.CalledProcessError, json.JSONDecodeError, KeyError) as e:
-            print(f"fio failed: {e}", file=sys.stderr)
-        finally:
-            f.unlink(missing_ok=True)
-    return out
-
-
-def engine_ceiling(directory: Path, size_gib: int) -> dict[str, float]:
-    """The engine's raw path: one record of ``size_gib`` written durably and
-    read back cold (no pickling, no checksums), as a second ceiling figure."""
-    from tierstore import _core
-
-    f = directory / "raw.ceiling"
-    buf = torch.ones(size_gib << 30, dtype=torch.uint8)
-    st = buf.untyped_storage()
-    prefault(size_gib << 30)
-    subprocess.run(["sync"], check=True)
-    t0 = time.perf_counter()
-    w = _core.create_writer(tierstore.get_engine(), str(f))
-    w.add_memory("raw/data/0", st.data_ptr(), st.nbytes(), st)
-    w.write_data()
-    w.commit()
-    wt = time.perf_counter() - t0
-    del buf, st
-    from tierstore import _archive
-
-    _arch, _m, offs = _archive.open_archive(str(f))
-    prefault(size_gib << 30)
-    drop_caches()
-    t0 = time.perf_counter()
-    bufs = _core.read_records(tierstore.get_engine(), str(f), [("raw/data/0", offs["data/0"], size_gib << 30, None)])
-    rt = time.perf_counter() - t0
-    del bufs
-    f.unlink(missing_ok=True)
-    return {"write": size_gib / wt, "read": size_gib / rt}
-
-
-def run_dataset(name: str, sd: dict[str, torch.Tensor], d: Path, reps: int, cold: bool, level: bool) -> list[Result]:
-    import safetensors.torch as st
-
-    nbytes = state_bytes(sd)
-    files = {
-        "tierstore": d / f"{name}.ts.pt",
-        "torch": d / f"{name}.torch.pt",
-        "safetensors": d / f"{name}.st",
-    }
-    results: list[Result] = []
-
-    def save_tierstore() -> None:
-        tierstore.save(sd, files["tierstore"])
-
-    def save_torch() -> None:
-        with open(files["torch"], "wb") as f:
-            torch.save(sd, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_path(files["torch"])
-
-    def save_safetensors() -> None:
-        st.save_file(sd, str(files["safetensors"]))
-        fsync_path(files["safetensors"])
-
-    saves = [("tierstore", save_tierstore), ("torch.save", save_torch), ("safetensors", save_safetensors)]
-    loads: list[tuple[str, Callable[[], Any]]] = [
-        ("tierstore", lambda: tierstore.load(files["tierstore"])),
-        ("torch.load", lambda: torch.load(files["torch"])),
-        ("torch.load mmap", lambda: torch.load(files["torch"], mmap=True)),
-        ("safetensors", lambda: st.load_file(str(files["safetensors"]))),
-    ]
-    for system, fn in saves:
-        res = Result(system, "save", name, nbytes)
-        for _ in range(reps):
-            for f in files.values():
-                f.unlink(missing_ok=True)
-
-            # Start each save from the same state: nothing dirty in the cache.
-            def before() -> None:
-                if level:
-                    prefault(nbytes)
-                subprocess.run(["sync"], check=True)
-
-            measure(fn, res, before=before)
-        results.append(res)
-        print(f"  {name:5} save {system:16} {res.gibps:6.2f} GiB/s  cpu {res.cpu_per_gib:.2f} s/GiB", flush=True)
-    for f in files.values():
-        f.unlink(missing_ok=True)
-    save_tierstore()
-    save_torch()
-    save_safetensors()
-    for system, fn in loads:
-        res = Result(system, "load", name, nbytes, cold=cold)
-        for _ in range(reps):
-            holder: list[Any] = []
-
-            def run(fn: Callable[[], Any] = fn, holder: list[Any] = holder) -> None:
-                obj = fn()
-                touch(obj)
-                holder.append(obj)
-
-            def before_load() -> None:
-                if level:
-                    prefault(nbytes)
-                if cold:
-                    drop_caches()
-
-            measure(run, res, before=before_load)
-            del holder
-            gc.collect()
-        results.append(res)
-        print(f"  {name:5} load {system:16} {res.gibps:6.2f} GiB/s  cpu {res.cpu_per_gib:.2f} s/GiB", flush=True)
-    for f in files.values():
-        f.unlink(missing_ok=True)
-    return results
-
-
-def table(results: list[Result], ceiling: dict[str, float]) -> str:
-    lines = []
-    hdr = (
-        f"{'dataset':8} {'op':5} {'system':16} {'GiB/s':>7} {'(min-max)':>13} {'x torch':>8} "
-        f"{'x ceiling':>9} {'CPU s/GiB':>9} {'peak RSS +MiB':>13}"
+def peer_of(results: list[Result], r: Result) -> Result | None:
+    return next(
+        (x for x in results if x.dataset == r.dataset and x.op == r.op and x.system in ("torch.save", "torch.load")),
+        None,
     )
-    lines.append(hdr)
-    lines.append("-" * len(hdr))
+
+
+def paired(a: Result, b: Result, key: str = "gibps") -> list[float]:
+    """Per-repetition ratios a/b (the two measured in the same repetition)."""
+    bb = {r["rep"]: r[key] for r in b.runs}
+    return [r[key] / bb[r["rep"]] for r in a.runs if r["rep"] in bb]
+
+
+def verdict(a: list[float], b: list[float]) -> str:
+    """``higher`` / ``lower`` when the ranges do not overlap, else ``within spread``."""
+    if min(a) > max(b):
+        return "higher"
+    if max(a) < min(b):
+        return "lower"
+    return "within spread"
+
+
+def table(results: list[Result], probe: Probe) -> str:
+    hdr = (
+        f"{'dataset':7} {'op':4} {'system':16} {'GiB/s median (min-max)':>23} {'x ceiling (min-max)':>20} "
+        f"{'x torch (min-max)':>18} {'CPU s/GiB':>9} {'peak +MiB':>9} {'after +MiB':>10} {'dev/file':>8}"
+    )
+    lines = [hdr, "-" * len(hdr)]
     for r in results:
-        peer = next(
-            (x for x in results if x.dataset == r.dataset and x.op == r.op and x.system.startswith("torch")),
-            None,
-        )
-        vs_torch = r.gibps / peer.gibps if peer else float("nan")
-        ceil = ceiling.get("write" if r.op == "save" else "read")
-        vs_ceil = f"{r.gibps / ceil:9.2f}" if ceil else f"{'n/a':>9}"
-        lo, hi = r.spread
-        spread = f"({lo:.2f}-{hi:.2f})"
+        peer = peer_of(results, r)
+        vs = rng(paired(r, peer)) if peer else "n/a"
+        dev = r.col("read_bytes" if r.op == "load" else "write_bytes")
+        devf = statistics.median(d / fb for d, fb in zip(dev, r.col("file_bytes"), strict=True))
         lines.append(
-            f"{r.dataset:8} {r.op:5} {r.system:16} {r.gibps:7.2f} {spread:>13} {vs_torch:8.2f} "
-            f"{vs_ceil} {r.cpu_per_gib:9.2f} {max(r.rss) / 2**20:13.0f}"
+            f"{r.dataset:7} {r.op:4} {r.system:16} {rng(r.gibps_runs):>23} {rng(r.fractions):>20} {vs:>18} "
+            f"{r.cpu_per_gib:9.2f} {max(r.mib('rss_peak')):9.0f} {statistics.median(r.mib('rss_after')):10.0f} "
+            f"{devf:8.3f}"
         )
-    if ceiling:
+    lines.append(f"ceiling probe next to every measurement: {probe.method}")
+    lines.append(
+        "peak +MiB: the highest RSS during the operation above the RSS just before it (max over repetitions); "
+        "after +MiB: RSS once it is over (a load's result still held), median; dev/file: bytes the process "
+        "read from (loads) or wrote to (saves) the block layer over the file's size, median"
+    )
+    ts = [r for r in results if r.system == "tierstore"]
+    for r in ts:
+        pool = r.col("engine_pool_allocated_bytes")
         lines.append(
-            "ceiling (best of fio with O_DIRECT at 8M/QD16, 1M/QD64, 4M/QD32 and the engine's raw path): "
-            f"write {ceiling.get('write', 0):.2f} GiB/s, read {ceiling.get('read', 0):.2f} GiB/s"
+            f"tierstore engine buffers after a {r.dataset} {r.op}: {max(pool) / MiB:.0f} MiB allocated "
+            f"(engine start {statistics.median(r.col('engine_start_s')) * 1e3:.0f} ms, before the clock)"
         )
     return "\n".join(lines)
 
 
-def targets(results: list[Result], ceiling: dict[str, float]) -> list[tuple[str, bool, str]]:
-    def get(ds: str, op: str, system: str) -> Result:
-        return next(r for r in results if r.dataset == ds and r.op == op and r.system == system)
-
+def above_ceiling(results: list[Result]) -> list[str]:
+    """Every measurement above the ceiling of its moment, with what the
+    measurement itself shows about why."""
     out = []
-    w, rd = ceiling.get("write"), ceiling.get("read")
-    for ds, save_ceil, load_ceil, load_torch in (("large", 0.8, 0.9, None), ("small", 0.6, 0.8, 2.0)):
-        s = get(ds, "save", "tierstore")
-        ts = get(ds, "save", "torch.save")
-        ld = get(ds, "load", "tierstore")
-        if w:
-            out.append(
-                (
-                    f"{ds}: save >= {save_ceil}x write ceiling",
-                    s.gibps >= save_ceil * w,
-                    f"{s.gibps:.2f} vs {save_ceil * w:.2f} GiB/s ({s.gibps / w:.2f}x)",
+    for r in results:
+        for run in r.runs:
+            if run["fraction"] <= 1.0:
+                continue
+            why = []
+            if r.op == "load":
+                dev = run["read_bytes"] / run["file_bytes"]
+                cached = run["file_cached_before"] / run["file_bytes"]
+                if dev < 0.98:
+                    why.append(
+                        f"only {dev:.3f} of the file was read from the device ({cached:.3f} cached before): "
+                        "the rest came from the page cache"
+                    )
+                else:
+                    why.append(
+                        f"the load was cold ({cached:.3f} of the file cached before, the process read "
+                        f"{dev:.3f} of it from the device)"
+                    )
+            lo, hi = sorted((run["ceiling_before"], run["ceiling_after"]))
+            if hi > lo * 1.15:
+                why.append(f"the probes around it disagree ({lo:.2f} and {hi:.2f} GiB/s): the disk changed speed")
+            if len(why) == 1 or r.op == "save":
+                why.append(
+                    "this access pattern got more from the disk at that moment than the fixed-size probe did: "
+                    "the ceiling is a probe, not a bound"
                 )
-            )
-        out.append((f"{ds}: save >= 4x torch.save", s.gibps >= 4 * ts.gibps, f"{s.gibps / ts.gibps:.2f}x"))
-        if rd:
             out.append(
-                (
-                    f"{ds}: cold load >= {load_ceil}x read ceiling",
-                    ld.gibps >= load_ceil * rd,
-                    f"{ld.gibps:.2f} vs {load_ceil * rd:.2f} GiB/s ({ld.gibps / rd:.2f}x)",
-                )
+                f"{r.dataset} {r.op} {r.system} rep {run['rep'] + 1}: {run['gibps']:.2f} GiB/s = "
+                f"{run['fraction']:.2f}x its ceiling {run['ceiling']:.2f}; " + "; ".join(why)
             )
-        peers = [r for r in results if r.dataset == ds and r.op == "load" and r.system != "tierstore"]
-        if load_torch is None:
-            best = max(peers, key=lambda r: r.gibps)
-            out.append(
-                (
-                    f"{ds}: cold load not slower than any peer",
-                    ld.gibps >= best.gibps,
-                    f"{ld.gibps:.2f} vs best peer {best.system} {best.gibps:.2f} GiB/s",
-                )
-            )
-        else:
-            tl = get(ds, "load", "torch.load")
-            out.append(
-                (
-                    f"{ds}: cold load >= {load_torch}x torch.load",
-                    ld.gibps >= load_torch * tl.gibps,
-                    f"{ld.gibps / tl.gibps:.2f}x",
-                )
-            )
-        for op in ("save", "load"):
-            mine = get(ds, op, "tierstore")
-            others = [r for r in results if r.dataset == ds and r.op == op and r.system != "tierstore"]
-            best = min(others, key=lambda r: r.cpu_per_gib)
-            out.append(
-                (
-                    f"{ds}: {op} CPU s/GiB lower than every peer",
-                    mine.cpu_per_gib < best.cpu_per_gib,
-                    f"{mine.cpu_per_gib:.2f} vs {best.system} {best.cpu_per_gib:.2f}",
-                )
-            )
-        out.append(
-            (
-                f"{ds}: peak RSS during save <= N + 512 MiB",
-                max(s.rss) <= 512 << 20,
-                f"+{max(s.rss) / 2**20:.0f} MiB over the state",
-            )
-        )
     return out
 
 
-def markdown(results: list[Result], ceiling: dict[str, float]) -> str:
+def targets(results: list[Result]) -> list[tuple[str, bool, str]]:
+    def get(ds: str, op: str, system: str) -> Result | None:
+        return next((r for r in results if r.dataset == ds and r.op == op and r.system == system), None)
+
+    out = []
+    for ds, save_ceil, load_ceil, load_torch in (("large", 0.8, 0.9, None), ("small", 0.6, 0.8, 2.0)):
+        s, ts = get(ds, "save", "tierstore"), get(ds, "save", "torch.save")
+        ld, tl = get(ds, "load", "tierstore"), get(ds, "load", "torch.load")
+        if s is None or ld is None:
+            continue
+        out.append((
+            f"{ds}: save >= {save_ceil}x write ceiling (median of each against its moment)",
+            s.fraction >= save_ceil,
+            f"{rng(s.fractions)}x",
+        ))  # fmt: skip
+        if ts is not None:
+            pr = paired(s, ts)
+            out.append((f"{ds}: save >= 4x torch.save (paired per repetition)", statistics.median(pr) >= 4, rng(pr)))
+        out.append((
+            f"{ds}: cold load >= {load_ceil}x read ceiling (median of each against its moment)",
+            ld.fraction >= load_ceil,
+            f"{rng(ld.fractions)}x",
+        ))  # fmt: skip
+        if load_torch is not None and tl is not None:
+            pr = paired(ld, tl)
+            out.append(
+                (f"{ds}: cold load >= {load_torch}x torch.load (paired)", statistics.median(pr) >= load_torch, rng(pr))
+            )
+        for op, mine in (("save", s), ("load", ld)):
+            peers = [r for r in results if r.dataset == ds and r.op == op and r.system != "tierstore"]
+            if not peers:
+                continue
+            if op == "load":
+                # "Not slower than any peer" is claimed only when the ranges of
+                # fractions of the ceiling do not overlap: the difference must
+                # exceed the spread. A peer within the spread fails the claim.
+                v = {p.system: verdict(mine.fractions, p.fractions) for p in peers}
+                detail = f"tierstore {rng(mine.fractions)}x ceiling; " + "; ".join(
+                    f"{p.system} {rng(p.fractions)}: tierstore {v[p.system]}" for p in peers
+                )
+                out.append((
+                    f"{ds}: cold load not slower than any peer (faster than each beyond the spread)",
+                    all(x == "higher" for x in v.values()),
+                    detail,
+                ))  # fmt: skip
+            cpu = {p.system: verdict(p.cpu_per_gib_runs, mine.cpu_per_gib_runs) for p in peers}
+            out.append((
+                f"{ds}: {op} CPU s/GiB lower than every peer beyond the spread",
+                all(x == "higher" for x in cpu.values()),
+                f"tierstore {rng(mine.cpu_per_gib_runs)}; "
+                + "; ".join(f"{p.system} {rng(p.cpu_per_gib_runs)}" for p in peers),
+            ))  # fmt: skip
+        peak = max(s.mib("rss_peak"))
+        out.append((f"{ds}: peak RSS during save <= N + 512 MiB", peak <= 512, f"+{peak:.0f} MiB over the state"))
+        lpeak = max(ld.mib("rss_peak")) - ld.nbytes / MiB
+        out.append((f"{ds}: peak RSS during load <= N + 512 MiB", lpeak <= 512, f"+{lpeak:.0f} MiB over the result"))
+    return out
+
+
+def markdown(results: list[Result], probe: Probe) -> str:
     rows = [
-        "| state dict | operation | system | GiB/s (median) | x torch | x ceiling | CPU s/GiB | peak RSS +MiB |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| state dict | operation | system | GiB/s median (min-max) | x ceiling of its moment (min-max) | x torch | "
+        "CPU s/GiB | peak RSS +MiB | RSS after +MiB |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        peer = next(x for x in results if x.dataset == r.dataset and x.op == r.op and x.system.startswith("torch"))
-        ceil = ceiling.get("write" if r.op == "save" else "read")
+        peer = peer_of(results, r)
         name = f"**{r.system}**" if r.system == "tierstore" else r.system
         op = "durable save" if r.op == "save" else "cold load"
+        vs = f"{statistics.median(paired(r, peer)):.2f}" if peer else ""
+        g, f = r.gibps_runs, r.fractions
         rows.append(
-            f"| {r.dataset} | {op} | {name} | {r.gibps:.2f} | {r.gibps / peer.gibps:.2f} | "
-            f"{(r.gibps / ceil) if ceil else float('nan'):.2f} | {r.cpu_per_gib:.2f} | {max(r.rss) / 2**20:.0f} |"
+            f"| {r.dataset} | {op} | {name} | {statistics.median(g):.2f} ({min(g):.2f}-{max(g):.2f}) | "
+            f"{statistics.median(f):.2f} ({min(f):.2f}-{max(f):.2f}) | {vs} | {r.cpu_per_gib:.2f} | "
+            f"{max(r.mib('rss_peak')):.0f} | {statistics.median(r.mib('rss_after')):.0f} |"
         )
-    if ceiling:
+    ceil = {op: [run["ceiling"] for r in results if r.op == op for run in r.runs] for op in ("save", "load")}
+    if ceil["save"] and ceil["load"]:
         rows.append("")
         rows.append(
-            f"Device ceiling (best of fio with O_DIRECT and the engine's raw path, before and after): "
-            f"write {ceiling['write']:.2f} GiB/s, read {ceiling['read']:.2f} GiB/s."
+            f"Ceilings of the moments ({probe.method}): write {min(ceil['save']):.2f}-{max(ceil['save']):.2f} GiB/s, "
+            f"read {min(ceil['load']):.2f}-{max(ceil['load']):.2f} GiB/s."
         )
     return "\n".join(rows)
 
 
-def chart(results: list[Result], ceiling: dict[str, float], path: Path) -> None:
+def chart(results: list[Result], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(16, 4.5))
     panels = [(ds, op) for ds in ("large", "small") for op in ("save", "load")]
-    for ax, (ds, op) in zip(axes, panels, strict=True):
+    panels = [p for p in panels if any(r.dataset == p[0] and r.op == p[1] for r in results)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4.5), squeeze=False)
+    for ax, (ds, op) in zip(axes[0], panels, strict=True):
         rs = [r for r in results if r.dataset == ds and r.op == op]
-        names = [r.system for r in rs]
-        vals = [r.gibps for r in rs]
-        colors = ["#d1495b" if n == "tierstore" else "#8d99ae" for n in names]
-        ax.bar(range(len(rs)), vals, color=colors)
-        ax.set_xticks(range(len(rs)), names, rotation=30, ha="right", fontsize=8)
-        c = ceiling.get("write" if op == "save" else "read")
-        if c:
-            ax.axhline(c, color="black", linestyle="--", linewidth=1, label="device ceiling")
-            ax.legend(fontsize=7, loc="upper right")
+        med = [r.fraction for r in rs]
+        err = [[r.fraction - min(r.fractions) for r in rs], [max(r.fractions) - r.fraction for r in rs]]
+        colors = ["#d1495b" if r.system == "tierstore" else "#8d99ae" for r in rs]
+        ax.bar(range(len(rs)), med, color=colors, yerr=err, capsize=4)
+        ax.set_xticks(range(len(rs)), [r.system for r in rs], rotation=30, ha="right", fontsize=8)
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="ceiling of the moment")
+        ax.legend(fontsize=7, loc="upper right")
         ax.set_title(f"{ds}: {'durable save' if op == 'save' else 'cold load'}")
-        ax.set_ylabel("GiB/s")
-    fig.suptitle("tierstore vs torch.save/torch.load and safetensors (median of runs)")
+        ax.set_ylabel("x device ceiling (median, min-max)")
+    fig.suptitle("tierstore vs torch.save/torch.load and safetensors, each against the disk's ceiling of its moment")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", type=Path, default=Path("bench-results/tmp"))
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     ap.add_argument("--large-gib", type=float, default=2.0)
     ap.add_argument("--small-count", type=int, default=20_000)
+    ap.add_argument("--probe-gib", type=float, default=1.0, help="bytes each ceiling probe writes or reads")
     ap.add_argument("--only", choices=["large", "small"], default=None)
+    ap.add_argument("--systems", default=None, help="comma-separated systems to run (e.g. tierstore)")
     ap.add_argument(
         "--no-level",
         action="store_true",
-        help="do not touch-and-free memory before each measurement (see prefault)",
+        help="do not touch-and-free memory before each measurement (see saveload_child.prefault)",
     )
     args = ap.parse_args()
+    args.dir = args.dir.resolve()
     args.dir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    systems = set(args.systems.split(",")) if args.systems else None
     cold = drop_caches()
+    import tierstore
+
     info = tierstore.info(args.dir)
     print(
         f"tierstore {info['version']}, backend {info['backend']}, {info['path']['fs_type']} at {args.dir}; "
-        f"cold loads: {'yes' if cold else 'NO (cannot drop the page cache; loads are warm)'}"
+        f"cold loads: {'yes' if cold else 'NO (cannot drop the page cache)'}",
+        flush=True,
     )
-    ceiling = fio_ceiling(args.dir, 2)
-    raw = engine_ceiling(args.dir, 2)
-    print(f"ceiling: fio {ceiling or 'not found'}, engine raw path {raw}")
+    started = time.time()
+    probe = Probe(args.dir, args.probe_gib)
+    probe.calibrate()
+    raw = [engine_ceiling(args.dir, args.probe_gib)]
+    print(f"ceiling calibration: fio {probe.calibration or 'not found'}; {probe.method}", flush=True)
+    print(f"engine raw path (context): {raw[0]}", flush=True)
     results: list[Result] = []
-    if args.only in (None, "large"):
-        sd = make_large(int(args.large_gib * GiB))
-        results += run_dataset("large", sd, args.dir, args.reps, cold, not args.no_level)
-        del sd
-    if args.only in (None, "small"):
-        sd = make_small(args.small_count)
-        results += run_dataset("small", sd, args.dir, args.reps, cold, not args.no_level)
-        del sd
-    ceiling_after = fio_ceiling(args.dir, 2)
-    raw_after = engine_ceiling(args.dir, 2)
-    # The disk is shared and noisy: the ceiling is the best of every reading
-    # (fio before and after, and the engine's raw path before and after).
-    readings = [ceiling, ceiling_after, raw, raw_after]
-    ceiling = {k: max(r.get(k, 0.0) for r in readings) for k in ("write", "read")}
-    text = table(results, ceiling)
+    for ds in ("large", "small"):
+        if args.only in (None, ds):
+            results += run_dataset(ds, args, probe, systems)
+    raw.append(engine_ceiling(args.dir, args.probe_gib))
+    probe.file.unlink(missing_ok=True)
+    text = table(results, probe)
+    notes = above_ceiling(results)
     print()
     print(text)
-    checks = targets(results, ceiling) if args.only is None else []
+    if notes:
+        text += "\nabove the ceiling of its moment:\n" + "\n".join(f"  {n}" for n in notes)
+        print("\nabove the ceiling of its moment:")
+        for n in notes:
+            print(f"  {n}")
+    checks = targets(results) if args.only is None and systems is None else []
     if checks:
+        text += "\n\n" + "\n".join(f"{'MET ' if ok else 'MISS'}  {n}: {d}" for n, ok, d in checks)
         print()
         for name, ok, detail in checks:
             print(f"{'MET ' if ok else 'MISS'}  {name}: {detail}")
+    header = (
+        f"benches/bench_save_load.py --reps {args.reps} ({datetime.date.today().isoformat()}, "
+        f"{os.cpu_count()} cores, {info['path']['fs_type']}, backend {info['backend']}, torch "
+        f"{child.torch.__version__}; {(time.time() - started) / 60:.0f} min)"
+    )
     data = {
         "tierstore": info,
-        "ceiling_gibps": ceiling,
-        "ceiling_readings": {"fio": [readings[0], readings[1]], "engine_raw": [readings[2], readings[3]]},
+        "ceiling_method": probe.method,
+        "ceiling_calibration": probe.calibration,
+        "engine_raw_path": raw,
         "cold": cold,
         "memory_levelled": not args.no_level,
-        "torch": torch.__version__,
+        "torch": child.torch.__version__,
+        "reps": args.reps,
         "results": [
             {
-                "dataset": r.dataset, "op": r.op, "system": r.system, "bytes": r.nbytes, "seconds": r.seconds,
-                "gibps_median": r.gibps, "cpu_seconds": r.cpu, "cpu_s_per_gib": r.cpu_per_gib,
-                "peak_rss_growth_bytes": r.rss,
+                "dataset": r.dataset, "op": r.op, "system": r.system, "bytes": r.nbytes,
+                "seconds": r.col("seconds"), "gibps": r.gibps_runs, "gibps_median": r.gibps,
+                "ceiling_gibps": r.col("ceiling"), "fraction_of_ceiling": r.fractions,
+                "fraction_median": r.fraction, "cpu_seconds": r.col("cpu_seconds"), "cpu_s_per_gib": r.cpu_per_gib,
+                "peak_rss_growth_bytes": [run["rss_peak"] - run["rss_base"] for run in r.runs],
+                "rss_after_growth_bytes": [run["rss_after"] - run["rss_base"] for run in r.runs],
+                "runs": r.runs,
             }
             for r in results
         ],
+        "above_ceiling": notes,
         "targets": [{"target": n, "met": ok, "detail": d} for n, ok, d in checks],
     }  # fmt: skip
     (args.out / "save_load.json").write_text(json.dumps(data, indent=2))
-    (args.out / "save_load.txt").write_text(text + "\n")
-    (args.out / "save_load.md").write_text(markdown(results, ceiling) + "\n")
-    chart(results, ceiling, args.out / "save_load.png")
+    (args.out / "save_load.txt").write_text(header + "\n" + text + "\n")
+    (args.out / "save_load.md").write_text(markdown(results, probe) + "\n")
+    chart(results, args.out / "save_load.png")
     print(f"\nwrote save_load.json, .txt, .md and .png to {args.out}")
     shutil.rmtree(args.dir, ignore_errors=True)
     return 0

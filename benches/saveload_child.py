@@ -1,0 +1,334 @@
+"""One save or one cold load in a fresh process, for ``bench_save_load.py``.
+
+Run by the benchmark, one process per measurement, so that no earlier
+measurement has set the memory high-water mark, warmed an allocator or left
+buffers behind:
+
+    python benches/saveload_child.py '{"op": "load", "system": "tierstore", ...}' result.json
+
+For a save it builds the state dict (deterministically) first; for a load it
+starts from the file alone. Just before the operation it levels memory (see
+``prefault``), writes back dirty data, and, for loads, evicts the file from the
+page cache (fsync, ``POSIX_FADV_DONTNEED``) and checks with ``mincore`` that
+none of it is left. During the operation a thread samples the
+current RSS from ``/proc/self/statm`` every 2 ms, and the kernel's own peak
+(``VmHWM``, reset through ``/proc/self/clear_refs`` just before) catches
+anything between samples. It reports wall and CPU time, the RSS baseline, the
+peak above it, the RSS once the operation is over (a load's result still
+held), the bytes the process read from and wrote to the block layer
+(``/proc/self/io``), and, for tierstore, the engine's own buffer accounting.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import random
+import resource
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def large_spec(total: int) -> list[tuple[str, torch.dtype, int]]:
+    """``large``: six fp32 tensors (3/4 of ``total``) and four bf16 ones."""
+    n32 = int(total * 0.75) // 6 // 4
+    n16 = int(total * 0.25) // 4 // 2
+    return [(f"layer{i}.weight", torch.float32, n32) for i in range(6)] + [
+        (f"emb{i}.weight", torch.bfloat16, n16) for i in range(4)
+    ]
+
+
+def small_spec(count: int) -> list[tuple[str, torch.dtype, int]]:
+    """``small``: ``count`` tensors of 4-256 KiB, fp32 and bf16 alternating."""
+    rng = random.Random(0)
+    out = []
+    for i in range(count):
+        nbytes = rng.randint(4, 256) * 1024
+        if i % 2:
+            out.append((f"blk{i}.w", torch.float32, nbytes // 4))
+        else:
+            out.append((f"blk{i}.w", torch.bfloat16, nbytes // 2))
+    return out
+
+
+def spec_for(dataset: str, large_gib: float, small_count: int) -> list[tuple[str, torch.dtype, int]]:
+    return large_spec(int(large_gib * (1 << 30))) if dataset == "large" else small_spec(small_count)
+
+
+def spec_bytes(spec: list[tuple[str, torch.dtype, int]]) -> int:
+    return sum(n * torch.empty(0, dtype=dt).element_size() for _, dt, n in spec)
+
+
+def build(spec: list[tuple[str, torch.dtype, int]]) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out: dict[str, torch.Tensor] = {}
+    for name, dt, n in spec:
+        out[name] = torch.randn(n, generator=g).to(dt)
+    return out
+
+
+def prefault(nbytes: int) -> None:
+    """Touches and frees ``nbytes`` (+256 MiB) of memory before a measurement.
+
+    On a virtual machine the first touch of guest memory that the host has
+    reclaimed is many times slower than later touches; every measurement
+    starts right after this, so none pays (or escapes) that cost by luck of
+    ordering. On bare metal it changes nothing.
+    """
+    t = torch.empty(nbytes + (256 << 20), dtype=torch.uint8)
+    t.fill_(1)
+    del t
+
+
+def fsync_path(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dfd = os.open(p.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def evict(path: Path) -> None:
+    """Makes ``path`` cold: written back, then its pages dropped from the page
+    cache (``POSIX_FADV_DONTNEED``; ``resident_bytes`` checks that none is
+    left). The file's pages alone: dropping every clean page (``drop_caches``)
+    here would also evict the parts of torch's libraries that the operation
+    runs for the first time, and the measurement would read them back."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def resident_bytes(path: Path) -> int:
+    """Bytes of ``path`` in the page cache now (``mincore`` on a mapping)."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return -1
+        try:
+            pages = (size + PAGE - 1) // PAGE
+            vec = (ctypes.c_ubyte * pages)()
+            if _libc.mincore(addr, size, vec) != 0:
+                return -1
+            return bytes(vec).count(b"\x01") * PAGE
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def proc_io() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/self/io").read_text().splitlines():
+        k, v = line.split(":")
+        out[k] = int(v)
+    return out
+
+
+def vm_hwm() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_hwm() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5\n")
+        return True
+    except OSError:
+        return False
+
+
+class RSSSampler:
+    """Samples current RSS (and its anonymous part) from /proc/self/statm every
+    2 ms in a thread; keeps the peak and the longest gap between samples."""
+
+    def __init__(self) -> None:
+        self.fd = os.open("/proc/self/statm", os.O_RDONLY)
+        self.base, self.base_anon = self.read()
+        self.peak, self.peak_anon = self.base, self.base_anon
+        self.samples = 0
+        self.max_gap = 0.0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def read(self) -> tuple[int, int]:
+        f = os.pread(self.fd, 256, 0).split()
+        rss, shared = int(f[1]) * PAGE, int(f[2]) * PAGE
+        return rss, rss - shared
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.is_set():
+            rss, anon = self.read()
+            self.peak, self.peak_anon = max(self.peak, rss), max(self.peak_anon, anon)
+            self.samples += 1
+            now = time.perf_counter()
+            self.max_gap = max(self.max_gap, now - last)
+            last = now
+            time.sleep(0.002)
+
+    def __enter__(self) -> RSSSampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+        rss, anon = self.read()
+        self.peak, self.peak_anon = max(self.peak, rss), max(self.peak_anon, anon)
+
+
+def touch(obj: Any) -> None:
+    """Reads one byte of every page of every tensor (forces lazy loads)."""
+    vals = obj.values() if isinstance(obj, dict) else obj
+    acc = 0
+    for t in vals:
+        if isinstance(t, torch.Tensor) and t.numel():
+            flat = t.reshape(-1).view(torch.uint8)
+            acc += int(flat[::4096].sum())
+    if acc == -1:
+        print("impossible")
+
+
+def cpu_now() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def settle_rss(sampler: RSSSampler) -> int:
+    """Current RSS once the operation is over (after a collection and 200 ms)."""
+    gc.collect()
+    time.sleep(0.2)
+    return sampler.read()[0]
+
+
+def main() -> int:
+    job = json.loads(sys.argv[1])
+    out_path = Path(sys.argv[2])
+    op, system, path = job["op"], job["system"], Path(job["file"])
+    torch.manual_seed(0)
+    spec = spec_for(job["dataset"], job["large_gib"], job["small_count"])
+    nbytes = spec_bytes(spec)
+    res: dict[str, Any] = {}
+    engine_start_s = None
+    if system == "tierstore":
+        import tierstore
+
+        t0 = time.perf_counter()
+        tierstore.get_engine()  # started before the clock, as in a process that saves more than once
+        engine_start_s = time.perf_counter() - t0
+    if system == "safetensors":
+        import safetensors.torch as st
+    fn: Any
+    if op == "save":
+        sd = build(spec)
+        path.unlink(missing_ok=True)
+        if system == "tierstore":
+
+            def fn() -> None:
+                tierstore.save(sd, path)
+        elif system == "torch.save":
+
+            def fn() -> None:
+                with open(path, "wb") as f:
+                    torch.save(sd, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                fsync_path(path)
+        elif system == "safetensors":
+
+            def fn() -> None:
+                st.save_file(sd, str(path))
+                fsync_path(path)
+        else:
+            raise ValueError(system)
+    else:
+        loaders = {
+            "tierstore": lambda: tierstore.load(path),
+            "torch.load": lambda: torch.load(path),
+            "torch.load mmap": lambda: torch.load(path, mmap=True),
+            "safetensors": lambda: st.load_file(str(path)),
+        }
+        load = loaders[system]
+        held: list[Any] = []
+
+        def fn() -> None:
+            obj = load()
+            touch(obj)
+            held.append(obj)
+
+    if job["level"]:
+        prefault(nbytes)
+    os.sync()  # every operation starts with nothing dirty in the cache
+    if op == "load":
+        evict(path)
+        res["file_cached_before"] = resident_bytes(path)
+    gc.collect()
+    io0 = proc_io()
+    hwm_ok = reset_hwm()
+    with RSSSampler() as rss:
+        c0, t0 = cpu_now(), time.perf_counter()
+        fn()
+        dt, dc = time.perf_counter() - t0, cpu_now() - c0
+        hwm = vm_hwm() if hwm_ok else 0
+    io1 = proc_io()
+    after = settle_rss(rss)
+    res.update(
+        seconds=dt,
+        cpu_seconds=dc,
+        bytes=nbytes,
+        file_bytes=path.stat().st_size,
+        rss_base=rss.base,
+        rss_peak_sampled=rss.peak,
+        rss_peak_hwm=hwm,
+        rss_peak=max(rss.peak, hwm),
+        rss_peak_anon=rss.peak_anon,
+        rss_after=after,
+        rss_samples=rss.samples,
+        rss_max_gap_s=rss.max_gap,
+        read_bytes=io1["read_bytes"] - io0["read_bytes"],
+        write_bytes=io1["write_bytes"] - io0["write_bytes"],
+        rchar=io1["rchar"] - io0["rchar"],
+    )
+    if system == "tierstore":
+        res["engine_start_s"] = engine_start_s
+        res["engine_pool_allocated_bytes"] = tierstore.get_engine().info()["pool_allocated_bytes"]
+    if op == "load":
+        held.clear()
+        res["rss_released"] = settle_rss(rss)
+    out_path.write_text(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
