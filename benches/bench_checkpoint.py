@@ -1,47 +1,75 @@
-"""Training with checkpoints: what each way of checkpointing costs the loop.
+"""Training with checkpoints: the loop time each way of checkpointing costs.
 
-A GPT-style model (tens of millions of parameters, AdamW state) trains on the
-CPU (or the GPU when there is one), saving every ``--every`` steps, in one run
-per mode on the same model, data and state:
+What a user feels is how much longer training takes, not how long a call
+blocks: background capture and flush compete with the step for the CPU and
+memory bandwidth, and only the loop time shows it. So the headline figure is
 
-- ``none``: no checkpoints (the step time to compare against);
-- ``torch.save``: synchronous ``torch.save`` + fsync;
+    overhead per checkpoint = (loop time of a mode - loop time without checkpoints) / checkpoints
+
+measured on the same model, data and disk, with each (round, mode) run in a
+fresh process (no allocator or page-cache state carried between modes) and
+the modes interleaved: round 0 runs them in order, round 1 in reverse, and so
+on, so that drift of the machine does not favour one. Each mode's loop time
+is compared with the no-checkpoint loop of its own round; the table gives the
+median and the spread over the rounds. The time blocked in ``save`` calls is
+reported beside it.
+
+Workloads (``--workloads``):
+
+- ``gpt``: the demo's GPT (40.1 M parameters, 6 layers x 640, tied
+  embeddings) with AdamW (499 MiB of state);
+- ``mlp``: an MLP of 16.8 M parameters (4 x Linear 2048x2048) with AdamW
+  (201 MiB), the simple steady-state loop a user would try first.
+
+Both use ``--threads`` torch threads (2 = every core of the reference VM).
+Each run does a warm-up step and a warm-up save (first-time allocations), then
+``--steps`` timed steps with a checkpoint every ``--every`` steps; the last
+checkpoint comes ``--every`` steps before the end, so each one's background
+work falls inside the timed loop.
+
+Modes:
+
+- ``none``: no checkpoints;
+- ``torch.save``: synchronous ``torch.save`` + fsync of the file;
 - ``dcp.async_save``: PyTorch DCP ``async_save`` with its ``DefaultStager``
-  (async staging; pinned and shared memory where they apply); the loop waits
-  for staging before the next optimizer step, as DCP's recipe says;
-- ``tierstore``: ``tierstore.Checkpointer`` (host tier + local disk), attached
+  (async staging); the step waits for the last save's staging before the
+  optimizer changes the tensors, as DCP's recipe says; durability is the time
+  its upload future completes (a done-callback records it when it happens);
+- ``tierstore``: ``tierstore.Checkpointer`` (host tier + local disk) attached
   to the optimizer;
-- ``tierstore 2-tier``: the same with a fast local tier (RAM file system) and a
-  slower one (the disk) as its remote tier.
+- ``tierstore 2-tier``: the same with a RAM file system as the local tier and
+  the disk as the remote tier.
 
-Per checkpoint: training time blocked, time until durable on the local tier,
-host memory the mode used. Also a plain ``tierstore.save`` of the same state
-(the reference for "durable locally") and a 1,000-save memory check.
+Per mode also: time until durable, current RSS above the pre-loop baseline
+(sampled every 10 ms by a thread: peak), and where the CPU went, per thread
+(``/proc/self/task/*/stat``, grouped by thread name: training, tierstore's
+capture/flush/promote threads, the engine's I/O threads, torch's OpenMP pool).
+``--perf`` also records the tierstore mode with ``perf`` and prints the
+heaviest symbols of the background threads (copy, checksum, write submission).
 
-    python benches/bench_checkpoint.py [--layers 6 --width 640 --steps 24 --every 4]
+    python benches/bench_checkpoint.py [--workloads gpt,mlp --rounds 3 --steps 32 --every 4]
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
+MODES = "none,torch.save,dcp.async_save,tierstore,tierstore 2-tier"
 
-import tierstore
-from tierstore.demo import TinyGPT
 
-sys.path.insert(0, str(Path(__file__).parent))
+# ---------------------------------------------------------------------------------------------
+# one run, in its own process
 
 
 def _rss_mib() -> float:
@@ -49,317 +77,418 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _fsync_tree(p: Path) -> None:
-    for f in [p] if p.is_file() else sorted(p.rglob("*")):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+class _RssSampler:
+    def __init__(self) -> None:
+        self.base = _rss_mib()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, _rss_mib())
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._t.join()
+        return {"rss_base_mib": self.base, "rss_peak_above_base_mib": self.peak - self.base}
 
 
-def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    return {"model": model.state_dict(), "optim": opt.state_dict()}
-
-
-def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0
-
-
-class Run:
-    def __init__(self, args: argparse.Namespace, device: str) -> None:
-        torch.manual_seed(0)
-        self.model = TinyGPT(args.vocab, args.width, args.layers, max(1, args.width // 64), args.ctx).to(device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.args = args
-        self.device = device
-        g = torch.Generator().manual_seed(1)
-        self.data = torch.randint(0, args.vocab, (args.steps + 1, args.batch, args.ctx + 1), generator=g)
-
-    def step(self, i: int, before_step: Any = None) -> float:
-        b = self.data[i].to(self.device)
-        logits = self.model(b[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1))
-        loss.backward()
-        if before_step is not None:
-            before_step()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-        return float(loss.detach())
-
-
-def run_mode(mode: str, args: argparse.Namespace, root: Path, device: str) -> dict[str, Any]:
-    r = Run(args, device)
-    r.step(0)  # warm-up (allocates optimizer state)
-    d = root / mode.replace(" ", "_").replace(".", "_")
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    rss0 = _rss_mib()
-    per: list[dict[str, float]] = []
-    step_times: list[float] = []
-    ck: tierstore.Checkpointer | None = None
-    pending: list[Any] = []  # dcp responses
-    staging_wait = [0.0]
-    if mode.startswith("tierstore"):
-        if mode == "tierstore":
-            tiers: list[Any] = [tierstore.HostTier(args.host_budget), tierstore.DiskTier(".", keep_last=2)]
-        else:
-            fast = Path(args.fast_dir) / f"ts-bench-{os.getpid()}"
-            tiers = [
-                tierstore.HostTier(args.host_budget),
-                tierstore.DiskTier(str(fast), keep_last=2),
-                tierstore.RemoteTier(".", keep_last=2),
-            ]
-        ck = tierstore.Checkpointer(d, tiers=tiers)
-        ck.attach(r.opt)
-    if mode == "dcp.async_save":
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=torch.cuda.is_available(),
-                use_shared_memory=False,
-                use_async_staging=True,
-                use_non_blocking_copy=torch.cuda.is_available(),
-            )
-        )
-
-    def wait_staging() -> None:
-        # DCP's zero-overhead recipe: the step waits for staging of the last save.
-        t0 = time.perf_counter()
-        for resp in pending:
-            if not resp["staged"]:
-                resp["resp"].staging_completion.result()
-                resp["staged"] = True
-        dt = time.perf_counter() - t0
-        staging_wait[0] += dt
-        if pending:
-            pending[-1]["blocked"] += dt
-
-    hook = wait_staging if mode == "dcp.async_save" else None
-    t_all = time.perf_counter()
-    for i in range(1, args.steps + 1):
-        t0 = time.perf_counter()
-        r.step(i, hook)
-        if i % args.every == 0:
-            state = _state(r.model, r.opt)
-            ts = time.perf_counter()
-            if mode == "torch.save":
-                p = d / f"step-{i}.pt"
-                torch.save(state, p)
-                _fsync_tree(p)
-                dt = time.perf_counter() - ts
-                per.append({"step": i, "blocked": dt, "to_local": dt})
-            elif mode == "dcp.async_save":
-                resp = dcp.async_save(state, checkpoint_id=str(d / f"step-{i}"), async_stager=stager, no_dist=True)
-                pending.append({"resp": resp, "t": ts, "blocked": time.perf_counter() - ts, "staged": False, "step": i})
-            elif ck is not None:
-                ck.save(i, state)
-        step_times.append(time.perf_counter() - t0)
-    # Durable everywhere before the clock stops for the loop total.
-    if mode == "dcp.async_save":
-        for pr in pending:
-            pr["resp"].upload_completion.result()
-            per.append({"step": pr["step"], "blocked": pr["blocked"], "to_local": time.perf_counter() - pr["t"]})
-        # The upload future's completion time is what counts; re-measure precisely below.
-    if ck is not None:
-        ck.wait()
-    total = time.perf_counter() - t_all
-    if ck is not None:
-        for h in ck.handles():
-            per.append(
-                {
-                    "step": h.step,
-                    "blocked": h.timings.get("blocked", 0.0),
-                    "to_local": h.timings.get("to_local", float("nan")),
-                    "to_remote": h.timings.get("to_remote", float("nan")),
-                }
-            )
-        stats = ck.stats()
-        host = stats["host_peak"] / 2**20
-        ck.close()
-    else:
-        host = max(0.0, _rss_mib() - rss0)
-    if mode == "tierstore 2-tier":
-        shutil.rmtree(Path(args.fast_dir) / f"ts-bench-{os.getpid()}", ignore_errors=True)
-    shutil.rmtree(d, ignore_errors=True)
-    out: dict[str, Any] = {
-        "mode": mode,
-        "loop_s": total,
-        "step_median_s": statistics.median(step_times),
-        "checkpoints": len(per),
-        "host_mib": host,
-    }
-    if per:
-        out["blocked_median_s"] = statistics.median(p["blocked"] for p in per)
-        out["to_local_median_s"] = statistics.median(p["to_local"] for p in per)
-        rem = [p["to_remote"] for p in per if "to_remote" in p and p["to_remote"] == p["to_remote"]]
-        if rem:
-            out["to_remote_median_s"] = statistics.median(rem)
-    del r
-    gc.collect()
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of every thread of this process, by thread id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                s = f.read()
+        except OSError:
+            continue
+        name = s[s.index("(") + 1 : s.rindex(")")]
+        fields = s[s.rindex(")") + 2 :].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
     return out
 
 
-def dcp_durable_times(args: argparse.Namespace, root: Path, device: str) -> float:
-    """Time from async_save to durable for DCP, one save at a time (no queueing)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    r = Run(args, device)
-    r.step(0)
-    stager = DefaultStager(StagingOptions(torch.cuda.is_available(), False, True, torch.cuda.is_available()))
-    times = []
-    for k in range(args.reps):
-        d = root / f"dcp-one-{k}"
-        t0 = time.perf_counter()
-        resp = dcp.async_save(_state(r.model, r.opt), checkpoint_id=str(d), async_stager=stager, no_dist=True)
-        resp.upload_completion.result()
-        times.append(time.perf_counter() - t0)
-        shutil.rmtree(d, ignore_errors=True)
-    return statistics.median(times)
-
-
-def plain_save_times(args: argparse.Namespace, root: Path, device: str) -> tuple[list[float], int]:
-    """Durable ``tierstore.save`` of the same state, ``--reps`` times (the disk
-    is shared and noisy: this runs before and after the modes, and the
-    reference is the median of both)."""
-    r = Run(args, device)
-    r.step(0)
-    state = _state(r.model, r.opt)
-    times = []
-    for k in range(args.reps):
-        p = root / f"plain-{k}.pt"
-        t0 = time.perf_counter()
-        tierstore.save(state, p)
-        times.append(time.perf_counter() - t0)
-        p.unlink()
-    return times, _nbytes(state)
+def _cpu_by_group(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    main = threading.main_thread().native_id
+    groups: dict[str, float] = {}
+    for tid, (name, t) in after.items():
+        dt = t - before.get(tid, (name, 0.0))[1]
+        if dt <= 0:
+            continue
+        if tid == main:
+            g = "training (main thread)"
+        elif name.startswith("ts-") or name.startswith("tierstore"):
+            g = name
+        elif name in ("python", "python3") or name.startswith("pt_") or name.startswith("python"):
+            g = "torch/OpenMP and other threads"
+        else:
+            g = name
+        groups[g] = groups.get(g, 0.0) + dt
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
 
 
-def memory_over_saves(n: int, root: Path, fast_dir: str) -> dict[str, Any]:
-    """``n`` saves of a small state to a RAM file system: host memory stays flat."""
+def _fsync_file(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import tierstore
+
     torch.manual_seed(0)
-    state = {"w": torch.randn(1 << 20), "b": torch.randn(4096), "step": 0}
-    budget = 16 << 20
-    d = Path(fast_dir) / f"ts-mem-{os.getpid()}"
-    allocated = []
-    rss = []
-    with tierstore.Checkpointer(d, tiers=[tierstore.HostTier(budget), tierstore.DiskTier(".", keep_last=2)]) as ck:
-        for i in range(n):
-            state["w"].add_(1)
-            state["step"] = i
-            ck.save(i, state)
-            ck.wait_capture()
-            if i % max(1, n // 10) == 0 or i == n - 1:
-                allocated.append(ck.stats()["host_allocated"])
-                rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-        ck.wait()
-    shutil.rmtree(d, ignore_errors=True)
+    if args.workload == "gpt":
+        from tierstore.demo import TinyGPT
+
+        model: torch.nn.Module = TinyGPT(16384, 640, 6, 10, 64)
+        data = [torch.randint(0, 16384, (4, 65)) for _ in range(8)]
+
+        def loss_of(i: int) -> torch.Tensor:
+            b = data[i % len(data)]
+            logits = model(b[:, :-1])
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1))
+
+    elif args.workload == "mlp":
+        width = 2048
+        model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(4)))
+        xs = [torch.randn(256, width) for _ in range(8)]
+
+        def loss_of(i: int) -> torch.Tensor:
+            return model(xs[i % len(xs)]).square().mean()
+
+    else:
+        raise SystemExit(f"unknown workload {args.workload!r}")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    before_step: list[Any] = []
+
+    def step(i: int) -> None:
+        loss_of(i).backward()
+        for f in before_step:
+            f()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def state() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+    root = Path(args.dir)
+    d = root / f"{args.workload}-{args.mode.replace(' ', '_').replace('.', '_')}-{os.getpid()}"
+    d.mkdir(parents=True)
+    fast = Path(args.fast_dir) / f"ts-ckbench-{os.getpid()}"
+    per: list[dict[str, float]] = []
+    ck: Any = None
+    save: Any = None
+    done_at: dict[int, float] = {}
+    t_save: dict[int, float] = {}
+    try:
+        if args.mode == "torch.save":
+
+            def save(i: int) -> None:
+                p = d / f"step-{i}.pt"
+                torch.save(state(), p)
+                _fsync_file(p)
+                done_at[i] = time.perf_counter()
+                if i > 0:
+                    (d / f"step-{i - args.every}.pt").unlink(missing_ok=True)
+
+        elif args.mode == "dcp.async_save":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            stager = DefaultStager(StagingOptions(False, False, True, False))
+            pending: list[Any] = []
+
+            def wait_staging() -> None:
+                for resp in pending:
+                    resp.staging_completion.result()
+                pending.clear()
+
+            before_step.append(wait_staging)
+
+            def save(i: int) -> None:
+                resp = dcp.async_save(state(), checkpoint_id=str(d / f"step-{i}"), async_stager=stager, no_dist=True)
+
+                def done(_f: Any, i: int = i) -> None:
+                    done_at[i] = time.perf_counter()
+
+                resp.upload_completion.add_done_callback(done)
+                pending.append(resp)
+                uploads.append(resp.upload_completion)
+
+            uploads: list[Any] = []
+        elif args.mode.startswith("tierstore"):
+            if args.mode == "tierstore":
+                tiers: list[Any] = [tierstore.HostTier(args.host_budget), tierstore.DiskTier(".", keep_last=2)]
+            else:
+                tiers = [
+                    tierstore.HostTier(args.host_budget),
+                    tierstore.DiskTier(str(fast), keep_last=2),
+                    tierstore.RemoteTier(".", keep_last=2),
+                ]
+            ck = tierstore.Checkpointer(d, tiers=tiers)
+            ck.attach(opt)
+
+            def save(i: int) -> None:
+                ck.save(i, state())
+
+        # Warm-up: one step and one save, finished.
+        step(0)
+        if save is not None:
+            t_save[0] = time.perf_counter()
+            save(0)
+            if ck is not None:
+                ck.wait()
+            if args.mode == "dcp.async_save":
+                uploads[-1].result()
+        step(0)
+        if ck is not None:
+            ck.wait()
+        base_handles = len(ck.handles()) if ck is not None else 0
+        done_at.clear()
+        t_save.clear()
+        rss = _RssSampler()
+        cpu0 = _thread_cpu()
+        perf = None
+        if args.perf_file and args.mode == "tierstore":
+            perf = subprocess.Popen(
+                ["perf", "record", "-F", "499", "-g", "-q", "-o", args.perf_file, "-p", str(os.getpid())],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            time.sleep(0.5)
+        blocked: dict[int, float] = {}
+        step_times: list[float] = []
+        t_all = time.perf_counter()
+        for i in range(1, args.steps + 1):
+            t0 = time.perf_counter()
+            step(i)
+            if save is not None and i % args.every == 0 and i <= args.steps - args.every:
+                ts = time.perf_counter()
+                t_save[i] = ts
+                save(i)
+                blocked[i] = time.perf_counter() - ts
+            step_times.append(time.perf_counter() - t0)
+        loop = time.perf_counter() - t_all
+        cpu1 = _thread_cpu()
+        if perf is not None:
+            perf.send_signal(2)
+            perf.wait()
+        mem = rss.stop()
+        # Durable everywhere (outside the clock).
+        if args.mode == "dcp.async_save":
+            for u in uploads:
+                u.result()
+        to_remote: dict[int, float] = {}
+        if ck is not None:
+            ck.wait()
+            for h in ck.handles()[base_handles:]:
+                # The Checkpointer's own timings are taken when each tier's copy becomes durable.
+                done_at[h.step] = t_save[h.step] + h.timings.get("to_local", float("nan"))
+                if "to_remote" in h.timings:
+                    to_remote[h.step] = h.timings["to_remote"]
+                blocked[h.step] = h.timings.get("blocked", blocked.get(h.step, 0.0))
+            stats = ck.stats()
+            ck.close()
+            mem["host_tier_peak_mib"] = stats["host_peak"] / 2**20
+        for i in sorted(blocked):
+            per.append(
+                {
+                    "step": i,
+                    "blocked": blocked[i],
+                    "to_local": done_at.get(i, float("nan")) - t_save[i],
+                    **({"to_remote": to_remote[i]} if i in to_remote else {}),
+                }
+            )
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(fast, ignore_errors=True)
     return {
-        "saves": n,
-        "budget_mib": budget / 2**20,
-        "host_allocated_mib_max": max(allocated) / 2**20,
-        "host_allocated_mib_first_last": [allocated[0] / 2**20, allocated[-1] / 2**20],
-        "max_rss_mib_first_last": [rss[0], rss[-1]],
+        "workload": args.workload,
+        "mode": args.mode,
+        "round": args.round,
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "loop_s": loop,
+        "step_median_s": statistics.median(step_times),
+        "checkpoints": len(per),
+        "per_checkpoint": per,
+        "cpu_s": _cpu_by_group(cpu0, cpu1),
+        **mem,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# the driver
+
+
+def _run_child(args: argparse.Namespace, workload: str, mode: str, rnd: int, root: Path, perf: str | None) -> dict:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--workload",
+        workload,
+        "--mode",
+        mode,
+        "--round",
+        str(rnd),
+        "--steps",
+        str(args.steps),
+        "--every",
+        str(args.every),
+        "--threads",
+        str(args.threads),
+        "--host-budget",
+        args.host_budget,
+        "--dir",
+        str(root),
+        "--fast-dir",
+        args.fast_dir,
+    ]
+    if perf:
+        cmd += ["--perf-file", perf]
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{min(xs):+.3f}..{max(xs):+.3f}" if len(xs) > 1 else ""
+
+
+def summarize(results: list[dict[str, Any]], modes: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    lines: list[str] = []
+    summary: list[dict[str, Any]] = []
+    for w in sorted({r["workload"] for r in results}, key=lambda s: s != "gpt"):
+        rs = [r for r in results if r["workload"] == w]
+        none = {r["round"]: r["loop_s"] for r in rs if r["mode"] == "none"}
+        params = rs[0]["params_m"]
+        n_ck = max(r["checkpoints"] for r in rs)
+        lines.append("")
+        lines.append(
+            f"{w}: {params:.1f} M parameters, AdamW; {len(none)} rounds, interleaved; "
+            f"{n_ck} checkpoints in each timed loop"
+        )
+        lines.append(
+            f"{'mode':18} {'loop s':>8} {'overhead':>9} {'lost/ckpt s':>12} {'spread':>15} "
+            f"{'blocked/ckpt':>13} {'durable s':>10} {'RSS+ MiB':>9}"
+        )
+        for m in modes:
+            mr = [r for r in rs if r["mode"] == m]
+            if not mr:
+                continue
+            loops = [r["loop_s"] for r in mr]
+            rel = [(r["loop_s"] - none[r["round"]]) / none[r["round"]] for r in mr if r["round"] in none]
+            lost = [
+                (r["loop_s"] - none[r["round"]]) / r["checkpoints"]
+                for r in mr
+                if r["round"] in none and r["checkpoints"]
+            ]
+            pcs = [p for r in mr for p in r["per_checkpoint"]]
+            blocked = statistics.median(p["blocked"] for p in pcs) if pcs else 0.0
+            durable = statistics.median(p["to_local"] for p in pcs) if pcs else float("nan")
+            rss = statistics.median(r["rss_peak_above_base_mib"] for r in mr)
+            row = {
+                "workload": w,
+                "mode": m,
+                "loop_s_median": statistics.median(loops),
+                "overhead_median": statistics.median(rel) if rel else 0.0,
+                "overhead_per_round": rel,
+                "lost_per_checkpoint_s_median": statistics.median(lost) if lost else 0.0,
+                "lost_per_checkpoint_s": lost,
+                "blocked_per_checkpoint_s": blocked,
+                "durable_s": durable,
+                "rss_peak_above_base_mib": rss,
+                "cpu_s": mr[0]["cpu_s"],
+            }
+            if any("to_remote" in p for p in pcs):
+                row["durable_remote_s"] = statistics.median(p["to_remote"] for p in pcs if "to_remote" in p)
+            summary.append(row)
+            lines.append(
+                f"{m:18} {row['loop_s_median']:8.2f} {row['overhead_median'] * 100:+8.1f}% "
+                f"{row['lost_per_checkpoint_s_median']:12.3f} {_spread(lost):>15} {blocked:13.3f} "
+                f"{durable:10.3f} {rss:9.0f}"
+            )
+    return summary, lines
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--width", type=int, default=640)
-    ap.add_argument("--vocab", type=int, default=16384)
-    ap.add_argument("--ctx", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--workloads", default="gpt,mlp")
+    ap.add_argument("--modes", default=MODES)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--every", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--host-budget", default="2GiB")
     ap.add_argument("--dir", default=None, help="directory on the local disk (default: a temporary one under .)")
-    ap.add_argument("--fast-dir", default="/dev/shm", help="a faster file system for the 2-tier run")
-    ap.add_argument("--memory-saves", type=int, default=1000)
-    ap.add_argument("--modes", default="none,torch.save,dcp.async_save,tierstore,tierstore 2-tier")
+    ap.add_argument("--fast-dir", default="/dev/shm", help="a RAM file system for the 2-tier run")
+    ap.add_argument("--perf", action="store_true", help="also profile the tierstore mode with perf (once)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--out", default=None, help="write the table here too")
+    # child-only
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--workload", default="gpt", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="none", help=argparse.SUPPRESS)
+    ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--perf-file", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.child:
+        print(json.dumps(child(args)), flush=True)
+        return 0
+    modes = args.modes.split(",")
     root = Path(tempfile.mkdtemp(prefix="ts-ckbench-", dir=args.dir or "."))
+    results: list[dict[str, Any]] = []
+    perf_file = None
     try:
-        r = Run(args, device)
-        nparams = sum(p.numel() for p in r.model.parameters())
-        del r
-        print(
-            f"model: {nparams / 1e6:.1f} M parameters, {args.layers} layers x {args.width}, AdamW; device {device}; "
-            f"{args.steps} steps, a checkpoint every {args.every}; disk {root}",
-            flush=True,
-        )
-        plain_before, nbytes = plain_save_times(args, root, device)
-        print(f"state: {nbytes / 2**20:.0f} MiB; plain tierstore.save (durable): {plain_before}", flush=True)
-        results = []
-        for mode in args.modes.split(","):
-            res = run_mode(mode, args, root, device)
-            results.append(res)
-            print(json.dumps(res), flush=True)
-        plain_after, _ = plain_save_times(args, root, device)
-        plain = statistics.median(plain_before + plain_after)
-        print(f"plain tierstore.save after the runs: {plain_after}; median of all: {plain:.3f} s", flush=True)
-        dcp_one = dcp_durable_times(args, root, device) if "dcp.async_save" in args.modes else None
-        mem = memory_over_saves(args.memory_saves, root, args.fast_dir) if args.memory_saves else None
+        for w in args.workloads.split(","):
+            for rnd in range(args.rounds):
+                order = modes if rnd % 2 == 0 else modes[::-1]
+                for m in order:
+                    pf = None
+                    if args.perf and m == "tierstore" and rnd == 0 and w == args.workloads.split(",")[0]:
+                        pf = perf_file = str(root / "perf.data")
+                    r = _run_child(args, w, m, rnd, root, pf)
+                    results.append(r)
+                    pcs = r["per_checkpoint"]
+                    print(
+                        f"{w} round {rnd} {m:18} loop {r['loop_s']:7.2f} s  "
+                        f"blocked {statistics.median(p['blocked'] for p in pcs) if pcs else 0:.3f} s/ckpt",
+                        flush=True,
+                    )
+        summary, lines = summarize(results, modes)
+        lines.append("")
+        lines.append("CPU seconds per thread group in the timed loop (first round of each mode):")
+        for row in summary:
+            if row["mode"] == "none" or row["mode"].startswith("tierstore"):
+                top = ", ".join(f"{k} {v:.2f}" for k, v in list(row["cpu_s"].items())[:6])
+                lines.append(f"  {row['workload']:4} {row['mode']:18} {top}")
+        if perf_file and Path(perf_file).exists():
+            lines.append("")
+            lines.append("perf: heaviest symbols outside the training thread (tierstore mode, first workload):")
+            rep = subprocess.run(
+                ["perf", "report", "-i", perf_file, "--stdio", "--no-children", "--sort", "comm,sym", "-g", "none"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            ).stdout
+            kept = [ln for ln in rep.splitlines() if ln.strip() and not ln.startswith("#") and "%" in ln]
+            for ln in kept[:25]:
+                lines.append("  " + ln.strip())
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    by = {r["mode"]: r for r in results}
-    base = by.get("none", {}).get("step_median_s")
-    print()
-    print(f"{'mode':18} {'blocked/ckpt':>13} {'durable local':>14} {'durable 2nd':>12} {'host MiB':>9} {'loop s':>8}")
-    for r in results:
-        print(
-            f"{r['mode']:18} {r.get('blocked_median_s', 0):13.3f} {r.get('to_local_median_s', float('nan')):14.3f} "
-            f"{r.get('to_remote_median_s', float('nan')):12.3f} {r['host_mib']:9.0f} {r['loop_s']:8.2f}"
-        )
-    if base:
-        print(f"step time without checkpoints: {base:.3f} s")
-    verdict: dict[str, Any] = {
-        "state_mib": nbytes / 2**20,
-        "plain_tierstore_save_s": plain,
-        "dcp_one_save_durable_s": dcp_one,
-    }
-    ts, ref, dc = by.get("tierstore"), by.get("torch.save"), by.get("dcp.async_save")
-    if ts and ref:
-        verdict["blocked_vs_torch_save"] = ts["blocked_median_s"] / ref["blocked_median_s"]
-    if ts and dc:
-        verdict["blocked_vs_dcp_async"] = ts["blocked_median_s"] / dc["blocked_median_s"]
-    if ts:
-        verdict["to_local_vs_plain_save"] = ts["to_local_median_s"] / plain
-    if mem:
-        verdict["memory"] = mem
-    print()
-    if "blocked_vs_torch_save" in verdict:
-        print(f"tierstore blocked / torch.save blocked: {verdict['blocked_vs_torch_save']:.3f} (target <= 0.05)")
-    if "blocked_vs_dcp_async" in verdict:
-        print(f"tierstore blocked / DCP async_save blocked: {verdict['blocked_vs_dcp_async']:.3f} (target <= 0.5)")
-    if "to_local_vs_plain_save" in verdict:
-        print(
-            f"tierstore time to durable-local / plain tierstore.save: {verdict['to_local_vs_plain_save']:.2f} "
-            f"(target <= 1.25)"
-        )
-    if dcp_one is not None:
-        print(f"DCP async_save, one save until durable: {dcp_one:.3f} s")
-    if mem:
-        print(
-            f"host memory over {mem['saves']} saves: allocated max {mem['host_allocated_mib_max']:.1f} MiB "
-            f"(budget {mem['budget_mib']:.0f}); max RSS {mem['max_rss_mib_first_last'][0]:.0f} -> "
-            f"{mem['max_rss_mib_first_last'][1]:.0f} MiB"
-        )
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text.lstrip() + "\n")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "verdict": verdict}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": results, "summary": summary}, indent=1))
     return 0
 
 

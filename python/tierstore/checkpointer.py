@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from tierstore import _core, _metadata, _paths
+from tierstore import _core, _metadata, _paths, _threads
 from tierstore._engine import get_engine, host_buffer
 from tierstore.errors import TierstoreError
 from tierstore.layout import Layout, layout_of
@@ -403,6 +403,16 @@ class _Snapshot:
         # Offloaded optimizers' subgroup files pinned at save: (link, name in the checkpoint).
         self.offload_pins: list[tuple[Path, str]] = []
         self.has_offload = False  # restored from disk only (its pinned files are not kept in memory)
+        # Who copies which item (host captures): the capture thread takes items
+        # from the front; the optimizer step pre-hook takes the mutable ones
+        # still untaken and copies them itself rather than wait.
+        self.cap_lock = threading.Lock()
+        self.taken: list[bool] = []
+        self.done: list[bool] = []
+        self.cap_next = 0  # the capture thread's cursor: items before it are taken
+        self.done_prefix = 0  # items [0, done_prefix) are copied
+        self.n_mutable = 0  # items [0, n_mutable) are the ones the step changes
+        self.stolen = 0  # items the training thread copied
 
     def release_sources(self) -> None:
         """Drops the references to the training tensors."""
@@ -464,6 +474,10 @@ class Checkpointer:
     the checkpointer's own collectives (on gloo groups of those ranks, off the
     training thread) give up after ``collective_timeout`` seconds, so a rank
     that died fails that checkpoint instead of hanging the others.
+    ``priority``: the scheduling class of the capture, flush and promotion
+    threads (and the engine threads they start): ``"idle"`` (default: they
+    run only on cores training leaves idle), ``"low"`` (nice 19) or
+    ``"normal"``; see :mod:`tierstore._threads`.
     """
 
     def __init__(
@@ -479,7 +493,9 @@ class Checkpointer:
         process_group: Any = None,
         eager_unowned: bool = True,
         collective_timeout: float = 600.0,
+        priority: str = "idle",
     ) -> None:
+        _threads.check_priority(priority)
         if on_busy not in ("wait", "skip"):
             raise ValueError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
         if interval < 1:
@@ -538,13 +554,18 @@ class Checkpointer:
         self._last_hook: float | None = None
         self._stream: Any = None
         self.restored: dict[str, Any] | None = None
+        self.priority = priority
+        # The engine's own threads serve foreground loads too: start it here,
+        # so that they take this thread's class, not the background threads'.
+        get_engine()
+        self.priority_error: str | None = None  # why the threads could not be lowered, if they could not
         self._capture_q: queue.Queue[_Snapshot | None] = queue.Queue()
         self._flush_q: queue.Queue[_Snapshot | None] = queue.Queue()
         self._promote_q: queue.Queue[_Snapshot | None] = queue.Queue()
         self._threads = [
-            threading.Thread(target=self._run, args=(self._capture_q, self._capture), name="tierstore-capture"),
-            threading.Thread(target=self._run, args=(self._flush_q, self._flush), name="tierstore-flush"),
-            threading.Thread(target=self._run, args=(self._promote_q, self._promote), name="tierstore-promote"),
+            threading.Thread(target=self._run, args=(self._capture_q, self._capture, "ts-capture"), name="ts-capture"),
+            threading.Thread(target=self._run, args=(self._flush_q, self._flush, "ts-flush"), name="ts-flush"),
+            threading.Thread(target=self._run, args=(self._promote_q, self._promote, "ts-promote"), name="ts-promote"),
         ]
         for th in self._threads:
             th.daemon = True
@@ -653,6 +674,9 @@ class Checkpointer:
                 lazy.append(it)
         lazy.sort(key=lambda it: not it.mutable)  # what the step changes first
         snap.items = lazy
+        snap.taken = [False] * len(lazy)
+        snap.done = [False] * len(lazy)
+        snap.n_mutable = sum(1 for it in lazy if it.mutable)
         if not self.debug:
             snap.verified.set()
             snap.gate = _core.Gate()
@@ -972,6 +996,9 @@ class Checkpointer:
             self._capture_inner(snap)
 
     def _capture_inner(self, snap: _Snapshot) -> None:
+        if snap.event is None:
+            self._capture_host(snap)
+            return
         try:
             if snap.event is not None:
                 if self._stream is None:
@@ -1014,6 +1041,84 @@ class Checkpointer:
             snap.handle._set(self.host.name, "captured")
             if snap.gate is None:
                 self._flush_q.put(snap)
+
+    def _capture_host(self, snap: _Snapshot) -> None:
+        """Capture of host tensors: this (low-priority) thread copies items in
+        order while training runs; the step pre-hook copies whatever mutable
+        items are still untaken when the step arrives (see :meth:`_steal`)."""
+        try:
+            if snap.n_mutable == 0:
+                snap.mutable_done.set()
+            while True:
+                with snap.cap_lock:
+                    i = snap.cap_next
+                    while i < len(snap.items) and snap.taken[i]:
+                        i += 1
+                    snap.cap_next = i + 1
+                    if i >= len(snap.items):
+                        break
+                    snap.taken[i] = True
+                it = snap.items[i]
+                it.dst.copy_(it.src)
+                self._copied(snap, (i,))
+            # Items the training thread took are copied before their sources are released.
+            while not snap.mutable_done.wait(0.1):
+                if snap.error is not None:
+                    break
+        except BaseException as e:
+            self._fail_snapshot(snap, e)
+            self._capture_errors.append(e)
+        finally:
+            if snap.gate is not None and snap.error is None:
+                snap.gate.advance(len(snap.items))
+            snap.handle.timings["capture"] = time.perf_counter() - snap.t_save
+            snap.mutable_done.set()
+            snap.captured.set()
+            with self._lock:
+                if snap in self._pending:
+                    self._pending.remove(snap)
+            if not self.debug:
+                snap.release_sources()
+                snap.verified.set()
+        if snap.error is None:
+            snap.handle._set(self.host.name, "captured")
+            if snap.gate is None:
+                self._flush_q.put(snap)
+
+    @staticmethod
+    def _copied(snap: _Snapshot, idxs: tuple[int, ...] | list[int]) -> None:
+        with snap.cap_lock:
+            for i in idxs:
+                snap.done[i] = True
+            n = len(snap.items)
+            while snap.done_prefix < n and snap.done[snap.done_prefix]:
+                snap.done_prefix += 1
+            if snap.gate is not None:
+                snap.gate.advance(snap.done_prefix)  # the flush may write these tensors now
+            if snap.done_prefix >= snap.n_mutable:
+                snap.mutable_done.set()
+
+    def _steal(self, snap: _Snapshot) -> None:
+        """On the training thread, at the optimizer step: copies the mutable
+        items the capture thread has not started (it runs at low priority and
+        may not have had a core), instead of waiting for it."""
+        with snap.cap_lock:
+            mine = [k for k in range(snap.cap_next, snap.n_mutable) if not snap.taken[k]]
+            for k in mine:
+                snap.taken[k] = True
+        if not mine:
+            return
+        try:
+            with torch.no_grad():
+                for k in mine:
+                    it = snap.items[k]
+                    it.dst.copy_(it.src)
+        except BaseException as e:
+            self._fail_snapshot(snap, e)
+            self._capture_errors.append(e)
+        finally:
+            snap.stolen += len(mine)
+            self._copied(snap, mine)
 
     def _fail_snapshot(self, snap: _Snapshot, e: BaseException) -> None:
         self._drop_offload_pins(snap)
@@ -1074,7 +1179,11 @@ class Checkpointer:
         with self._lock:
             pending = list(self._pending)
         for s in pending:
-            s.mutable_done.wait()
+            if s.event is None:
+                self._steal(s)
+            # The debug check compares version counters once the capture is
+            # complete, so there the step waits for all of it.
+            (s.captured if self.debug else s.mutable_done).wait()
         waited = time.perf_counter() - now
         if pending:
             pending[-1].handle.timings["blocked"] += waited
@@ -1092,7 +1201,11 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------
     # flush and promotion
 
-    def _run(self, q: queue.Queue[_Snapshot | None], fn: Callable[[_Snapshot], None]) -> None:
+    def _run(self, q: queue.Queue[_Snapshot | None], fn: Callable[[_Snapshot], None], name: str) -> None:
+        _threads.set_name(name)
+        why = _threads.lower_priority(self.priority)
+        if why is not None:
+            self.priority_error = why
         while True:
             snap = q.get()
             if snap is None:
