@@ -157,10 +157,8 @@ def byteorder(arch: Archive, offsets: dict[str, int], read: Callable[[int, int],
     return v.decode()
 
 
-def open_archive(path: str) -> tuple[Archive, dict[str, Any] | None, dict[str, int]]:
-    """Directory, manifest (None for files torch wrote) and data offsets of ``path``."""
-    entries, cd_offset, file_len = _core.read_directory(path)
-    arch = Archive(path, entries, cd_offset, file_len)
+def refuse_compressed(path: str, arch: Archive) -> None:
+    """``CorruptFileError`` naming the first record that is not stored uncompressed."""
     for rel, (_crc, size, csize, method, _h) in arch.records.items():
         if method != 0 or csize != size:
             raise CorruptFileError(
@@ -169,6 +167,13 @@ def open_archive(path: str) -> tuple[Archive, dict[str, Any] | None, dict[str, i
                 path=path,
                 record=arch.full(rel),
             )
+
+
+def open_archive(path: str) -> tuple[Archive, dict[str, Any] | None, dict[str, int]]:
+    """Directory, manifest (None for files torch wrote) and data offsets of ``path``."""
+    entries, cd_offset, file_len = _core.read_directory(path)
+    arch = Archive(path, entries, cd_offset, file_len)
+    refuse_compressed(path, arch)
     m = read_manifest(path, arch)
     return arch, m, record_offsets(path, arch, m)
 

@@ -475,9 +475,11 @@ def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts:
             return _hand_to_torch(path, opts, mmap)
         raise
     arch = _archive.Archive(path, entries, cd_offset, file_len)
+    # TorchScript (torch.jit.save) archives hold data.pkl too, and compressed
+    # code records: torch.load tells them by constants.pkl and dispatches them.
+    if "constants.pkl" in arch.records:
+        return _hand_to_torch(path, opts, mmap)
     if "data.pkl" not in arch.records:
-        if "constants.pkl" in arch.records:  # TorchScript: torch.load dispatches it
-            return _hand_to_torch(path, opts, mmap)
         raise MissingRecordError(
             f"{path}: missing record '{arch.full('data.pkl')}'", path=path, record=arch.full("data.pkl")
         )
@@ -554,10 +556,15 @@ def _load_stream(f: IO[bytes], verify: bool, opts: dict[str, Any]) -> Any:
             return _hand_to_torch(io.BytesIO(buf), opts, False)
         raise
     arch = _archive.Archive(name, entries, cd_offset, file_len)
+    if "constants.pkl" in arch.records:  # TorchScript, as in _load_path
+        import io
+
+        return _hand_to_torch(io.BytesIO(buf), opts, False)
     if "data.pkl" not in arch.records:
         raise MissingRecordError(
             f"{name}: missing record '{arch.full('data.pkl')}'", path=name, record=arch.full("data.pkl")
         )
+    _archive.refuse_compressed(name, arch)
     offs = _core.data_offsets_bytes(buf, name)
     offsets = dict(zip(arch.records, offs, strict=True))
     view = memoryview(buf)
