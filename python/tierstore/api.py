@@ -586,7 +586,7 @@ def _load_stream(f: IO[bytes], verify: bool, opts: dict[str, Any]) -> Any:
             storages[rel[5:]] = (
                 torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offsets[rel]).untyped_storage()
                 if n
-                else torch.UntypedStorage(0)
+                else _empty_storage()
             )
     return _unpickle(name, data_pkl, storages, byteorder, opts)
 
@@ -615,10 +615,17 @@ def _check_stream_manifest(name: str, arch: _archive.Archive, offsets: dict[str,
             )
 
 
+def _empty_storage() -> torch.UntypedStorage:
+    """An empty storage that cannot be resized, as torch.load makes for an
+    empty record: a tensor that claims more elements than its record holds
+    fails to build instead of growing over uninitialised memory."""
+    return torch.frombuffer(bytearray(1), dtype=torch.uint8).untyped_storage()[0:0]
+
+
 def _storage_over(buf: Any) -> torch.UntypedStorage:
     """An untyped storage viewing ``buf`` without a copy (it keeps ``buf`` alive)."""
     if not len(buf):
-        return torch.UntypedStorage(0)
+        return _empty_storage()
     return torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
 
 
@@ -675,14 +682,14 @@ def _unpickle(
             raise CorruptFileError(
                 f"{path}: record 'data.pkl': bad storage type {storage_type!r:.100}", path=path, record="data.pkl"
             )
+        typed = loaded.get(key) if isinstance(key, str) else None
+        if typed is not None and typed.dtype == dtype:  # as torch.load: loaded once per dtype
+            return typed
         if not isinstance(key, str) or not isinstance(location, str) or not isinstance(numel, int) or numel < 0:
             raise CorruptFileError(
                 f"{path}: record 'data.pkl': bad storage reference {saved_id!r:.200}", path=path, record="data.pkl"
             )
         nbytes = numel * dtype.itemsize
-        typed = loaded.get(key)
-        if typed is not None and typed.dtype == dtype:
-            return typed
         raw = storages.get(key)
         if raw is None:
             raise MissingRecordError(
@@ -690,14 +697,12 @@ def _unpickle(
                 path=path,
                 record=f"data/{key}",
             )
-        if raw.nbytes() < nbytes:
+        if raw.nbytes() != nbytes:  # torch.load refuses both, a longer record as a shorter one
             raise CorruptFileError(
                 f"{path}: record 'data/{key}' holds {raw.nbytes()} bytes but data.pkl expects {nbytes}",
                 path=path,
                 record=f"data/{key}",
             )
-        if raw.nbytes() > nbytes:
-            raw = raw[:nbytes]
         if ready is not None and (byteorder != sys.byteorder or not _stays_on_host(opts["map_location"], location)):
             ready()
         if byteorder != sys.byteorder:
@@ -711,7 +716,10 @@ def _unpickle(
     if tls is not None:
         tls.map_location = opts["map_location"]
     try:
-        result = _pickle.fast_weights_only(data_pkl, persistent_load) if opts["weights_only"] else None
+        # The fast path's allow-list has a size-checked stand-in for bytearray, which a pickle
+        # returning the bytearray class itself would get instead: those go to torch's unpickler.
+        fast = opts["weights_only"] and b"builtins\nbytearray\n" not in data_pkl
+        result = _pickle.fast_weights_only(data_pkl, persistent_load) if fast else None
         if result is None:
             if opts["weights_only"]:
                 _pickle.refuse_absurd_sizes(data_pkl, path)
