@@ -38,7 +38,9 @@ Modes:
 - ``tierstore``: ``tierstore.Checkpointer`` (host tier + local disk) attached
   to the optimizer;
 - ``tierstore 2-tier``: the same with a RAM file system as the local tier and
-  the disk as the remote tier.
+  the disk as the remote tier;
+- ``tierstore normal-pri``: ``tierstore`` with its background threads at
+  normal priority (``priority="normal"``), to show what ``SCHED_IDLE`` buys.
 
 Per mode also: time until durable, current RSS above the pre-loop baseline
 (sampled every 10 ms by a thread: peak), and where the CPU went, per thread
@@ -65,7 +67,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODES = "none,torch.save,dcp.async_save,tierstore,tierstore 2-tier"
+MODES = "none,torch.save,dcp.async_save,tierstore,tierstore 2-tier,tierstore normal-pri"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,7 +240,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
             uploads: list[Any] = []
         elif args.mode.startswith("tierstore"):
-            if args.mode == "tierstore":
+            if args.mode in ("tierstore", "tierstore normal-pri"):
                 tiers: list[Any] = [tierstore.HostTier(args.host_budget), tierstore.DiskTier(".", keep_last=2)]
             else:
                 tiers = [
@@ -246,7 +248,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                     tierstore.DiskTier(str(fast), keep_last=2),
                     tierstore.RemoteTier(".", keep_last=2),
                 ]
-            ck = tierstore.Checkpointer(d, tiers=tiers)
+            pri = "normal" if args.mode.endswith("normal-pri") else args.priority
+            ck = tierstore.Checkpointer(d, tiers=tiers, priority=pri)
             ck.attach(opt)
 
             def save(i: int) -> None:
@@ -367,6 +370,8 @@ def _run_child(args: argparse.Namespace, workload: str, mode: str, rnd: int, roo
         str(root),
         "--fast-dir",
         args.fast_dir,
+        "--priority",
+        args.priority,
     ]
     if perf:
         cmd += ["--perf-file", perf]
@@ -446,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="directory on the local disk (default: a temporary one under .)")
     ap.add_argument("--fast-dir", default="/dev/shm", help="a RAM file system for the 2-tier run")
     ap.add_argument("--perf", action="store_true", help="also profile the tierstore mode with perf (once)")
+    ap.add_argument("--priority", default="idle", help="the Checkpointer's background priority (idle, low, normal)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default=None, help="write the table here too")
     # child-only
