@@ -212,7 +212,17 @@ def _bits(x: float) -> bytes:
 
 
 def same(a: Any, b: Any) -> str | None:
-    """None when ``a`` and ``b`` are the same result (deep, with aliasing), else why not."""
+    """None when ``a`` and ``b`` are the same result (deep, with aliasing), else why not;
+    ``UncomparableError`` when comparing them raises (a tensor's ``==`` in a dict key, ...)."""
+    try:
+        return _same(a, b)
+    except UncomparableError:
+        raise
+    except Exception as e:
+        raise UncomparableError(f"{type(e).__name__}: {e}") from None
+
+
+def _same(a: Any, b: Any) -> str | None:
     pairs: dict[int, int] = {}
     back: dict[int, int] = {}
     keep: list[Any] = []  # ids stay valid while compared
@@ -250,8 +260,6 @@ def same(a: Any, b: Any) -> str | None:
                 return f"{where}: lengths {len(x)} vs {len(y)}"
             stack += [(xi, yi, f"{where}[{i}]") for i, (xi, yi) in enumerate(zip(x, y, strict=True))]
         elif isinstance(x, dict):
-            if list(x.keys()) != list(y.keys()) and [type(k) for k in x] != [type(k) for k in y]:
-                return f"{where}: keys {list(x)[:5]!r:.100} vs {list(y)[:5]!r:.100}"
             kx, ky = list(x.keys()), list(y.keys())
             if len(kx) != len(ky):
                 return f"{where}: {len(kx)} vs {len(ky)} keys"
