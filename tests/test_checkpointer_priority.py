@@ -140,22 +140,22 @@ def test_the_step_copies_what_the_capture_thread_has_not_reached(
     """A capture thread that gets no core (idle class on a busy machine) does
     not stall the step: the step pre-hook copies the untaken tensors itself,
     and the checkpoint still holds the values as of save()."""
-    from tierstore.checkpointer import Checkpointer as C
+    from tierstore.checkpointer import Checkpointer
 
     gate = threading.Event()
-    real = C._capture_host
+    real = Checkpointer._capture_host
 
-    def held(self: C, snap: object) -> None:
+    def held(self: Checkpointer, snap: object) -> None:
         gate.wait(30)  # the capture thread gets no CPU until the step is done
         real(self, snap)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(C, "_capture_host", held)
+    monkeypatch.setattr(Checkpointer, "_capture_host", held)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(8, 256)).sum().backward()
     opt.step()
-    ck = C(tmp_path / "run")
+    ck = Checkpointer(tmp_path / "run")
     try:
         ck.attach(opt)
         state = {"model": model.state_dict(), "optim": opt.state_dict()}

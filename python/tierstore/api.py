@@ -619,7 +619,8 @@ def _empty_storage() -> torch.UntypedStorage:
     """An empty storage that cannot be resized, as torch.load makes for an
     empty record: a tensor that claims more elements than its record holds
     fails to build instead of growing over uninitialised memory."""
-    return torch.frombuffer(bytearray(1), dtype=torch.uint8).untyped_storage()[0:0]
+    st: torch.UntypedStorage = torch.frombuffer(bytearray(1), dtype=torch.uint8).untyped_storage()[0:0]
+    return st
 
 
 def _storage_over(buf: Any) -> torch.UntypedStorage:
