@@ -54,6 +54,7 @@ from tierstore.sharded import (
     PerRank,
     _all_gather,
     _group_info,
+    _make_dir,
     _tensor_and_layout,
     _write_json_atomic,
     consolidate,
@@ -1398,7 +1399,9 @@ class Checkpointer:
         files are durable there."""
         m = read_manifest(src)
         sid = m["save_id"]
-        dst.mkdir(parents=True, exist_ok=True)
+        # The step directory's entry (and any tier directory made here) made
+        # durable in their parents before the manifest commits the copy.
+        _make_dir(dst, durable=True)
         engine = get_engine()
         mine = [
             f
