@@ -285,20 +285,51 @@ def test_coverage_proof_names_the_tensor_and_region(tmp_path: pathlib.Path) -> N
         tierstore.load_sharded(path, {"w": other})
 
 
-def kill_job(rank: int, world: int, path: str) -> None:
+def kill_job(rank: int, world: int, path: str, when: str) -> None:
+    """Rank 1 dies by SIGKILL inside ``save_sharded``: at its first
+    collective (``before``: nothing written yet) or at the one after its data
+    file is written and before rank 0 commits (``written``)."""
     if rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    tierstore.save_sharded({"w": torch.full((4,), 2.0)}, path)
+        import tierstore.sharded as sh
+
+        real, calls = sh._all_gather, []
+
+        def gather(obj: Any, world: int, pg: Any) -> list[Any]:
+            calls.append(obj)
+            if (when == "before" and len(calls) == 1) or (when == "written" and len(calls) == 2):
+                names = sorted(os.listdir(path))
+                pathlib.Path(path + f".{when}.seen").write_text("\n".join(names))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(obj, world, pg)
+
+        sh._all_gather = gather
+    # Each rank holds and writes its half.
+    w = attach(torch.full((4,), 2.0), Layout.block("w", (8,), (4 * rank,), (4,)))
+    tierstore.save_sharded({"w": w}, path)
 
 
-def test_rank_killed_during_save_leaves_previous_checkpoint(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("when", ["before", "written"])
+def test_rank_killed_during_save_leaves_previous_checkpoint(tmp_path: pathlib.Path, when: str) -> None:
     path = str(tmp_path / "ck")
-    tierstore.save_sharded({"w": torch.full((4,), 1.0)}, path)
+    tierstore.save_sharded({"w": torch.full((8,), 1.0)}, path)
+    old_manifest = (tmp_path / "ck" / "manifest.json").read_bytes()
     with pytest.raises(AssertionError, match="rank"):  # rank 1 dies; the others fail or time out
-        run_world(2, kill_job, path, timeout=20)
-    sd = {"w": torch.zeros(4)}
+        run_world(2, kill_job, path, when, timeout=20)
+    seen = (tmp_path / f"ck.{when}.seen").read_text().split()
+    new_files = [n for n in seen if n.startswith("rank-00001.")]
+    old_sid = json.loads(old_manifest)["save_id"]
+    if when == "written":  # it died in the middle of the save: its new data file was on disk
+        assert any(old_sid not in n for n in new_files), seen
+    else:
+        assert all(old_sid in n for n in new_files), seen
+    assert (tmp_path / "ck" / "manifest.json").read_bytes() == old_manifest, "no commit without every rank"
+    sd = {"w": torch.zeros(8)}
     tierstore.load_sharded(path, sd)
-    assert torch.equal(sd["w"], torch.full((4,), 1.0)), "the previous checkpoint is still the committed one"
+    assert torch.equal(sd["w"], torch.full((8,), 1.0)), "the previous checkpoint is still the committed one"
+    # The next save that completes removes what the dead one left.
+    tierstore.save_sharded({"w": torch.full((8,), 3.0)}, path)
+    sid = json.loads((tmp_path / "ck" / "manifest.json").read_text())["save_id"]
+    assert all(sid in n for n in os.listdir(path) if n.startswith(("rank-", "objects-"))), os.listdir(path)
 
 
 def test_damaged_shard_is_named(tmp_path: pathlib.Path) -> None:

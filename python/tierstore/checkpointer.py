@@ -1239,6 +1239,14 @@ class Checkpointer:
             try:
                 fn(snap)
             except BaseException as e:  # reported through the handle and wait()
+                if isinstance(e, Exception) and not isinstance(e, TierstoreError):
+                    # e.g. a collective's error when another rank died: named for the user
+                    wrapped = TierstoreError(
+                        f"{self.path}: checkpoint of step {snap.step} failed in {name} on rank {self.rank} of "
+                        f"{self.world}" + (" (a rank died or timed out?)" if self.world > 1 else "") + f": {e}"
+                    )
+                    wrapped.__cause__ = e
+                    e = wrapped
                 self._drop_offload_pins(snap)
                 snap.handle.error = e
                 self._errors.append(e)
