@@ -214,6 +214,8 @@ def run_deepspeed_swapper(
     weight_decay: float = 0.01,
     allow_build: bool = False,
     keep_files: bool = False,
+    warm: int = 1,
+    memory: bool = False,
 ) -> dict[str, Any]:
     """AdamW steps over ``nparams`` parameters with their fp32 masters and Adam state
     offloaded by DeepSpeed's NVMe optimizer swapper into ``swap_dir``.
@@ -231,11 +233,22 @@ def run_deepspeed_swapper(
     Returns per-step times (``step_s``: median without the first step), the bytes
     read and written per step (counted at the aio submissions), and ``checksum``:
     the float64 sum of the final fp32 masters, read back from the swap files.
+    ``memory``: also ``memory``, the current RSS sampled in a thread
+    (benches/offload_memory.py) in the phases setup, warm (the first ``warm``
+    steps), timed (the others), with ``model_bytes``: the fp32 parameters and
+    bf16 gradients this driver holds beside the swapper.
     """
     if steps < 1:
         raise ValueError("steps must be at least 1")
     deepspeed = _import_deepspeed()
     from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
+
+    mem = None
+    if memory:
+        from offload_memory import RssSampler
+
+        mem = RssSampler().start()
+        mem.phase("setup")
 
     aio_config = get_aio_config({"aio": dict(aio or {})})
     params = make_params(int(nparams), seed)
@@ -260,12 +273,16 @@ def run_deepspeed_swapper(
 
     run_dir = Path(tempfile.mkdtemp(prefix="ds-swap-", dir=swap_dir))
     try:
-        out = _drive(params, groups, run_dir, buffer_count, aio_config, pipeline, steps, lr, weight_decay)
+        out = _drive(params, groups, run_dir, buffer_count, aio_config, pipeline, steps, lr, weight_decay, mem, warm)
     finally:
         gc.collect()  # the swapper's pinned buffers are munlocked and freed when it goes
         if not keep_files:
             shutil.rmtree(run_dir, ignore_errors=True)
     per_step = (out["read_bytes_per_step"] + out["write_bytes_per_step"]) / 2**30
+    if mem is not None:
+        out["memory"] = mem.stop()
+        # The model this driver keeps beside the swapper: fp32 parameters, bf16 gradients.
+        out["model_bytes"] = 6 * int(nparams)
     return {
         "mode": f"deepspeed {deepspeed.__version__} {out.pop('swapper')}",
         "params": int(nparams),
@@ -290,6 +307,8 @@ def _drive(
     steps: int,
     lr: float,
     weight_decay: float,
+    mem: Any = None,
+    warm: int = 1,
 ) -> dict[str, Any]:
     from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
     from deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper import PipelinedOptimizerSwapper
@@ -344,6 +363,8 @@ def _drive(
     waits: list[dict[str, float]] = []
     with _count_io(counts):
         for step in range(steps):
+            if mem is not None and step in (0, warm):
+                mem.phase("warm" if step < warm else "timed", trim=step == warm)
             # Backward's result: bf16 gradients in host memory, one partition per tensor.
             grads = make_grads(params, step)
             for f, g in zip(flats, groups, strict=True):
@@ -380,6 +401,8 @@ def _drive(
             writes.append(counts["write"])
             waits.append({n: t.elapsed(reset=True) / 1e3 for n, t in timers.timers.items() if n in SWAPPER_TIMERS})
             del grads
+    if mem is not None:
+        mem.phase("after")
     # The final masters, read back from the swap files (no write-back).
     finals: list[torch.Tensor] = []
     for f, g in zip(flats, groups, strict=True):
@@ -441,6 +464,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=".", help="where the swap files go (a real disk, not tmpfs)")
     ap.add_argument("--no-pipeline", action="store_true", help="PartitionedOptimizerSwapper (no overlap)")
     ap.add_argument("--check", action="store_true", help="also run fused AdamW in memory and compare checksums")
+    ap.add_argument(
+        "--aio",
+        default="{}",
+        help='the "aio" section of a DeepSpeed config as JSON, e.g. \'{"block_size": 8388608, "queue_depth": 32}\'',
+    )
+    ap.add_argument("--warm", type=int, default=1, help="steps counted as warm-up in the memory phases")
+    ap.add_argument("--memory", action="store_true", help="sample the current RSS during setup and steps")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     try:
@@ -452,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
             args.steps,
             args.seed,
             pipeline=not args.no_pipeline,
+            aio=json.loads(args.aio),
+            warm=args.warm,
+            memory=args.memory,
         )
     except DeepSpeedUnavailableError as e:
         print(f"ds_baseline: {e}", file=sys.stderr)

@@ -63,7 +63,9 @@ if [ ! -f "$VENV/.complete" ]; then
     if ! dpkg -s libaio-dev >/dev/null 2>&1; then
         if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
             log "installing libaio-dev (headers for DeepSpeed's aio op)"
-            apt-get install -y -q libaio-dev >&2 || { apt-get update -q >&2 && apt-get install -y -q libaio-dev >&2; }
+            # Another apt-get (a setup running beside this one) holds dpkg's lock: wait for it.
+            apt=(apt-get -o DPkg::Lock::Timeout=600)
+            "${apt[@]}" install -y -q libaio-dev >&2 || { "${apt[@]}" update -q >&2 && "${apt[@]}" install -y -q libaio-dev >&2; }
         else
             log "libaio-dev is missing: install it (apt-get install libaio-dev) and run again"
             exit 1
