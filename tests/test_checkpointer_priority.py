@@ -47,8 +47,8 @@ def _save_one(tmp_path: Path, **kw: object) -> tuple[dict[str, list[int]], tiers
     return seen, ck
 
 
-def test_background_threads_run_under_sched_idle_by_default(tmp_path: Path) -> None:
-    seen, ck = _save_one(tmp_path)
+def test_background_threads_run_under_sched_idle_when_asked(tmp_path: Path) -> None:
+    seen, ck = _save_one(tmp_path, priority="idle")
     try:
         for name in ("ts-capture", "ts-flush", "ts-promote"):
             assert set(seen.get(name, [])) == {os.SCHED_IDLE}, (name, seen)
@@ -66,10 +66,12 @@ def test_background_threads_run_under_sched_idle_by_default(tmp_path: Path) -> N
         ck.close()
 
 
-def test_normal_priority_leaves_threads_alone(tmp_path: Path) -> None:
-    seen, ck = _save_one(tmp_path, priority="normal")
+def test_normal_priority_by_default_leaves_threads_alone(tmp_path: Path) -> None:
+    seen, ck = _save_one(tmp_path)
     try:
-        assert os.SCHED_OTHER in seen.get("ts-flush", []), seen
+        assert ck.priority == "normal"
+        for name in ("ts-capture", "ts-flush", "ts-promote"):
+            assert set(seen.get(name, [])) == {os.SCHED_OTHER}, (name, seen)
     finally:
         ck.close()
 
@@ -119,7 +121,7 @@ def test_engine_started_by_a_checkpointer_keeps_normal_priority(tmp_path: Path) 
     code = f"""
 import os, torch, tierstore
 from pathlib import Path
-ck = tierstore.Checkpointer({str(tmp_path / "run")!r})
+ck = tierstore.Checkpointer({str(tmp_path / "run")!r}, priority="idle")
 ck.save(1, {{"w": torch.ones(1024)}})
 ck.wait()
 pol = [os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")

@@ -1,22 +1,27 @@
-"""Background threads that yield the CPU to training.
+"""Background threads and their scheduling class.
 
 A checkpoint's capture, checksums and write submission run while the model
-trains on every core; whatever CPU they take, the step loses, and on a
-machine whose cores the step keeps busy, a background thread that preempts
-one of torch's OpenMP workers stalls the whole parallel region at its next
-barrier. So tierstore's background threads run under a lower scheduling
-class:
+trains; on a machine whose cores the step keeps busy, whatever CPU they take
+the step loses. The Checkpointer's ``priority`` picks their class:
 
-``"idle"`` (default)
-    Linux ``SCHED_IDLE``: the thread runs only on cores the training leaves
-    idle and is preempted at once when a training thread wakes. If training
-    never leaves a core idle, background work slows down and the
-    Checkpointer's backpressure (``on_busy``) takes over, which never costs
-    more than a synchronous save.
+``"normal"`` (default)
+    no change: the background work takes its share and finishes soon.
 ``"low"``
     nice 19 in the normal class: a small share of a contended core.
-``"normal"``
-    no change.
+``"idle"``
+    Linux ``SCHED_IDLE``: the thread runs only on cores the training leaves
+    idle and is preempted at once when a training thread wakes.
+
+Why the default is not lower (measured with ``benches/bench_checkpoint.py``
+on a 2-core machine whose training kept both cores busy): a starved flush
+keeps its snapshot's host buffer busy until the next checkpoint, which then
+needs a second buffer of the state's size; touching fresh memory costs the
+training thread page faults (2 MiB pages zeroed by the kernel; on a virtual
+machine, guest memory touched for the first time costs far more), more than
+the background work it was meant to yield to. Lower classes help where the
+background work is long and cores are idle now and then (a GPU job's host).
+The copies the step needs are never starved in any class: the step's
+pre-hook copies whatever the capture thread has not taken.
 
 Threads the engine starts from such a thread (checksum and write workers)
 inherit its class. Names are set for profilers (``ts-capture``, ...).

@@ -501,9 +501,10 @@ class Checkpointer:
     training thread) give up after ``collective_timeout`` seconds, so a rank
     that died fails that checkpoint instead of hanging the others.
     ``priority``: the scheduling class of the capture, flush and promotion
-    threads (and the engine threads they start): ``"idle"`` (default: they
-    run only on cores training leaves idle), ``"low"`` (nice 19) or
-    ``"normal"``; see :mod:`tierstore._threads`.
+    threads (and the engine threads they start): ``"normal"`` (default),
+    ``"low"`` (nice 19) or ``"idle"`` (``SCHED_IDLE``: only cores training
+    leaves idle); see :mod:`tierstore._threads` for why the default is not
+    lower.
     """
 
     def __init__(
@@ -519,7 +520,7 @@ class Checkpointer:
         process_group: Any = None,
         eager_unowned: bool = True,
         collective_timeout: float = 600.0,
-        priority: str = "idle",
+        priority: str = "normal",
     ) -> None:
         _threads.check_priority(priority)
         if on_busy not in ("wait", "skip"):
