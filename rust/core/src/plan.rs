@@ -11,7 +11,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use crc32fast::Hasher;
 
-use crate::buf::align_down;
+use crate::buf::{align_down, align_up};
 use crate::error::{Error, Result};
 use crate::zip::{self, Entry, LayoutBuilder};
 
@@ -149,6 +149,17 @@ pub struct CrcPiece {
     pub hasher: Hasher,
 }
 
+/// A span of a chunk written straight from a record's memory (see
+/// [`Plan::direct_spans`]).
+pub struct DirectSpan {
+    pub record: usize,
+    pub ptr: *const u8,
+    /// Offset of `start` inside the record's data.
+    pub offset: u64,
+    pub start: u64,
+    pub end: u64,
+}
+
 /// What gathering one range produced.
 #[derive(Default)]
 pub struct Gathered {
@@ -244,6 +255,46 @@ impl Plan {
         let p = unsafe { ptr.add(off as usize) };
         let aligned = |x: u64| x % align.max(1) == 0;
         (aligned(p as u64) && aligned(start) && aligned(end - start)).then_some((i, p, off))
+    }
+
+    /// The parts of `[start, end)` that can be written straight from record
+    /// memory: for each in-memory record the chunk meets, the largest span of
+    /// its data inside the chunk whose file offset, memory address and length
+    /// are multiples of `align`, when it is at least `min_len` long. Sorted,
+    /// disjoint. The rest of the chunk (record edges, headers, padding) is
+    /// left to [`Plan::gather`].
+    pub fn direct_spans(&self, start: u64, end: u64, align: u64, min_len: u64) -> Vec<DirectSpan> {
+        let align = align.max(1);
+        let entries = self.layout.entries();
+        let first = entries.partition_point(|e| e.data_end() <= start);
+        let mut out = Vec::new();
+        for (i, e) in entries.iter().enumerate().skip(first) {
+            if e.data_offset >= end {
+                break;
+            }
+            let (Source::Mem { ptr, .. } | Source::Gated { ptr, .. }) = &self.sources[i] else {
+                continue;
+            };
+            let s = align_up(e.data_offset.max(start), align);
+            let t = align_down(e.data_end().min(end), align);
+            if t <= s || t - s < min_len {
+                continue;
+            }
+            let off = s - e.data_offset;
+            // SAFETY: `off` is inside the record, whose memory is valid for its length.
+            let p = unsafe { ptr.add(off as usize) };
+            if (p as u64) % align != 0 {
+                continue; // the record's memory is not aligned like its file offset
+            }
+            out.push(DirectSpan {
+                record: i,
+                ptr: p,
+                offset: off,
+                start: s,
+                end: t,
+            });
+        }
+        out
     }
 
     /// The source of record `record`.

@@ -24,6 +24,11 @@ use crate::io::{Class, Op, PathSlot, Request};
 use crate::plan::{CrcPiece, Plan, Source};
 use crate::task::{Task, TaskState};
 
+/// The shortest part of a record written straight from its memory when a
+/// chunk holds several records (shorter ones are copied with their
+/// neighbours into the chunk's staging buffer: one request instead of many).
+const DIRECT_MIN: u64 = 64 << 10;
+
 /// A file range `[start, end)`.
 type Range = (u64, u64);
 
@@ -242,6 +247,29 @@ impl ContainerWriter {
         if let Some((rec, ptr, off)) = self.plan.direct_span(s, e, granule) {
             return self.write_direct(st, rec, ptr, off, s, e, pieces);
         }
+        // A chunk over several records: each record's aligned interior goes
+        // out straight from its memory; only the edges between them (record
+        // tails, headers, padding) are copied into one staging buffer.
+        let spans = self
+            .plan
+            .direct_spans(s, e, granule, DIRECT_MIN.max(granule));
+        let mut gaps = Vec::with_capacity(spans.len() + 1);
+        let mut pos = s;
+        for sp in &spans {
+            if sp.start > pos {
+                gaps.push((pos, sp.start));
+            }
+            pos = sp.end;
+        }
+        if pos < e {
+            gaps.push((pos, e));
+        }
+        for sp in spans {
+            self.write_direct(st, sp.record, sp.ptr, sp.offset, sp.start, sp.end, pieces)?;
+        }
+        if gaps.is_empty() {
+            return Ok(());
+        }
         let pool = self.engine.pool();
         let mut buf = loop {
             if let Some(b) = pool.acquire(Duration::from_millis(50)) {
@@ -251,24 +279,24 @@ impl ContainerWriter {
                 return Ok(());
             }
         };
-        let len = (e - s) as usize;
-        let g = self
-            .plan
-            .gather(s, &mut buf.as_mut_slice()[..len], granule, allow_defer)?;
-        pieces.lock().expect("lock").extend(g.pieces);
-        // The pieces of this chunk to write now: all but the deferred ranges.
+        // The pieces of this chunk to write now: the gaps, but the deferred ranges.
         let mut writes = Vec::new();
-        let mut pos = s;
-        for &(ds, de) in &g.deferred {
-            if ds > pos {
-                writes.push((pos, ds));
+        for (gs, ge) in gaps {
+            let slot = &mut buf.as_mut_slice()[(gs - s) as usize..(ge - s) as usize];
+            let g = self.plan.gather(gs, slot, granule, allow_defer)?;
+            pieces.lock().expect("lock").extend(g.pieces);
+            let mut pos = gs;
+            for &(ds, de) in &g.deferred {
+                if ds > pos {
+                    writes.push((pos, ds));
+                }
+                pos = pos.max(de);
             }
-            pos = pos.max(de);
+            if pos < ge {
+                writes.push((pos, ge));
+            }
+            deferred_out.lock().expect("lock").extend(g.deferred);
         }
-        if pos < e {
-            writes.push((pos, e));
-        }
-        deferred_out.lock().expect("lock").extend(g.deferred);
         let base = buf.as_mut_ptr();
         let buf = Arc::new(buf);
         for (ws, we) in writes {
