@@ -9,9 +9,9 @@ deliberate refusals), handing the persistent loader an id torch would refuse,
 or ``tierstore.load`` disagreeing with ``torch.load``. The long run is the
 script's ``--cases``.
 
-The known findings are below, each as an ``xfail(strict=True)`` case with its
-smallest pickle, so that a fix shows up as an unexpected pass. The Python-side
-disagreements the fuzzer found are fixed and kept here as regression tests.
+The findings are below, each as a regression test with its smallest pickle
+(the Rust persistent-id check and the bytearray stand-in were the last two,
+kept as strict xfails until fixed).
 """
 
 from __future__ import annotations
@@ -93,13 +93,6 @@ _STORAGE_AS = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rust/py/src/unpickle.rs BINPERSID: `first.extract::<Vec<u8>>()` accepts a bytearray, list or tuple "
-    "of the bytes of 'storage' as pid[0]; torch's unpickler decodes only bytes and refuses these ('Only "
-    "persistent_load of storage is allowed'). tierstore.load still refuses them (its persistent_load checks the "
-    "type name), so no load accepts them; the fix is to accept only PyString or exact PyBytes there.",
-)
 @pytest.mark.parametrize("as_", list(_STORAGE_AS))
 def test_fast_path_hands_only_torch_persistent_ids_to_the_loader(as_: str) -> None:
     # smallest pickle: MARK <'storage' as bytearray/list/tuple> TUPLE BINPERSID STOP
@@ -117,13 +110,6 @@ def test_tierstore_load_refuses_those_persistent_ids(tmp_path: Path) -> None:
         assert isinstance(ts.error, tierstore.TierstoreError), ts.error
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tierstore/_pickle.py fast_weights_only puts a size-checked function in place of builtins.bytearray "
-    "in the allow-list, so `cbuiltins\\nbytearray\\n.` returns that function, where torch returns the bytearray "
-    "class (tierstore.load avoids the fast path for pickles naming bytearray; see the next test). The fix is "
-    "for _pickle.fast_weights_only itself to decline such pickles (or keep bytearray and check sizes first).",
-)
 def test_fast_path_returns_the_bytearray_class_as_torch_does() -> None:
     pkl = b"cbuiltins\nbytearray\n."
     assert uf.wo.Unpickler(io.BytesIO(pkl)).load() is bytearray

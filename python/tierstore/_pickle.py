@@ -223,20 +223,6 @@ def unpickler(
     return _Custom(f, encoding=encoding, **kwargs)
 
 
-def _bounded_bytearray(limit: int) -> Any:
-    """``bytearray`` for the weights-only allow-list that refuses sizes a file
-    cannot hold: pickling writes a bytearray's contents (never its length
-    alone), so ``bytearray(<int>)`` with more than ``limit`` bytes comes only
-    from a crafted file and would allocate what the file does not hold."""
-
-    def make(*args: Any) -> bytearray:
-        if args and isinstance(args[0], int) and args[0] > limit:
-            raise pickle.UnpicklingError(f"bytearray of {args[0]} bytes in a pickle of {limit} bytes refused")
-        return bytearray(*args)
-
-    return make
-
-
 def refuse_absurd_sizes(data: bytes, path: str) -> None:
     """Scans a pickle without running it, before torch's weights-only
     unpickler runs it: its structure (memo indices, argument lengths,
@@ -285,12 +271,15 @@ def fast_weights_only(data: bytes, persistent_load: Any) -> Any:
     accepts the file or raises torch's own error. The allow-list is torch's
     default one plus ``torch.serialization.add_safe_globals``.
     """
+    if b"bytearray" in data:
+        # bytearray(<int>) allocates what the file need not hold: such pickles
+        # go to torch's unpickler after refuse_absurd_sizes, which bounds them
+        # (a stand-in here would differ from torch where the class itself is loaded).
+        return None
     try:
         from torch import _weights_only_unpickler as wo
 
         allowed = {**wo._get_user_allowed_globals(), **wo._get_allowed_globals()}
-        if "builtins.bytearray" in allowed:
-            allowed["builtins.bytearray"] = _bounded_bytearray(len(data))
         blocked = list(wo._blocklisted_modules)
     except (ImportError, AttributeError):  # a torch without these internals
         return None

@@ -717,10 +717,7 @@ def _unpickle(
     if tls is not None:
         tls.map_location = opts["map_location"]
     try:
-        # The fast path's allow-list has a size-checked stand-in for bytearray, which a pickle
-        # returning the bytearray class itself would get instead: those go to torch's unpickler.
-        fast = opts["weights_only"] and b"builtins\nbytearray\n" not in data_pkl
-        result = _pickle.fast_weights_only(data_pkl, persistent_load) if fast else None
+        result = _pickle.fast_weights_only(data_pkl, persistent_load) if opts["weights_only"] else None
         if result is None:
             if opts["weights_only"]:
                 _pickle.refuse_absurd_sizes(data_pkl, path)

@@ -23,7 +23,7 @@
 use std::collections::HashMap;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 /// Objects the VM compares against, fetched once per load by the caller.
 pub struct Known<'py> {
@@ -348,8 +348,12 @@ fn run<'py>(
                 let pid = pop(&mut stack)?;
                 if let Ok(t) = pid.cast_exact::<PyTuple>() {
                     let first = t.get_item(0).map_err(|_| GiveUp)?;
+                    // torch decodes bytes (and only bytes: a bytearray, list or
+                    // tuple of the same values is refused there) before comparing.
                     let is_storage = first.extract::<String>().is_ok_and(|s| s == "storage")
-                        || first.extract::<Vec<u8>>().is_ok_and(|b| b == b"storage");
+                        || first
+                            .cast::<PyBytes>()
+                            .is_ok_and(|b| b.as_bytes() == b"storage");
                     if !is_storage {
                         return Err(Stop::GiveUp);
                     }
