@@ -17,6 +17,8 @@ PYVER := $(shell $(PY) -c 'import sys; print(f"python{sys.version_info[0]}.{sys.
 DEPS_HASH := $(shell sha256sum requirements/dev.txt | cut -c1-12)
 CACHE ?= $(HOME)/.cache/tierstore
 DEPS := $(CACHE)/deps-$(DEPS_HASH)
+COMPAT_HASH := $(shell sha256sum requirements/compat.txt | cut -c1-12)
+COMPAT_DEPS := $(CACHE)/compat-$(COMPAT_HASH)
 VENV := .venv
 VPY := $(VENV)/bin/python
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
@@ -34,6 +36,15 @@ $(DEPS)/.complete: requirements/dev.txt
 	  rm -rf $(DEPS).tmp; $(PY) -m venv $(DEPS).tmp; \
 	  $(DEPS).tmp/bin/python -m pip install -q --disable-pip-version-check -r requirements/dev.txt; \
 	  rm -rf $(DEPS); mv $(DEPS).tmp $(DEPS); touch $@; \
+	fi
+
+$(COMPAT_DEPS)/.complete: requirements/compat.txt $(DEPS)/.complete
+	@exec 9>$(CACHE)/.lock; flock 9; \
+	if [ ! -f $@ ]; then \
+	  echo "installing the compat suite's extra packages into $(COMPAT_DEPS)"; \
+	  rm -rf $(COMPAT_DEPS).tmp; \
+	  $(DEPS)/bin/python -m pip install -q --disable-pip-version-check --no-deps --target $(COMPAT_DEPS).tmp -r requirements/compat.txt; \
+	  rm -rf $(COMPAT_DEPS); mv $(COMPAT_DEPS).tmp $(COMPAT_DEPS); touch $@; \
 	fi
 
 $(VENV)/.deps-$(DEPS_HASH): $(DEPS)/.complete
@@ -55,8 +66,8 @@ demo: setup ## small GPT: save/load both ways, lazy checkpoints, a kill, a resum
 test-rust: ## cargo tests of the engine (no Python)
 	cargo test -q -p tierstore-core --release
 
-test-py: setup ## pytest of the package
-	$(VPY) -m pytest -q -p no:cacheprovider
+test-py: setup $(COMPAT_DEPS)/.complete ## pytest of the package (with PyTorch's serialization suite through tierstore)
+	TIERSTORE_COMPAT_DEPS=$(COMPAT_DEPS) $(VPY) -m pytest -q -p no:cacheprovider
 
 test: setup test-rust test-py ## every test
 

@@ -48,6 +48,13 @@ _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50
 
 
+# torch's own functions, taken at import: formats that are torch's alone are
+# handed to them even where torch.save / torch.load have been routed to
+# tierstore (tests/compat runs PyTorch's suite that way).
+_TORCH_SAVE = torch.serialization.save
+_TORCH_LOAD = torch.serialization.load
+
+
 def _is_path(f: Any) -> bool:
     return isinstance(f, (str, os.PathLike))
 
@@ -158,7 +165,7 @@ def save(
     """
     if not _use_new_zipfile_serialization:
         # The legacy pre-1.6 format is torch's alone.
-        torch.save(obj, f, pickle_module or pickle, pickle_protocol, _use_new_zipfile_serialization=False)
+        _TORCH_SAVE(obj, f, pickle_module or pickle, pickle_protocol, _use_new_zipfile_serialization=False)
         return
     if align & (align - 1) or not 64 <= align <= 32768:
         raise ValueError(f"align must be a power of two between 64 and 32768, got {align}")
@@ -448,7 +455,7 @@ def _hand_to_torch(src: Any, opts: dict[str, Any], mmap: bool) -> Any:
         kwargs["pickle_module"] = opts["pickle_module"]
     name = str(src) if isinstance(src, (str, os.PathLike)) else str(getattr(src, "name", "<stream>"))
     try:
-        return torch.load(
+        return _TORCH_LOAD(
             src, map_location=opts["map_location"], weights_only=opts["weights_only"], mmap=mmap or None, **kwargs
         )
     except TierstoreError:
