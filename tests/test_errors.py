@@ -188,3 +188,21 @@ def test_full_disk_keeps_the_previous_file(tmpfs: pathlib.Path, backend: str) ->
     assert isinstance(ei.value, OSError) and str(p) in str(ei.value)
     assert tensors_equal(tierstore.load(p), small)
     assert sorted(x.name for x in tmpfs.iterdir()) == ["x.pt"], "no temporary file is left"
+
+
+def test_torchs_runtime_error_on_a_file_handed_to_it_stays_a_runtime_error(tmp_path: pathlib.Path) -> None:
+    """A legacy file is torch's to read; where torch refuses it with a
+    RuntimeError (here an invalid sparse tensor), the error is one user code
+    catching torch's still catches, and a TierstoreError naming the file."""
+    bad = torch.sparse_coo_tensor(torch.tensor([[0, 5]]), torch.tensor([1.0, 2.0]), (3,), check_invariants=False)
+    p = tmp_path / "legacy.pt"
+    torch.save({"s": bad}, p, _use_new_zipfile_serialization=False)
+    with pytest.raises(RuntimeError) as torch_err, pytest.warns(UserWarning, match="sparse tensor invariants"):
+        torch.load(p, weights_only=True)
+    with (
+        pytest.raises(tierstore.TorchLoadError, match=r"legacy\.pt") as ours,
+        pytest.warns(UserWarning, match="sparse tensor invariants"),
+    ):
+        tierstore.load(p, weights_only=True)
+    assert isinstance(ours.value, RuntimeError) and isinstance(ours.value, tierstore.CorruptFileError)
+    assert str(torch_err.value).split("\n")[0][:40] in str(ours.value)

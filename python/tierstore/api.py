@@ -31,6 +31,7 @@ from tierstore.errors import (
     MissingRecordError,
     NotAContainerError,
     TierstoreError,
+    TorchLoadError,
     UnsafeObjectError,
 )
 
@@ -466,7 +467,8 @@ def _hand_to_torch(src: Any, opts: dict[str, Any], mmap: bool) -> Any:
         msg = " ".join(str(e).split())[:400]
         if "weights_only" in msg or "weights only" in msg.lower():
             raise UnsafeObjectError(f"{name}: torch.load refused it with weights_only=True: {msg}", path=name) from None
-        raise CorruptFileError(
+        cls = TorchLoadError if isinstance(e, RuntimeError) else CorruptFileError
+        raise cls(
             f"{name}: a legacy or TorchScript torch file that torch.load cannot read ({type(e).__name__}: {msg})",
             path=name,
         ) from None

@@ -48,6 +48,7 @@ __all__ = [
     "ResourceLimitError",
     "StorageIOError",
     "TierstoreError",
+    "TorchLoadError",
     "TruncatedFileError",
     "UnsafeObjectError",
     "UnsafePathError",
@@ -121,6 +122,13 @@ class TruncatedFileError(FormatError):
 
 class CorruptFileError(FormatError):
     """A structure inside the file is inconsistent."""
+
+
+class TorchLoadError(CorruptFileError, RuntimeError):
+    """``torch.load`` raised a ``RuntimeError`` on a file tierstore handed to
+    it (legacy or TorchScript formats are torch's alone): a ``RuntimeError``
+    as torch's own, so code that catches torch's error still does, with the
+    file named in the message."""
 
 
 class ManifestError(CorruptFileError):
