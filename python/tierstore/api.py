@@ -430,12 +430,14 @@ def load(
     weights_only = _resolve_weights_only(weights_only, pickle_module)
     if pickle_load_args and weights_only:
         warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
+    encoding_given = "encoding" in pickle_load_args
     encoding = pickle_load_args.pop("encoding", "utf-8")
     opts = dict(
         map_location=map_location,
         pickle_module=pickle_module,
         weights_only=weights_only,
         encoding=encoding,
+        encoding_given=encoding_given,
         pickle_load_args=pickle_load_args,
     )
     if isinstance(f, (str, os.PathLike)):
@@ -450,15 +452,17 @@ def load(
 def _hand_to_torch(src: Any, opts: dict[str, Any], mmap: bool) -> Any:
     """Files in formats that are torch's alone (legacy pre-1.6, TorchScript)."""
     kwargs = dict(opts["pickle_load_args"])
-    if not opts["weights_only"]:
-        kwargs["encoding"] = opts["encoding"]
+    if opts["encoding_given"] or not opts["weights_only"]:
+        kwargs["encoding"] = opts["encoding"]  # torch honours it for legacy files under weights_only too
     if opts["pickle_module"] is not None:
         kwargs["pickle_module"] = opts["pickle_module"]
     name = str(src) if isinstance(src, (str, os.PathLike)) else str(getattr(src, "name", "<stream>"))
     try:
-        return _TORCH_LOAD(
-            src, map_location=opts["map_location"], weights_only=opts["weights_only"], mmap=mmap or None, **kwargs
-        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="pickle_load_args only works")  # load() said so already
+            return _TORCH_LOAD(
+                src, map_location=opts["map_location"], weights_only=opts["weights_only"], mmap=mmap or None, **kwargs
+            )
     except TierstoreError:
         raise
     except Exception as e:
