@@ -118,3 +118,24 @@ def test_verify_false_skips_checksums(tmp_path: pathlib.Path) -> None:
         tierstore.load(p, mmap=True)
     back = tierstore.load(p, verify=False)
     assert back["a"].shape == (100, 10)
+
+
+def test_mmap_follows_torchs_default_mmap_options(tmp_path: pathlib.Path) -> None:
+    """Mapped loads are private by default (writes stay in memory); with
+    ``torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)`` they
+    are shared, as torch.load's are: writes reach the file."""
+    import mmap as mmap_mod
+
+    p = tmp_path / "m.pt"
+    tierstore.save({"w": torch.zeros(1024)}, p)
+    private = tierstore.load(p, mmap=True)
+    private["w"] += 1
+    assert torch.equal(tierstore.load(p)["w"], torch.zeros(1024))
+    torch.serialization.set_default_mmap_options(mmap_mod.MAP_SHARED)
+    try:
+        shared = tierstore.load(p, mmap=True)
+        shared["w"] += 2
+        del shared
+    finally:
+        torch.serialization.set_default_mmap_options(mmap_mod.MAP_PRIVATE)
+    assert torch.equal(tierstore.load(p, verify=False)["w"], torch.full((1024,), 2.0))

@@ -9,6 +9,7 @@ reads land directly in the memory that becomes each tensor's storage.
 
 from __future__ import annotations
 
+import mmap as _mmap
 import os
 import pickle
 import random
@@ -423,8 +424,11 @@ def load(
     ``map_location`` (a string, ``torch.device``, dict or callable),
     ``weights_only`` (default True: only tensors, primitive types and the
     globals allowed by ``torch.serialization.add_safe_globals``) and ``mmap``
-    behave as in ``torch.load``. Every record's CRC-32 is checked unless
-    ``verify=False``; a damaged record raises ``ChecksumError`` naming it.
+    behave as in ``torch.load`` (a mapping is private unless
+    ``torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)``).
+    Every record's CRC-32 is checked unless ``verify=False`` (also on mapped
+    loads: a file changed through a shared mapping then fails them); a
+    damaged record raises ``ChecksumError`` naming it.
     Files in torch's legacy pre-1.6 format are handed to ``torch.load``.
     """
     weights_only = _resolve_weights_only(weights_only, pickle_module)
@@ -505,7 +509,11 @@ def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts:
     keys = [rel[5:] for rel in arch.records if rel.startswith("data/")]
     storages: dict[str, torch.UntypedStorage] = {}
     if mmap:
-        overall = torch.UntypedStorage.from_file(path, False, file_len)
+        # Private (copy-on-write) unless torch.serialization.set_default_mmap_options(MAP_SHARED),
+        # as torch.load does: then writes to the tensors reach the file.
+        get_opts = getattr(torch.serialization, "get_default_mmap_options", None)
+        shared = get_opts is not None and get_opts() == _mmap.MAP_SHARED
+        overall = torch.UntypedStorage.from_file(path, shared, file_len)
         for k in keys:
             off = offsets[f"data/{k}"]
             storages[k] = overall[off : off + arch.records[f"data/{k}"][1]]
