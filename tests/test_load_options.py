@@ -139,3 +139,23 @@ def test_mmap_follows_torchs_default_mmap_options(tmp_path: pathlib.Path) -> Non
     finally:
         torch.serialization.set_default_mmap_options(mmap_mod.MAP_PRIVATE)
     assert torch.equal(tierstore.load(p, verify=False)["w"], torch.full((1024,), 2.0))
+
+
+def test_files_without_a_byteorder_record_follow_torchs_default_load_endianness(tmp_path: pathlib.Path) -> None:
+    """torch.load reads a file that has no ``byteorder`` record in the order
+    ``torch.serialization.set_default_load_endianness`` says; so does tierstore."""
+    import zipfile
+
+    src, p = tmp_path / "bom.pt", tmp_path / "nobom.pt"
+    torch.save({"w": torch.arange(8, dtype=torch.int32)}, src)
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(p, "w", zipfile.ZIP_STORED) as zout:
+        for name in zin.namelist():
+            if not name.endswith("/byteorder"):  # as files from torch before 2.1
+                zout.writestr(name, zin.read(name))
+    assert torch.equal(tierstore.load(p)["w"], torch.arange(8, dtype=torch.int32))
+    torch.serialization.set_default_load_endianness(torch.serialization.LoadEndianness.BIG)
+    try:
+        theirs, ours = torch.load(p)["w"], tierstore.load(p)["w"]
+    finally:
+        torch.serialization.set_default_load_endianness(torch.serialization.LoadEndianness.LITTLE)
+    assert torch.equal(ours, theirs) and not torch.equal(ours, torch.arange(8, dtype=torch.int32))

@@ -4,6 +4,7 @@ and whole-file verification (``tierstore verify``)."""
 from __future__ import annotations
 
 import struct
+import sys
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -139,9 +140,25 @@ def record_offsets(path: str, arch: Archive, m: dict[str, Any] | None) -> dict[s
     return out
 
 
+def default_byteorder() -> str:
+    """The byte order of a file without a ``byteorder`` record, as torch.load
+    takes it: ``torch.serialization.set_default_load_endianness`` if set,
+    else little-endian."""
+    import torch
+
+    get = getattr(torch.serialization, "get_default_load_endianness", None)
+    v = get() if get is not None else None
+    name = str(getattr(v, "name", v)).upper() if v is not None else "LITTLE"
+    if name == "BIG":
+        return "big"
+    if name == "NATIVE":
+        return sys.byteorder
+    return "little"
+
+
 def byteorder(arch: Archive, offsets: dict[str, int], read: Callable[[int, int], bytes]) -> str:
     if "byteorder" not in arch.records:
-        return "little"
+        return default_byteorder()
     size = arch.records["byteorder"][1]
     if size > 16:
         raise CorruptFileError(
