@@ -25,7 +25,9 @@ from tierstore.errors import (
     MissingRecordError,
     NoSpaceError,
     NotAContainerError,
+    NotAFileError,
     NotFoundError,
+    NotSeekableError,
     PermissionDeniedError,
     ResourceLimitError,
     StorageIOError,
@@ -34,6 +36,7 @@ from tierstore.errors import (
     TruncatedFileError,
     UnsafeObjectError,
     UnsafePathError,
+    UnsupportedObjectError,
 )
 from tierstore.layout import Layout, attach, layout_of
 from tierstore.offload import OffloadedOptimizer, offload
@@ -61,7 +64,9 @@ __all__ = [
     "MissingRecordError",
     "NoSpaceError",
     "NotAContainerError",
+    "NotAFileError",
     "NotFoundError",
+    "NotSeekableError",
     "OffloadedOptimizer",
     "PerRank",
     "PermissionDeniedError",
@@ -74,6 +79,7 @@ __all__ = [
     "TruncatedFileError",
     "UnsafeObjectError",
     "UnsafePathError",
+    "UnsupportedObjectError",
     "__version__",
     "attach",
     "configure",

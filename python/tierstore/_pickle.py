@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from tierstore.errors import UnsupportedObjectError
+
 DEFAULT_PROTOCOL = 2
 _UNTYPED_DTYPES = frozenset(torch.storage._new_dtypes())
 _NO_STORAGE_DEVICES = frozenset({"meta", "xla", "maia", "mtia"})
@@ -37,6 +39,16 @@ def _dtype_attr(dtype: torch.dtype) -> str:
     name = dtype.__reduce__()
     assert isinstance(name, str)
     return name
+
+
+def _refuse_zerotensor(t: torch.Tensor) -> None:
+    """A ZeroTensor (``torch._efficientzerotensor``) has no storage to save;
+    torch.save refuses it with a ``RuntimeError``, and so does tierstore."""
+    if t._is_zerotensor():
+        raise UnsupportedObjectError(
+            f"ZeroTensor is not serializable (shape {tuple(t.shape)}, {t.dtype}); torch.save refuses it too: "
+            "save torch.zeros(t.shape, dtype=t.dtype) instead"
+        )
 
 
 @dataclass
@@ -87,6 +99,7 @@ class StorageCollector:
                 continue
             if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
                 continue
+            _refuse_zerotensor(t)
             storage = t.untyped_storage()
             if storage._cdata in self._keys:
                 continue
@@ -113,6 +126,7 @@ class StorageCollector:
             or torch._utils.get_tensor_metadata(t)
         ):
             return None
+        _refuse_zerotensor(t)
         storage = t.untyped_storage()
         dev = storage.device
         location = "cpu" if dev.type == "cpu" else torch.serialization.location_tag(storage)

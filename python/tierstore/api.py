@@ -9,6 +9,9 @@ reads land directly in the memory that becomes each tensor's storage.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import io as _io
 import mmap as _mmap
 import os
 import pickle
@@ -31,8 +34,11 @@ from tierstore.errors import (
     ManifestError,
     MissingRecordError,
     NotAContainerError,
+    NotAFileError,
+    NotSeekableError,
     TierstoreError,
     TorchLoadError,
+    TruncatedFileError,
     UnsafeObjectError,
 )
 
@@ -138,6 +144,12 @@ def _host_storages(
 Gates = Mapping[int, tuple[_core.Gate, int]]
 
 
+def _skip_data() -> bool:
+    """True inside ``torch.serialization.skip_data()``."""
+    tls = getattr(torch.serialization, "_serialization_tls", None)
+    return bool(getattr(tls, "skip_data", False))
+
+
 def save(
     obj: Any,
     f: FileLike,
@@ -169,10 +181,18 @@ def save(
         # The legacy pre-1.6 format is torch's alone.
         _TORCH_SAVE(obj, f, pickle_module or pickle, pickle_protocol, _use_new_zipfile_serialization=False)
         return
+    if _skip_data():
+        # torch.serialization.skip_data(): the records' space is reserved and
+        # their bytes left unwritten, to be populated later in place; torch's
+        # own writer does exactly that (and stores CRC 0 for them).
+        _TORCH_SAVE(obj, f, pickle_module or pickle, pickle_protocol)
+        return
     if align & (align - 1) or not 64 <= align <= 32768:
         raise ValueError(f"align must be a power of two between 64 and 32768, got {align}")
     if not isinstance(f, (str, os.PathLike)) and not hasattr(f, "write"):
-        raise TypeError(f"f must be a path or a writable binary file object, not {type(f).__name__}")
+        raise NotAFileError(
+            f"f must be a path or a writable binary file object, not {type(f).__name__} (it has no write)"
+        )
     # Storages reachable through dicts, lists and tuples get their keys before
     # pickling, so that their bytes are written while the pickler runs.
     found = _pickle.tensor_paths(obj)
@@ -444,12 +464,18 @@ def load(
         encoding_given=encoding_given,
         pickle_load_args=pickle_load_args,
     )
+    if _skip_data():
+        # torch.serialization.skip_data(): storages are made, not read (fake
+        # tensors with materialize_fake_tensors); torch's loader does that.
+        return _hand_to_torch(f, opts, bool(mmap))
     if isinstance(f, (str, os.PathLike)):
         return _load_path(os.fspath(f), bool(mmap), verify, progress, opts)
     if mmap:
         raise ValueError("f must be a file path in order to use the mmap argument")
     if not hasattr(f, "read"):
-        raise TypeError(f"f must be a path or a readable binary file object, not {type(f).__name__}")
+        raise NotAFileError(
+            f"f must be a path or a readable binary file object, not {type(f).__name__} (it has no read)"
+        )
     return _load_stream(f, verify, opts)
 
 
@@ -480,6 +506,37 @@ def _hand_to_torch(src: Any, opts: dict[str, Any], mmap: bool) -> Any:
             f"{name}: a legacy or TorchScript torch file that torch.load cannot read ({type(e).__name__}: {msg})",
             path=name,
         ) from None
+
+
+def _expected_crc(arch: _archive.Archive, rel: str) -> int | None:
+    """The CRC-32 a data record's bytes must have, or None where the file
+    does not record one: ``torch.save`` under ``torch.serialization.skip_data()``
+    reserves the records' space without writing the bytes and stores CRC 0
+    (the bytes are populated later, in place). Only for files tierstore did
+    not write (tierstore's always record the real CRC, and its manifest
+    repeats it)."""
+    crc, size, *_ = arch.records[rel]
+    if crc == 0 and size and manifest.MANIFEST_NAME not in arch.records:
+        return None
+    return crc
+
+
+def _check_data_crcs(name: str, arch: _archive.Archive, regions: list[tuple[str, int, int]]) -> None:
+    """Checks the CRC-32 of data records held in memory: ``(record, address,
+    length)`` each; ``ChecksumError`` naming the first that differs."""
+    wanted = [(rel, ptr, n, _expected_crc(arch, rel)) for rel, ptr, n in regions]
+    wanted = [w for w in wanted if w[3] is not None]
+    if not wanted:
+        return
+    got = _core.crc32_regions([(ptr, n) for _, ptr, n, _ in wanted], get_engine().info()["cpu_threads"])
+    for (rel, _ptr, _n, exp), c in zip(wanted, got, strict=True):
+        if c != exp:
+            raise ChecksumError(
+                f"{name}: record '{arch.full(rel)}': checksum mismatch "
+                f"(stored crc32 {exp:08x}, computed {c:08x}); the record is damaged",
+                path=name,
+                record=arch.full(rel),
+            )
 
 
 def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts: dict[str, Any]) -> Any:
@@ -518,24 +575,14 @@ def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts:
             off = offsets[f"data/{k}"]
             storages[k] = overall[off : off + arch.records[f"data/{k}"][1]]
         if verify:
-            regions = [(storages[k].data_ptr(), storages[k].nbytes()) for k in keys]
-            got = _core.crc32_regions(regions, get_engine().info()["cpu_threads"])
-            for k, c in zip(keys, got, strict=True):
-                exp = arch.records[f"data/{k}"][0]
-                if c != exp:
-                    raise ChecksumError(
-                        f"{path}: record '{arch.full('data/' + k)}': checksum mismatch "
-                        f"(stored crc32 {exp:08x}, computed {c:08x}); the record is damaged",
-                        path=path,
-                        record=arch.full("data/" + k),
-                    )
+            _check_data_crcs(path, arch, [(f"data/{k}", storages[k].data_ptr(), storages[k].nbytes()) for k in keys])
     else:
         specs = [
             (
                 arch.full(f"data/{k}"),
                 offsets[f"data/{k}"],
                 arch.records[f"data/{k}"][1],
-                arch.records[f"data/{k}"][0] if verify else None,
+                _expected_crc(arch, f"data/{k}") if verify else None,
             )
             for k in keys
         ]
@@ -565,54 +612,121 @@ def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts:
     return _unpickle(path, data_pkl, storages, byteorder, opts)
 
 
-def _load_stream(f: IO[bytes], verify: bool, opts: dict[str, Any]) -> Any:
-    name = str(getattr(f, "name", "<stream>"))
-    buf = bytearray(f.read())
+_NOT_SEEKABLE = (
+    "You can only torch.load from a file that is seekable. Please pre-load the data into a buffer like "
+    "io.BytesIO and try to load from it instead."
+)
+
+
+def _stream_start(f: Any, name: str) -> tuple[int, int]:
+    """Where the archive starts in the stream (its position) and how many
+    bytes follow; errors of torch's types for what cannot be loaded from."""
     try:
-        entries, cd_offset, file_len = _core.read_directory_bytes(buf, name)
-    except NotAContainerError:
-        if _is_legacy_torch(bytes(buf[:512])):
-            import io
+        start = f.tell()
+        f.seek(start)
+    except _io.UnsupportedOperation as e:
+        raise NotSeekableError(f"{name}: the stream cannot seek ({e}). {_NOT_SEEKABLE}", path=name) from None
+    except OSError as e:
+        if e.errno != errno.ESPIPE:
+            raise
+        raise NotSeekableError(
+            f"{name}: the stream cannot seek (a pipe or socket). {_NOT_SEEKABLE}", path=name
+        ) from None
+    except AttributeError as e:
+        raise NotAFileError(f"{name}: the file object has no seek or tell ({e}). {_NOT_SEEKABLE}", path=name) from None
+    end = f.seek(0, os.SEEK_END)
+    f.seek(start)
+    if not isinstance(start, int) or not isinstance(end, int) or end < start:
+        raise NotSeekableError(f"{name}: seek/tell report positions {start!r} and {end!r}. {_NOT_SEEKABLE}", path=name)
+    return start, end - start
 
-            return _hand_to_torch(io.BytesIO(buf), opts, False)
-        raise
-    arch = _archive.Archive(name, entries, cd_offset, file_len)
+
+def _read_exact(f: Any, name: str, rel: str, pos: int, out: memoryview) -> None:
+    """Fills ``out`` from ``pos`` of the stream, with ``readinto`` when it has
+    one (straight into the tensor's memory), else ``read`` in pieces."""
+    f.seek(pos)
+    n = len(out)
+    got = 0
+    readinto = getattr(f, "readinto", None)
+    while got < n:
+        if readinto is not None:
+            k = readinto(out[got:])
+        else:
+            chunk = f.read(min(n - got, 16 << 20))
+            k = len(chunk)
+            out[got : got + k] = chunk
+        if not k:
+            raise TruncatedFileError(
+                f"{name}: record '{rel}': the stream ended after {got} of its {n} bytes", path=name, record=rel
+            )
+        got += k
+
+
+def _load_stream(f: IO[bytes], verify: bool, opts: dict[str, Any]) -> Any:
+    """Loads the archive that starts at the stream's position, reading only
+    its headers, directory and records (each record straight into its
+    tensor's memory), and leaves the position just after the archive, as
+    torch.load does: objects saved one after another load one after another.
+    """
+    name = str(getattr(f, "name", "<stream>"))
+    start, avail = _stream_start(f, name)
+    head = f.read(512)
+    f.seek(start)
+    if head[:4] != b"PK\x03\x04" and head[:4] != b"PK\x05\x06" and _is_legacy_torch(head):
+        return _hand_to_torch(f, opts, False)  # torch leaves the position after the legacy pickles
+    entries, cd_offset, arch_len, offs = _core.read_directory_stream(f, start, avail, name)
+    arch = _archive.Archive(name, entries, cd_offset, arch_len)
     if "constants.pkl" in arch.records:  # TorchScript, as in _load_path
-        import io
-
-        return _hand_to_torch(io.BytesIO(buf), opts, False)
+        f.seek(start)
+        return _hand_to_torch(f, opts, False)
     if "data.pkl" not in arch.records:
         raise MissingRecordError(
             f"{name}: missing record '{arch.full('data.pkl')}'", path=name, record=arch.full("data.pkl")
         )
     _archive.refuse_compressed(name, arch)
-    offs = _core.data_offsets_bytes(buf, name)
     offsets = dict(zip(arch.records, offs, strict=True))
-    view = memoryview(buf)
-    _check_stream_manifest(name, arch, offsets, view)
 
-    def rec(rel: str) -> memoryview:
-        off = offsets[rel]
-        return view[off : off + arch.records[rel][1]]
+    def small(rel: str) -> bytes:
+        size = arch.records[rel][1]
+        buf = bytearray(size)
+        _read_exact(f, name, arch.full(rel), start + offsets[rel], memoryview(buf))
+        if verify:
+            _archive.check_crc(name, arch.full(rel), buf, arch.records[rel][0])
+        return bytes(buf)
 
-    if verify:
-        for rel, (crc, *_rest) in arch.records.items():
-            _archive.check_crc(name, arch.full(rel), rec(rel), crc)
-    data_pkl = bytes(rec("data.pkl"))
-    byteorder = _archive.byteorder(arch, offsets, lambda off, n: bytes(view[off : off + n]))
+    _check_stream_manifest(name, arch, offsets, small)
+    data_pkl = small("data.pkl")
+    byteorder = _archive.byteorder(arch, offsets, lambda off, n: small("byteorder"))
     storages: dict[str, torch.UntypedStorage] = {}
+    regions: list[tuple[str, int, int]] = []
     for rel in arch.records:
-        if rel.startswith("data/"):
-            n = arch.records[rel][1]
-            storages[rel[5:]] = (
-                torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offsets[rel]).untyped_storage()
-                if n
-                else _empty_storage()
-            )
+        if not rel.startswith("data/"):
+            if verify and rel not in ("data.pkl", "byteorder", manifest.MANIFEST_NAME):
+                small(rel)  # every record's checksum is checked, as a path load does
+            continue
+        n = arch.records[rel][1]
+        if not n:
+            storages[rel[5:]] = _empty_storage()
+            continue
+        st = torch.empty(n, dtype=torch.uint8).untyped_storage()
+        _read_exact(
+            f,
+            name,
+            arch.full(rel),
+            start + offsets[rel],
+            memoryview((ctypes.c_char * n).from_address(st.data_ptr())).cast("B"),
+        )
+        storages[rel[5:]] = st
+        regions.append((rel, st.data_ptr(), n))
+    if verify:
+        _check_data_crcs(name, arch, regions)
+    f.seek(start + arch_len)
     return _unpickle(name, data_pkl, storages, byteorder, opts)
 
 
-def _check_stream_manifest(name: str, arch: _archive.Archive, offsets: dict[str, int], view: memoryview) -> None:
+def _check_stream_manifest(
+    name: str, arch: _archive.Archive, offsets: dict[str, int], read: Callable[[str], bytes]
+) -> None:
     """The checks a path load makes of a tierstore manifest, for an archive
     read from a file object: each record it lists has the size, CRC-32 and
     data offset the zip directory and local headers give."""
@@ -622,7 +736,7 @@ def _check_stream_manifest(name: str, arch: _archive.Archive, offsets: dict[str,
     crc, size, *_rest = arch.records[rel]
     if size > manifest.MAX_MANIFEST_BYTES:
         raise ManifestError(f"{name}: record '{arch.full(rel)}': absurd size {size}", path=name, record=rel)
-    data = bytes(view[offsets[rel] : offsets[rel] + size])
+    data = read(rel)
     _archive.check_crc(name, arch.full(rel), data, crc)
     m = manifest.parse(data, name, arch.file_len)
     for r in m["records"]:

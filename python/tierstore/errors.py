@@ -23,12 +23,16 @@ when one is concerned), and its message names both::
     │   ├── CoverageError                             saved pieces that do not cover a target exactly
     │   ├── MissingRecordError                        a record the file needs is absent
     │   └── ChecksumError                             bytes differ from their checksum
-    └── UnsafeObjectError        (pickle.UnpicklingError)  refused by weights_only=True
+    ├── UnsafeObjectError        (pickle.UnpicklingError)  refused by weights_only=True
+    ├── UnsupportedObjectError   (RuntimeError)       an object torch cannot save either (ZeroTensor)
+    ├── NotAFileError            (TypeError, AttributeError)  neither a path nor a file object
+    └── NotSeekableError         (io.UnsupportedOperation)    a stream load cannot seek in
 """
 
 from __future__ import annotations
 
 import errno as _errno
+import io as _io
 import pickle
 from typing import Any
 
@@ -43,7 +47,9 @@ __all__ = [
     "MissingRecordError",
     "NoSpaceError",
     "NotAContainerError",
+    "NotAFileError",
     "NotFoundError",
+    "NotSeekableError",
     "PermissionDeniedError",
     "ResourceLimitError",
     "StorageIOError",
@@ -52,6 +58,7 @@ __all__ = [
     "TruncatedFileError",
     "UnsafeObjectError",
     "UnsafePathError",
+    "UnsupportedObjectError",
 ]
 
 
@@ -171,6 +178,36 @@ class UnsafeObjectError(TierstoreError, pickle.UnpicklingError):
 
     def __init__(self, message: str, *, path: str | None = None) -> None:
         pickle.UnpicklingError.__init__(self, message)
+        self._locate(path, None)
+
+
+class NotAFileError(TierstoreError, TypeError, AttributeError):
+    """``f`` is neither a path nor a file object with what the call needs
+    (``write``; ``read``, ``seek`` and ``tell``): an ``AttributeError`` as
+    torch raises for the missing method, and a ``TypeError``."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        TypeError.__init__(self, message)
+        self._locate(path, None)
+
+
+class NotSeekableError(TierstoreError, _io.UnsupportedOperation):
+    """A stream whose ``seek`` or ``tell`` is unsupported (a pipe, a socket):
+    ``io.UnsupportedOperation``, as ``torch.load`` raises."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        _io.UnsupportedOperation.__init__(self, message)
+        self._locate(path, None)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class UnsupportedObjectError(TierstoreError, RuntimeError):
+    """An object that cannot be saved (as with torch: a ``ZeroTensor``)."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        RuntimeError.__init__(self, message)
         self._locate(path, None)
 
 

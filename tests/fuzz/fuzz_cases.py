@@ -1317,6 +1317,22 @@ def case_single(ctx: Ctx) -> None:
     else:
         with fobj:
             ctx.op("load_stream", lambda: tierstore.load(fobj), check)
+    # The same bytes inside a longer stream, between other saved objects: the
+    # load starts at the position and must stop at the archive's end.
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        blob = None
+    if blob:  # (no bytes at all: the stream's next object is legitimately loaded)
+        after = io.BytesIO()
+        tierstore.save({"after": torch.arange(3)}, after)
+        stream = io.BytesIO(b"lead" + blob + after.getvalue())
+
+        def load_in_stream() -> Any:
+            stream.seek(4)
+            return tierstore.load(stream)
+
+        ctx.op("load_in_stream", load_in_stream, check)
     ctx.cli_op("verify", ["verify", p])
     ctx.cli_op("inspect", ["inspect", "--json", p])
 

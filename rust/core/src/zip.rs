@@ -415,9 +415,22 @@ fn find_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<(u64, u64
             detail: format!("file is {file_len} bytes long, too short for a zip archive"),
         });
     }
-    let tail_len = file_len.min(EOCD_LEN + MAX_COMMENT);
+    // The end record without a comment, as every torch and tierstore file
+    // ends, is read alone; only a file ending otherwise needs the 64 KiB
+    // a comment may take searched.
+    let last = read_at(src, path, file_len - EOCD_LEN, EOCD_LEN, "end of file")?;
+    let plain_end = u32_at(&last, 0) == EOCD_SIG && u16_at(&last, 20) == 0;
+    let tail_len = if plain_end {
+        EOCD_LEN
+    } else {
+        file_len.min(EOCD_LEN + MAX_COMMENT)
+    };
     let tail_start = file_len - tail_len;
-    let tail = read_at(src, path, tail_start, tail_len, "end of file")?;
+    let tail = if plain_end {
+        last
+    } else {
+        read_at(src, path, tail_start, tail_len, "end of file")?
+    };
     let mut eocd_rel = None;
     let mut i = tail.len() - EOCD_LEN as usize;
     loop {
@@ -654,7 +667,25 @@ fn check_disjoint(spans: &mut [(u64, u64, usize)], entries: &[CdEntry], path: &P
 /// Reads and validates the central directory. Every size and offset is checked
 /// against the file length before anything is allocated from it, and entries
 /// whose records would overlap are refused (see [`Directory`]).
+///
+/// An archive followed by other bytes (trailing data, or a second archive
+/// saved after it) has its end records before the end of the source; when
+/// none are found at the end, the archive's extent is found by walking
+/// forward from the start ([`archive_extent`]) and the directory is read
+/// from that prefix, as `torch.load` reads such files.
 pub fn read_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<Directory> {
+    match read_directory_at_end(src, path) {
+        Ok(dir) => Ok(dir),
+        Err(err) => match archive_extent(src) {
+            Some(len) if len < src.len() => {
+                read_directory_at_end(&Window { src, len }, path).map_err(|_| err)
+            }
+            _ => Err(err),
+        },
+    }
+}
+
+fn read_directory_at_end(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<Directory> {
     let file_len = src.len();
     let (n_entries, cd_offset, cd_size) = find_directory(src, path)?;
     let cd = read_at(src, path, cd_offset, cd_size, "central directory")?;
@@ -665,6 +696,211 @@ pub fn read_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<Direc
         file_len,
         header_starts,
     })
+}
+
+/// A view of the first `len` bytes of another source: an archive that sits
+/// at the start of a longer stream (objects saved one after another in one
+/// file).
+pub struct Window<'a, S: ReadAt + ?Sized> {
+    pub src: &'a S,
+    pub len: u64,
+}
+
+impl<S: ReadAt + ?Sized> ReadAt for Window<'_, S> {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        if offset
+            .checked_add(buf.len() as u64)
+            .is_none_or(|e| e > self.len)
+        {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        self.src.read_exact_at(buf, offset)
+    }
+}
+
+/// Where an archive that starts at offset 0 of `src` ends, when more may
+/// follow it (objects saved one after another in one stream, or trailing
+/// bytes), so that its end cannot simply be searched for from the back.
+/// Tried in order of cost:
+///
+/// 1. a walk over its local records (sizes in their headers), central
+///    directory and end records, reading only the headers;
+/// 2. end records at the very end of `src` whose directory ends right
+///    before them, as an archive alone in its stream has;
+/// 3. a forward scan of the bytes for the first end record whose directory
+///    ends right before it (archives whose records give their sizes only
+///    after the data, flag bit 3, as torch's writer does).
+///
+/// `None` when none finds an end. The result is only a proposal:
+/// [`read_directory`] over a [`Window`] of that length validates everything.
+pub fn archive_extent(src: &(impl ReadAt + ?Sized)) -> Option<u64> {
+    walk_extent(src)
+        .or_else(|| end_at_tail(src))
+        .or_else(|| scan_extent(src))
+}
+
+fn read_vec(src: &(impl ReadAt + ?Sized), off: u64, n: u64) -> Option<Vec<u8>> {
+    if off.checked_add(n)? > src.len() {
+        return None;
+    }
+    let mut b = vec![0u8; usize::try_from(n).ok()?];
+    src.read_exact_at(&mut b, off).ok()?;
+    Some(b)
+}
+
+/// The end of the archive if an end-of-central-directory record sits at
+/// `pos` and the directory it points to ends exactly where the end records
+/// begin (no gap, as every writer leaves it), all relative to offset 0.
+fn end_at(src: &(impl ReadAt + ?Sized), pos: u64) -> Option<u64> {
+    let e = read_vec(src, pos, EOCD_LEN)?;
+    if u32_at(&e, 0) != EOCD_SIG {
+        return None;
+    }
+    let end = pos.checked_add(EOCD_LEN + u64::from(u16_at(&e, 20)))?;
+    if end > src.len() {
+        return None;
+    }
+    let n = u64::from(u16_at(&e, 10));
+    let cd_size = u64::from(u32_at(&e, 12));
+    let cd_offset = u64::from(u32_at(&e, 16));
+    let zip64 = n == U16_MAX || cd_size == U32_MAX || cd_offset == U32_MAX;
+    // Writers may add the zip64 end records even when nothing needs them
+    // (torch does): then the directory ends where they begin.
+    let loc = pos
+        .checked_sub(ZIP64_LOCATOR_LEN)
+        .and_then(|at| Some((at, read_vec(src, at, ZIP64_LOCATOR_LEN)?)))
+        .filter(|(_, loc)| u32_at(loc, 0) == ZIP64_LOCATOR_SIG);
+    let (cd_offset, cd_size, records_at) = match loc {
+        Some((loc_at, loc)) => {
+            let z_at = u64_at(&loc, 8);
+            let z = read_vec(src, z_at, ZIP64_EOCD_LEN)?;
+            if u32_at(&z, 0) != ZIP64_EOCD_SIG
+                || z_at.checked_add(12)?.checked_add(u64_at(&z, 4))? != loc_at
+            {
+                return None;
+            }
+            (u64_at(&z, 48), u64_at(&z, 40), z_at)
+        }
+        None if zip64 => return None,
+        None => (cd_offset, cd_size, pos),
+    };
+    (cd_offset.checked_add(cd_size)? == records_at).then_some(end)
+}
+
+/// Step 2 of [`archive_extent`]: end records ending exactly at the end of `src`.
+fn end_at_tail(src: &(impl ReadAt + ?Sized)) -> Option<u64> {
+    let len = src.len();
+    let tail_len = len.min(EOCD_LEN + MAX_COMMENT);
+    let tail_start = len - tail_len;
+    let tail = read_vec(src, tail_start, tail_len)?;
+    (0..tail.len().checked_sub(EOCD_LEN as usize - 1)?)
+        .rev()
+        .filter(|&i| u32_at(&tail, i) == EOCD_SIG)
+        .find_map(|i| end_at(src, tail_start + i as u64).filter(|&e| e == len))
+}
+
+/// Step 3 of [`archive_extent`]: the first consistent end record, scanning
+/// forward in 1 MiB pieces.
+fn scan_extent(src: &(impl ReadAt + ?Sized)) -> Option<u64> {
+    const PIECE: u64 = 1 << 20;
+    let len = src.len();
+    let mut off = 0u64;
+    while off + EOCD_LEN <= len {
+        let n = PIECE.min(len - off);
+        let b = read_vec(src, off, n)?;
+        for i in 0..b.len().saturating_sub(3) {
+            if u32_at(&b, i) == EOCD_SIG {
+                if let Some(end) = end_at(src, off + i as u64) {
+                    return Some(end);
+                }
+            }
+        }
+        if off + n >= len {
+            break;
+        }
+        off += n - 3; // a signature across two pieces is found in the next
+    }
+    None
+}
+
+/// Step 1 of [`archive_extent`]: the walk over the headers.
+fn walk_extent(src: &(impl ReadAt + ?Sized)) -> Option<u64> {
+    let len = src.len();
+    let get = |off: u64, n: u64| read_vec(src, off, n);
+    let mut p = 0u64;
+    // Local records.
+    loop {
+        if u32_at(&get(p, 4)?, 0) != LOCAL_SIG {
+            break;
+        }
+        let h = get(p, LOCAL_HEADER_LEN)?;
+        if u16_at(&h, 6) & 0x0008 != 0 {
+            return None; // sizes in a data descriptor after the data
+        }
+        let name_len = u64::from(u16_at(&h, 26));
+        let extra_len = u64::from(u16_at(&h, 28));
+        let mut usize_ = u64::from(u32_at(&h, 22));
+        let mut csize = u64::from(u32_at(&h, 18));
+        if usize_ == U32_MAX || csize == U32_MAX {
+            let extra = get(p + LOCAL_HEADER_LEN + name_len, extra_len)?;
+            let mut x = 0usize;
+            let mut found = false;
+            while x + 4 <= extra.len() {
+                let id = u16_at(&extra, x);
+                let n = usize::from(u16_at(&extra, x + 2));
+                if x + 4 + n > extra.len() {
+                    break;
+                }
+                if id == ZIP64_EXTRA_ID {
+                    let mut q = x + 4;
+                    for field in [&mut usize_, &mut csize] {
+                        if *field == U32_MAX && q + 8 <= x + 4 + n {
+                            *field = u64_at(&extra, q);
+                            q += 8;
+                        }
+                    }
+                    found = true;
+                }
+                x += 4 + n;
+            }
+            if !found || csize == U32_MAX {
+                return None;
+            }
+        }
+        p = p
+            .checked_add(LOCAL_HEADER_LEN + name_len + extra_len)?
+            .checked_add(csize)?;
+    }
+    // Central directory entries.
+    loop {
+        let h = get(p, 4)?;
+        if u32_at(&h, 0) != CENTRAL_SIG {
+            break;
+        }
+        let h = get(p, CENTRAL_HEADER_LEN)?;
+        let var = u64::from(u16_at(&h, 28)) + u64::from(u16_at(&h, 30)) + u64::from(u16_at(&h, 32));
+        p = p.checked_add(CENTRAL_HEADER_LEN + var)?;
+    }
+    // End records: zip64 end record and locator when present, then the EOCD.
+    let mut sig = u32_at(&get(p, 4)?, 0);
+    if sig == ZIP64_EOCD_SIG {
+        let h = get(p, 12)?;
+        p = p.checked_add(12)?.checked_add(u64_at(&h, 4))?;
+        sig = u32_at(&get(p, 4)?, 0);
+    }
+    if sig == ZIP64_LOCATOR_SIG {
+        p = p.checked_add(ZIP64_LOCATOR_LEN)?;
+        sig = u32_at(&get(p, 4)?, 0);
+    }
+    if sig != EOCD_SIG {
+        return None;
+    }
+    let e = get(p, EOCD_LEN)?;
+    p.checked_add(EOCD_LEN + u64::from(u16_at(&e, 20)))
+        .filter(|&end| end <= len)
 }
 
 /// Bytes to read at a local header to learn its data offset in one go
@@ -751,6 +987,76 @@ mod tests {
         }
         file.extend(central_directory(lb.entries(), end));
         file
+    }
+
+    #[test]
+    fn archive_extent_finds_the_end_of_the_first_of_several_archives() {
+        let a = build(&[("a/data.pkl", b"abc"), ("a/data/0", &[7u8; 5000])], 64);
+        let b = build(&[("b/data.pkl", b"xyz")], 64);
+        let mut stream = a.clone();
+        stream.extend_from_slice(b"between");
+        stream.extend_from_slice(&b);
+        assert_eq!(archive_extent(stream.as_slice()), Some(a.len() as u64));
+        assert_eq!(archive_extent(b.as_slice()), Some(b.len() as u64));
+        let w = Window {
+            src: stream.as_slice(),
+            len: a.len() as u64,
+        };
+        let dir = read_directory(&w, Path::new("s")).unwrap();
+        assert_eq!(dir.entries.len(), 2);
+        // An empty archive is its end record alone.
+        let empty = build(&[], 64);
+        assert_eq!(archive_extent(empty.as_slice()), Some(empty.len() as u64));
+    }
+
+    #[test]
+    fn read_directory_reads_an_archive_followed_by_other_bytes() {
+        let a = build(&[("a/data.pkl", b"abc"), ("a/data/0", &[7u8; 100])], 64);
+        for tail in [&b"x"[..], &vec![0u8; 70_000][..], &b"PK\x05\x06"[..]] {
+            let mut f = a.clone();
+            f.extend_from_slice(tail);
+            let dir = read_directory(f.as_slice(), Path::new("t")).unwrap();
+            assert_eq!(dir.file_len, a.len() as u64);
+            assert_eq!(dir.entries.len(), 2);
+        }
+        // Damage at the end is still reported as such when no walk succeeds.
+        let cut = &a[..a.len() - 3];
+        assert!(matches!(
+            read_directory(cut, Path::new("t")),
+            Err(Error::Truncated { .. })
+        ));
+    }
+
+    #[test]
+    fn archive_extent_declines_what_it_cannot_walk() {
+        let a = build(&[("a/data.pkl", b"abc")], 64);
+        // Cut anywhere: no end found.
+        for cut in [0, 10, 40, a.len() - 1] {
+            assert_eq!(archive_extent(&a[..cut]), None, "cut at {cut}");
+        }
+        // Sizes in a data descriptor (flag bit 3), or a local size that
+        // lies: the walk declines, the end records are still found (alone in
+        // the stream, or followed by more).
+        let mut d = a.clone();
+        d[6] |= 0x08;
+        assert_eq!(walk_extent(d.as_slice()), None);
+        assert_eq!(archive_extent(d.as_slice()), Some(a.len() as u64));
+        let mut l = a.clone();
+        l[18] = 0xee;
+        l.extend_from_slice(&vec![1u8; 3 << 20]);
+        l.extend_from_slice(&a);
+        assert_eq!(walk_extent(l.as_slice()), None);
+        assert_eq!(archive_extent(l.as_slice()), Some(a.len() as u64));
+        // End records whose directory does not end right before them.
+        let mut g = d.clone();
+        let eocd = g.len() - 22;
+        g[eocd + 16] = g[eocd + 16].wrapping_sub(1);
+        assert_eq!(archive_extent(g.as_slice()), None);
+        // Not a zip at all.
+        assert_eq!(
+            archive_extent(&b"\x80\x02hello world, this is not a zip file"[..]),
+            None
+        );
     }
 
     #[test]

@@ -120,6 +120,89 @@ fn data_offsets_bytes(
     .py_err(py)
 }
 
+/// A Python binary file object seen as a random-access source: the `len`
+/// bytes from `start` on, read with `seek` and `read` under the GIL (only
+/// the zip structures go through here; the records' data is read by the
+/// caller straight into tensor storage).
+struct PyStream {
+    f: Py<PyAny>,
+    start: u64,
+    len: u64,
+}
+
+impl zip::ReadAt for PyStream {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        if offset
+            .checked_add(buf.len() as u64)
+            .is_none_or(|e| e > self.len)
+        {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        Python::attach(|py| -> PyResult<std::io::Result<()>> {
+            let f = self.f.bind(py);
+            f.call_method1("seek", (self.start + offset,))?;
+            let mut got = 0;
+            while got < buf.len() {
+                let chunk = f.call_method1("read", (buf.len() - got,))?;
+                let chunk = chunk.cast::<PyBytes>()?;
+                let b = chunk.as_bytes();
+                if b.is_empty() {
+                    return Ok(Err(std::io::ErrorKind::UnexpectedEof.into()));
+                }
+                let n = b.len().min(buf.len() - got);
+                buf[got..got + n].copy_from_slice(&b[..n]);
+                got += n;
+            }
+            Ok(Ok(()))
+        })
+        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
+    }
+}
+
+/// The zip directory of an archive that starts at offset `start` of the
+/// binary file object `f`, of which `avail` bytes remain: the archive's end
+/// is found by walking forward over its headers (more may follow it in the
+/// stream), or, where that walk cannot tell, taken to be the stream's end.
+/// Returns (entries, central_directory_offset, archive_length, data offsets)
+/// with offsets relative to `start`.
+#[pyfunction]
+fn read_directory_stream(
+    py: Python<'_>,
+    f: Py<PyAny>,
+    start: u64,
+    avail: u64,
+    name: PathBuf,
+) -> PyResult<(Vec<EntryTuple>, u64, u64, Vec<u64>)> {
+    let src = PyStream {
+        f,
+        start,
+        len: avail,
+    };
+    let len = zip::archive_extent(&src).unwrap_or(avail);
+    let w = zip::Window { src: &src, len };
+    let go = || -> tierstore_core::Result<(Directory, Vec<u64>)> {
+        let dir = zip::read_directory(&w, &name)?;
+        let offs = dir
+            .entries
+            .iter()
+            .map(|e| {
+                let end = (e.header_offset + zip::local_header_probe_len(e.name.len()))
+                    .min(dir.cd_offset);
+                let mut b = vec![0u8; (end - e.header_offset) as usize];
+                zip::ReadAt::read_exact_at(&w, &mut b, e.header_offset)
+                    .map_err(|err| tierstore_core::Error::io(&name, "read", err))?;
+                zip::data_offset_from_local(&b, e, &dir, &name)
+            })
+            .collect::<tierstore_core::Result<Vec<_>>>()?;
+        Ok((dir, offs))
+    };
+    let (dir, offs) = go().py_err(py)?;
+    Ok((entries(&dir), dir.cd_offset, dir.file_len, offs))
+}
+
 /// Checks that `[data_offset, +size)` of the named entry fits in the archive
 /// (used to validate offsets that a manifest states).
 #[pyfunction]
@@ -520,6 +603,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_directory, m)?)?;
     m.add_function(wrap_pyfunction!(read_directory_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(data_offsets_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(read_directory_stream, m)?)?;
     m.add_function(wrap_pyfunction!(check_offsets, m)?)?;
     m.add_function(wrap_pyfunction!(read_small, m)?)?;
     m.add_function(wrap_pyfunction!(data_offsets, m)?)?;
