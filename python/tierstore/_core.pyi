@@ -18,14 +18,12 @@ __all__ = [
     "crc32_regions",
     "create_writer",
     "data_offsets",
-    "data_offsets_bytes",
     "fast_dumps",
     "fast_weights_only_load",
     "io_uring_status",
     "join_halves",
     "probe_path",
     "read_directory",
-    "read_directory_bytes",
     "read_directory_stream",
     "read_ranges",
     "read_ranges_verified",
@@ -107,10 +105,6 @@ def copy_file(
 ) -> tuple[int, str]: ...
 def io_uring_status() -> tuple[bool, str | None]: ...
 def read_directory(path: _Path) -> tuple[list[tuple[str, int, int, int, int, int]], int, int]: ...
-def read_directory_bytes(
-    data: bytes | bytearray, name: _Path
-) -> tuple[list[tuple[str, int, int, int, int, int]], int, int]: ...
-def data_offsets_bytes(data: bytes | bytearray, name: _Path) -> list[int]: ...
 def read_directory_stream(
     f: Any, start: int, avail: int, name: _Path
 ) -> tuple[list[tuple[str, int, int, int, int, int]], int, int, list[int]]: ...

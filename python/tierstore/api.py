@@ -672,7 +672,7 @@ def _load_stream(f: IO[bytes], verify: bool, opts: dict[str, Any]) -> Any:
     start, avail = _stream_start(f, name)
     head = f.read(512)
     f.seek(start)
-    if head[:4] != b"PK\x03\x04" and head[:4] != b"PK\x05\x06" and _is_legacy_torch(head):
+    if _is_legacy_torch(head):
         return _hand_to_torch(f, opts, False)  # torch leaves the position after the legacy pickles
     entries, cd_offset, arch_len, offs = _core.read_directory_stream(f, start, avail, name)
     arch = _archive.Archive(name, entries, cd_offset, arch_len)

@@ -199,9 +199,6 @@ class NotSeekableError(TierstoreError, _io.UnsupportedOperation):
         _io.UnsupportedOperation.__init__(self, message)
         self._locate(path, None)
 
-    def __str__(self) -> str:
-        return str(self.args[0])
-
 
 class UnsupportedObjectError(TierstoreError, RuntimeError):
     """An object that cannot be saved (as with torch: a ``ZeroTensor``)."""

@@ -737,9 +737,23 @@ impl<S: ReadAt + ?Sized> ReadAt for Window<'_, S> {
 /// `None` when none finds an end. The result is only a proposal:
 /// [`read_directory`] over a [`Window`] of that length validates everything.
 pub fn archive_extent(src: &(impl ReadAt + ?Sized)) -> Option<u64> {
-    walk_extent(src)
-        .or_else(|| end_at_tail(src))
-        .or_else(|| scan_extent(src))
+    match walk_extent(src) {
+        Walk::End(end) => Some(end),
+        // Only archives whose sizes follow their data need the bytes
+        // scanned; a walk that failed otherwise (a file cut short, damage)
+        // must not read a whole large file to report it.
+        Walk::DataDescriptor => end_at_tail(src).or_else(|| scan_extent(src)),
+        Walk::Failed => end_at_tail(src),
+    }
+}
+
+/// What the walk over an archive's headers found.
+#[derive(Debug, PartialEq, Eq)]
+enum Walk {
+    End(u64),
+    /// A record with flag bit 3: its sizes follow its data.
+    DataDescriptor,
+    Failed,
 }
 
 fn read_vec(src: &(impl ReadAt + ?Sized), off: u64, n: u64) -> Option<Vec<u8>> {
@@ -827,7 +841,11 @@ fn scan_extent(src: &(impl ReadAt + ?Sized)) -> Option<u64> {
 }
 
 /// Step 1 of [`archive_extent`]: the walk over the headers.
-fn walk_extent(src: &(impl ReadAt + ?Sized)) -> Option<u64> {
+fn walk_extent(src: &(impl ReadAt + ?Sized)) -> Walk {
+    walk_headers(src).unwrap_or(Walk::Failed)
+}
+
+fn walk_headers(src: &(impl ReadAt + ?Sized)) -> Option<Walk> {
     let len = src.len();
     let get = |off: u64, n: u64| read_vec(src, off, n);
     let mut p = 0u64;
@@ -838,7 +856,7 @@ fn walk_extent(src: &(impl ReadAt + ?Sized)) -> Option<u64> {
         }
         let h = get(p, LOCAL_HEADER_LEN)?;
         if u16_at(&h, 6) & 0x0008 != 0 {
-            return None; // sizes in a data descriptor after the data
+            return Some(Walk::DataDescriptor);
         }
         let name_len = u64::from(u16_at(&h, 26));
         let extra_len = u64::from(u16_at(&h, 28));
@@ -901,6 +919,7 @@ fn walk_extent(src: &(impl ReadAt + ?Sized)) -> Option<u64> {
     let e = get(p, EOCD_LEN)?;
     p.checked_add(EOCD_LEN + u64::from(u16_at(&e, 20)))
         .filter(|&end| end <= len)
+        .map(Walk::End)
 }
 
 /// Bytes to read at a local header to learn its data offset in one go
@@ -939,6 +958,29 @@ pub fn data_offset_from_local(
     };
     check_data_range(e, data_offset, dir, path)?;
     Ok(data_offset)
+}
+
+/// Every entry's data offset, from its local header, read one after another
+/// from `src` (a stream; files use the engine's parallel reads instead).
+pub fn data_offsets(
+    src: &(impl ReadAt + ?Sized),
+    dir: &Directory,
+    path: &Path,
+) -> Result<Vec<u64>> {
+    dir.entries
+        .iter()
+        .map(|e| {
+            let end = (e.header_offset + local_header_probe_len(e.name.len())).min(dir.cd_offset);
+            let b = read_at(
+                src,
+                path,
+                e.header_offset,
+                end - e.header_offset,
+                "local header",
+            )?;
+            data_offset_from_local(&b, e, dir, path)
+        })
+        .collect()
 }
 
 /// Checks that `[data_offset, data_offset + compressed_size)` lies inside the
@@ -1039,14 +1081,21 @@ mod tests {
         // the stream, or followed by more).
         let mut d = a.clone();
         d[6] |= 0x08;
-        assert_eq!(walk_extent(d.as_slice()), None);
+        assert_eq!(walk_extent(d.as_slice()), Walk::DataDescriptor);
         assert_eq!(archive_extent(d.as_slice()), Some(a.len() as u64));
+        let mut dd = d.clone();
+        dd.extend_from_slice(&vec![1u8; 3 << 20]);
+        dd.extend_from_slice(&a);
+        assert_eq!(archive_extent(dd.as_slice()), Some(a.len() as u64));
+        // A walk that fails otherwise (damage, a cut) does not scan the
+        // bytes: only end records at the very end are looked for.
         let mut l = a.clone();
         l[18] = 0xee;
+        assert_eq!(walk_extent(l.as_slice()), Walk::Failed);
+        assert_eq!(archive_extent(l.as_slice()), Some(a.len() as u64));
         l.extend_from_slice(&vec![1u8; 3 << 20]);
         l.extend_from_slice(&a);
-        assert_eq!(walk_extent(l.as_slice()), None);
-        assert_eq!(archive_extent(l.as_slice()), Some(a.len() as u64));
+        assert_eq!(archive_extent(l.as_slice()), None);
         // End records whose directory does not end right before them.
         let mut g = d.clone();
         let eocd = g.len() - 22;

@@ -4,7 +4,6 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tierstore_core::chunks;
@@ -68,58 +67,6 @@ fn read_directory(py: Python<'_>, path: PathBuf) -> PyResult<(Vec<EntryTuple>, u
     Ok((entries(&dir), dir.cd_offset, dir.file_len))
 }
 
-/// Views any object with the buffer protocol (bytes, bytearray, memoryview) as bytes.
-fn with_bytes<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(&[u8]) -> R) -> PyResult<R> {
-    let pb = PyBuffer::<u8>::get(obj)?;
-    if !pb.is_c_contiguous() {
-        return Err(pyo3::exceptions::PyValueError::new_err(
-            "expected a contiguous buffer",
-        ));
-    }
-    let len = pb.len_bytes();
-    let data: &[u8] = if len == 0 {
-        &[]
-    } else {
-        // SAFETY: the buffer is contiguous, `len` bytes long, and `pb` keeps
-        // the exporter alive (and its memory pinned) until it is dropped after `f`.
-        unsafe { std::slice::from_raw_parts(pb.buf_ptr().cast::<u8>(), len) }
-    };
-    Ok(f(data))
-}
-
-/// Same as `read_directory`, for an archive held in memory (`name` is used in messages).
-#[pyfunction]
-fn read_directory_bytes(
-    py: Python<'_>,
-    data: &Bound<'_, PyAny>,
-    name: PathBuf,
-) -> PyResult<(Vec<EntryTuple>, u64, u64)> {
-    let dir = with_bytes(data, |d| zip::read_directory(d, &name))?.py_err(py)?;
-    Ok((entries(&dir), dir.cd_offset, dir.file_len))
-}
-
-/// Data offsets of the given entries of an in-memory archive, from their local headers.
-#[pyfunction]
-fn data_offsets_bytes(
-    py: Python<'_>,
-    data: &Bound<'_, PyAny>,
-    name: PathBuf,
-) -> PyResult<Vec<u64>> {
-    with_bytes(data, |data| {
-        let dir = zip::read_directory(data, &name)?;
-        dir.entries
-            .iter()
-            .map(|e| {
-                let start = e.header_offset as usize;
-                let end = (e.header_offset + zip::local_header_probe_len(e.name.len()))
-                    .min(dir.cd_offset) as usize;
-                zip::data_offset_from_local(&data[start..end], e, &dir, &name)
-            })
-            .collect::<Result<Vec<_>, _>>()
-    })?
-    .py_err(py)
-}
-
 /// A Python binary file object seen as a random-access source: the `len`
 /// bytes from `start` on, read with `seek` and `read` under the GIL (only
 /// the zip structures go through here; the records' data is read by the
@@ -163,9 +110,10 @@ impl zip::ReadAt for PyStream {
 }
 
 /// The zip directory of an archive that starts at offset `start` of the
-/// binary file object `f`, of which `avail` bytes remain: the archive's end
-/// is found by walking forward over its headers (more may follow it in the
-/// stream), or, where that walk cannot tell, taken to be the stream's end.
+/// binary file object `f`, of which `avail` bytes remain: more may follow
+/// the archive in the stream, so its end is found from its start
+/// ([`zip::archive_extent`]), or, where that finds none, taken to be the
+/// stream's end.
 /// Returns (entries, central_directory_offset, archive_length, data offsets)
 /// with offsets relative to `start`.
 #[pyfunction]
@@ -185,18 +133,7 @@ fn read_directory_stream(
     let w = zip::Window { src: &src, len };
     let go = || -> tierstore_core::Result<(Directory, Vec<u64>)> {
         let dir = zip::read_directory(&w, &name)?;
-        let offs = dir
-            .entries
-            .iter()
-            .map(|e| {
-                let end = (e.header_offset + zip::local_header_probe_len(e.name.len()))
-                    .min(dir.cd_offset);
-                let mut b = vec![0u8; (end - e.header_offset) as usize];
-                zip::ReadAt::read_exact_at(&w, &mut b, e.header_offset)
-                    .map_err(|err| tierstore_core::Error::io(&name, "read", err))?;
-                zip::data_offset_from_local(&b, e, &dir, &name)
-            })
-            .collect::<tierstore_core::Result<Vec<_>>>()?;
+        let offs = zip::data_offsets(&w, &dir, &name)?;
         Ok((dir, offs))
     };
     let (dir, offs) = go().py_err(py)?;
@@ -601,8 +538,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(split_halves, m)?)?;
     m.add_function(wrap_pyfunction!(join_halves, m)?)?;
     m.add_function(wrap_pyfunction!(read_directory, m)?)?;
-    m.add_function(wrap_pyfunction!(read_directory_bytes, m)?)?;
-    m.add_function(wrap_pyfunction!(data_offsets_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(read_directory_stream, m)?)?;
     m.add_function(wrap_pyfunction!(check_offsets, m)?)?;
     m.add_function(wrap_pyfunction!(read_small, m)?)?;
