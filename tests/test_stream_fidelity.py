@@ -320,3 +320,24 @@ class _Box:
 
     def __eq__(self, o: object) -> bool:
         return isinstance(o, _Box) and o.v == self.v
+
+
+def test_a_lying_local_size_inside_a_longer_stream_still_loads() -> None:
+    """Found by the fuzz campaign (single:33000348): a local header's size
+    damaged (a field path loads and verify do not use) must not make the
+    same file fail when it sits inside a longer stream."""
+    import zipfile
+
+    obj = {"w": torch.randn(50), "step": 4}
+    buf = io.BytesIO()
+    tierstore.save(obj, buf)
+    data = bytearray(buf.getvalue())
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as z:
+        hdr = next(i for i in z.infolist() if i.filename.endswith("/version")).header_offset
+    data[hdr + 18 : hdr + 22] = (0x80000000).to_bytes(4, "little")
+    after = io.BytesIO()
+    tierstore.save({"after": 1}, after)
+    stream = io.BytesIO(b"lead" + bytes(data) + after.getvalue())
+    stream.seek(4)
+    _same(obj, tierstore.load(stream))
+    assert tierstore.load(stream) == {"after": 1}

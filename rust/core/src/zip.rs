@@ -676,7 +676,7 @@ fn check_disjoint(spans: &mut [(u64, u64, usize)], entries: &[CdEntry], path: &P
 pub fn read_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<Directory> {
     match read_directory_at_end(src, path) {
         Ok(dir) => Ok(dir),
-        Err(err) => match archive_extent(src) {
+        Err(err) => match extent(src, false) {
             Some(len) if len < src.len() => {
                 read_directory_at_end(&Window { src, len }, path).map_err(|_| err)
             }
@@ -736,14 +736,25 @@ impl<S: ReadAt + ?Sized> ReadAt for Window<'_, S> {
 ///
 /// `None` when none finds an end. The result is only a proposal:
 /// [`read_directory`] over a [`Window`] of that length validates everything.
+///
+/// This is for streams, whose bytes a load reads anyway; the fallback of
+/// [`read_directory`] for files scans only for archives that need it.
 pub fn archive_extent(src: &(impl ReadAt + ?Sized)) -> Option<u64> {
+    extent(src, true)
+}
+
+/// [`archive_extent`]; with `scan_on_damage` false the forward scan runs
+/// only when the walk met a record whose sizes follow its data (torch's
+/// writer), so that a damaged or cut-short file is not read whole to
+/// report it.
+fn extent(src: &(impl ReadAt + ?Sized), scan_on_damage: bool) -> Option<u64> {
     match walk_extent(src) {
         Walk::End(end) => Some(end),
-        // Only archives whose sizes follow their data need the bytes
-        // scanned; a walk that failed otherwise (a file cut short, damage)
-        // must not read a whole large file to report it.
         Walk::DataDescriptor => end_at_tail(src).or_else(|| scan_extent(src)),
-        Walk::Failed => end_at_tail(src),
+        // A local header that lies (damage the directory does not share).
+        Walk::Failed => {
+            end_at_tail(src).or_else(|| scan_on_damage.then(|| scan_extent(src)).flatten())
+        }
     }
 }
 
@@ -1087,15 +1098,16 @@ mod tests {
         dd.extend_from_slice(&vec![1u8; 3 << 20]);
         dd.extend_from_slice(&a);
         assert_eq!(archive_extent(dd.as_slice()), Some(a.len() as u64));
-        // A walk that fails otherwise (damage, a cut) does not scan the
-        // bytes: only end records at the very end are looked for.
+        // A local size that lies (damage the directory does not share): a
+        // stream is scanned; a file's fallback does not read it all.
         let mut l = a.clone();
         l[18] = 0xee;
         assert_eq!(walk_extent(l.as_slice()), Walk::Failed);
         assert_eq!(archive_extent(l.as_slice()), Some(a.len() as u64));
         l.extend_from_slice(&vec![1u8; 3 << 20]);
         l.extend_from_slice(&a);
-        assert_eq!(archive_extent(l.as_slice()), None);
+        assert_eq!(archive_extent(l.as_slice()), Some(a.len() as u64));
+        assert_eq!(extent(l.as_slice(), false), None);
         // End records whose directory does not end right before them.
         let mut g = d.clone();
         let eocd = g.len() - 22;
