@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from tierstore import _core, _metadata, _paths, _threads
+from tierstore import _core, _metadata, _paths, _threads, _tree
 from tierstore._engine import get_engine, host_buffer
 from tierstore.errors import TierstoreError
 from tierstore.layout import Layout, layout_of
@@ -452,14 +452,16 @@ def _copy_host(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def _flat_tree(sd: Mapping[str, Any], prefix: str = "", path: tuple[str, ...] = ()) -> Iterator[tuple[str, list[str]]]:
-    """(flat key, key path) per leaf, with the nesting rule of save_sharded."""
-    for k, v in sd.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping) and not isinstance(v, PerRank) and v and all(isinstance(x, str) for x in v):
-            yield from _flat_tree(v, key + ".", (*path, k))
-        else:
-            yield key, [*path, k]
+def _storage_ptr(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage (a DTensor's: its local shard's)."""
+    if _DTensor is not None and isinstance(t, _DTensor):
+        t = t.to_local()
+    return int(t.untyped_storage().data_ptr())
+
+
+def _flat_tree(sd: Mapping[str, Any]) -> list[tuple[str, list[Any]]]:
+    """(flat key, key path) per leaf, with the flattening rules of save_sharded."""
+    return [(leaf.key, list(leaf.path)) for leaf in _tree.flatten(sd)]
 
 
 def _unflatten(flat: Mapping[str, Any], tree: list[list[Any]]) -> dict[str, Any]:
@@ -468,10 +470,7 @@ def _unflatten(flat: Mapping[str, Any], tree: list[list[Any]]) -> dict[str, Any]
     for key, path in tree:
         if key not in flat:
             continue
-        d = out
-        for p in path[:-1]:
-            d = d.setdefault(p, {})
-        d[path[-1]] = flat[key]
+        _tree.set_path(out, path, flat[key])
         placed.add(key)
     for key, v in flat.items():  # global tensors saved under layouts of other names
         if key not in placed:
@@ -967,11 +966,11 @@ class Checkpointer:
         for opt in self._optimizers:
             for g in opt.param_groups:
                 for p in g["params"]:
-                    ptrs.add(p.untyped_storage().data_ptr())
+                    ptrs.add(_storage_ptr(p))
             for st in opt.state.values():
                 for v in st.values() if isinstance(st, Mapping) else []:
                     if isinstance(v, torch.Tensor):
-                        ptrs.add(v.untyped_storage().data_ptr())
+                        ptrs.add(_storage_ptr(v))
         self._owned_cache = (key, ptrs)
         return ptrs
 
@@ -1007,13 +1006,17 @@ class Checkpointer:
             return PerRank(self._copy_tree(obj.value, snap, plan, memo, reserve, owned, key))
         if isinstance(obj, Mapping):
             out = copy.copy(obj)
-            nested = bool(obj) and all(isinstance(k, str) for k in obj)
+            nested = _tree.walks(obj)
             for k, v in obj.items():
-                child = (f"{key}.{k}" if key else k) if nested else key
+                child = _tree.child(key, k) if nested else key
                 out[k] = self._copy_tree(v, snap, plan, memo, reserve, owned, child)  # type: ignore[index]
             return out
         if isinstance(obj, list):
-            return [self._copy_tree(v, snap, plan, memo, reserve, owned, key) for v in obj]
+            nested = _tree.walks(obj)
+            return [
+                self._copy_tree(v, snap, plan, memo, reserve, owned, _tree.child(key, i) if nested else key)
+                for i, v in enumerate(obj)
+            ]
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             return tuple(self._copy_tree(v, snap, plan, memo, reserve, owned, key) for v in obj)
         return copy.deepcopy(obj, memo)
@@ -1579,8 +1582,7 @@ def _read_meta(d: Path, step: int) -> list[list[Any]] | None:
         fld = f"tree[{i}]"
         f.array(entry, fld, length=2)
         key = f.string(entry[0], f"{fld}[0]", most=1 << 16)
-        path = f.array(entry[1], f"{fld}[1]")
-        if not path or not all(isinstance(p, str) for p in path) or ".".join(path) != key:
+        if _tree.check_path(f.array(entry[1], f"{fld}[1]"), key) is None:
             f.fail(f"{fld}[1]", f"the key path of {key!r} (its parts joined by '.' give the key)", entry[1])
     return tree
 

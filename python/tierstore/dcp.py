@@ -46,13 +46,13 @@ import os
 import pickle
 import pickletools
 import stat
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
-from tierstore import _limits, _paths
+from tierstore import _limits, _paths, _tree
 from tierstore.errors import (
     CorruptFileError,
     CoverageError,
@@ -69,7 +69,7 @@ from tierstore.errors import (
 from tierstore.layout import Box, Layout
 from tierstore.reshard import overlapping_pair, prove_coverage
 
-__all__ = ["DcpCheckpoint", "allowed_globals", "is_dcp", "load_dcp_into", "save_dcp", "to_state_dict"]
+__all__ = ["DcpCheckpoint", "allowed_globals", "is_dcp", "load_dcp_into", "save_dcp", "to_state_dict", "verify"]
 
 METADATA = ".metadata"
 #: The largest ``.metadata`` read (a DCP checkpoint of 16k ranks and
@@ -810,6 +810,19 @@ class DcpCheckpoint:
                 self.objects[fqn] = info
             else:
                 c.fail(fld, "a TensorStorageMetadata or BytesStorageMetadata", md)
+        # planner_data: how DCP's flattening nested each key (for a rebuild of the structure).
+        self.paths: dict[str, tuple[Any, ...]] = {}
+        pdata = getattr(self.meta, "planner_data", None)
+        if pdata is not None:
+            c.of(pdata, dict, "planner_data", "None or a dict of fqn to key path")
+            for fqn, pth in pdata.items():
+                if not isinstance(fqn, str) or (fqn not in self.tensors and fqn not in self.objects):
+                    continue  # paths of keys not saved (DCP keeps the planner's whole mapping)
+                got = _tree.check_path(list(pth) if isinstance(pth, tuple) else pth, fqn)
+                if got is None or any(isinstance(i, dict) for i in got):
+                    c.fail(f"planner_data[{fqn[:200]!r}]", "a key path (strings and list indices joined by '.' "
+                           "give the key)", pth)  # fmt: skip
+                self.paths[fqn] = got
 
     # -- reading chunks
 
@@ -1007,15 +1020,8 @@ def load_dcp_into(
         stats["bytes_needed"] = needed
 
 
-def to_state_dict(
-    path: str | os.PathLike[str], weights_only: bool = True, verify: str | bool = "touched"
-) -> dict[str, Any]:
-    """A DCP checkpoint as one flat dict of full tensors and objects.
-
-    Each tensor's chunks must tile it exactly, and the whole must fit in the
-    memory there is, before anything is allocated."""
-    verify = _check_verify(verify)
-    ck = DcpCheckpoint(path, weights_only=weights_only)
+def _check_tiled(ck: DcpCheckpoint) -> int:
+    """Checks that each tensor's chunks tile it exactly; returns the bytes of all tensors."""
     where = ck.metadata_path
     total = 0
     for fqn, (shape, dtype, chunks) in ck.tensors.items():
@@ -1031,16 +1037,85 @@ def to_state_dict(
                 record=_field(fqn),
             )
         total += want * _itemsize(dtype)
-    _limits.check_allocation(total, f"the {len(ck.tensors)} tensors of the DCP checkpoint", where)
-    out: dict[str, Any] = {}
+    return total
+
+
+def to_state_dict(
+    path: str | os.PathLike[str], weights_only: bool = True, verify: str | bool = "touched", *, nested: bool = False
+) -> dict[str, Any]:
+    """A DCP checkpoint as one dict of full tensors and objects: flat (one
+    key per fqn) or, with ``nested=True``, nested as the saved state dict was
+    (from the metadata's ``planner_data``, as ``dcp_to_torch_save`` does).
+
+    Each tensor's chunks must tile it exactly, and the whole must fit in the
+    memory there is, before anything is allocated."""
+    verify = _check_verify(verify)
+    ck = DcpCheckpoint(path, weights_only=weights_only)
+    total = _check_tiled(ck)
+    _limits.check_allocation(total, f"the {len(ck.tensors)} tensors of the DCP checkpoint", ck.metadata_path)
+    flat: dict[str, Any] = {}
     for fqn, (shape, dtype, chunks) in ck.tensors.items():
         t = torch.empty(shape, dtype=dtype)
         for box, info in chunks:
             t[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))] = ck.chunk(info, verify)
-        out[fqn] = t
+        flat[fqn] = t
     for fqn in ck.objects:
-        out[fqn] = ck.obj(fqn, weights_only, verify)
+        flat[fqn] = ck.obj(fqn, weights_only, verify)
+    if not nested:
+        return flat
+    out: dict[str, Any] = {}
+    for fqn, v in flat.items():
+        pth = ck.paths.get(fqn)
+        if pth is None:
+            out[fqn] = v
+            continue
+        try:
+            _tree.set_path(out, pth, v)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise FormatError(
+                f"{ck.metadata_path}: planner_data[{fqn[:200]!r}]: the key path {list(pth)} does not fit the "
+                f"others ({e}); the metadata is damaged",
+                path=ck.metadata_path,
+                record=f"planner_data[{fqn[:200]!r}]",
+            ) from None
     return out
+
+
+def verify(
+    path: str | os.PathLike[str], weights_only: bool = True, progress: Callable[[int, int], None] | None = None
+) -> dict[str, int]:
+    """Checks a DCP checkpoint as far as it can be: its metadata (read with
+    the restricted unpickler and every field checked), every chunk's tiling
+    of its tensor, every chunk read and loaded (its size, shape and dtype
+    against the metadata, the CRC-32s of the torch.save blob it is stored
+    as), every object loaded. DCP keeps no checksums of its own: damage to
+    ``.metadata`` that still parses, or a chunk rewritten with a valid blob,
+    cannot be detected. One chunk is held at a time. Returns the counts."""
+    ck = DcpCheckpoint(path, weights_only=weights_only)
+    _check_tiled(ck)
+    total = sum(int(i.length) for _s, _d, parts in ck.tensors.values() for _b, i in parts)
+    total += sum(int(i.length) for i in ck.objects.values())
+    chunks = nbytes = 0
+    for _fqn, (_shape, _dtype, parts) in ck.tensors.items():
+        for _box, info in parts:
+            ck.chunk(info, "full")
+            chunks += 1
+            nbytes += int(info.length)
+            if progress is not None:
+                progress(nbytes, total)
+    for fqn in ck.objects:
+        info = ck.objects[fqn]
+        ck.obj(fqn, weights_only, "full")
+        nbytes += int(info.length)
+        if progress is not None:
+            progress(nbytes, total)
+    return {
+        "tensors": len(ck.tensors),
+        "chunks": chunks,
+        "objects": len(ck.objects),
+        "files": len(ck._files),
+        "bytes": nbytes,
+    }
 
 
 def save_dcp(state: Mapping[str, Any], path: str | os.PathLike[str]) -> None:

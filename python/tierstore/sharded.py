@@ -40,9 +40,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierstore import _archive, _core, _limits, manifest
+from tierstore import _archive, _core, _limits, _tree, manifest
 from tierstore._engine import get_engine
-from tierstore.errors import FormatError, LayoutError, NotFoundError, TierstoreError
+from tierstore.errors import FormatError, LayoutError, MissingRecordError, NotFoundError, TierstoreError
 from tierstore.layout import Box, Layout, Piece, layout_of
 from tierstore.reshard import CoverageError, Source, merge_runs, overlapping_pair, prove_coverage, runs_for
 from tierstore.shardmeta import (
@@ -115,14 +115,12 @@ def _barrier(world: int, pg: Any) -> None:
 # state dict flattening
 
 
-def _flatten(sd: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any, MutableMapping[str, Any], str]]:
-    """(flat key, value, containing dict, key in it) for every leaf of nested dicts."""
-    for k, v in sd.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping) and not isinstance(v, PerRank) and v and all(isinstance(x, str) for x in v):
-            yield from _flatten(v, key + ".")
-        else:
-            yield key, v, sd, k  # type: ignore[misc]
+def _flatten(sd: Mapping[str, Any], where: str = "state dict", dcp: bool = False) -> Iterator[_tree.Leaf]:
+    """Every leaf of ``sd`` under DCP's flattening rules (see :mod:`tierstore._tree`)."""
+    try:
+        yield from _tree.flatten(sd, dcp=dcp, where=where)
+    except ValueError as e:
+        raise LayoutError(str(e)) from None
 
 
 def _dtensor_layout(key: str, t: Any) -> tuple[torch.Tensor, Layout]:
@@ -246,7 +244,11 @@ def save_sharded(
     layouts: dict[str, Layout] = {}
     objects: dict[str, Any] = {}
     per_rank: dict[str, Any] = {}
-    for key, v, _parent, _k in _flatten(state_dict):
+    paths: dict[str, list[Any]] = {}
+    for leaf in _flatten(state_dict, f"save_sharded({d})"):
+        key, v = leaf.key, leaf.value
+        if not _tree.is_plain(leaf.path):
+            paths[key] = list(leaf.path)
         if isinstance(v, torch.Tensor):
             local, lay = _tensor_and_layout(key, v, world)
             lay.validate(f"{key}")
@@ -272,7 +274,7 @@ def save_sharded(
     save_id = metas[0]["save_id"]
     writes = _assign_writers(metas)
     mine = {k: t for k, t in tensors.items() if writes[(rank, k)]}
-    file_info: dict[str, Any] = {"rank": rank, "tensors": {}, "objects_file": None}
+    file_info: dict[str, Any] = {"rank": rank, "tensors": {}, "objects_file": None, "paths": paths}
     fname = f"rank-{rank:05d}.{save_id}.pt"
     from tierstore.api import save as ts_save
 
@@ -426,7 +428,11 @@ def _build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any
                     per_rank.setdefault(k, {})[str(info["rank"])] = info["objects_file"]
                 else:
                     objects[k] = info["objects_file"]
-    return {
+    paths: dict[str, Any] = {}
+    for info in infos:
+        paths.update(info.get("paths", {}))
+    held = {s["key"] for s in stored} | set(objects) | set(per_rank)
+    out = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "writer": f"tierstore {__version__}",
@@ -440,6 +446,12 @@ def _build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any
         "per_rank_objects": per_rank,
         "object_files": object_files,
     }
+    # Paths of the keys whose nesting their dotted key does not tell (list
+    # indices, integer keys, keys with dots), for a load that rebuilds it.
+    kept = {k: p for k, p in sorted(paths.items()) if k in held}
+    if kept:
+        out["paths"] = kept
+    return out
 
 
 def _collect_garbage(d: Path, save_id: str) -> None:
@@ -549,6 +561,90 @@ def plan_reads(
     return expand_plan(plan, targets), plan.needed
 
 
+@dataclass
+class _Wanted:
+    """A non-tensor value to load (or a plain tensor saved inside an object)."""
+
+    key: str
+    parent: Any
+    slot: Any
+    path: tuple[Any, ...]
+    like: torch.Tensor | None
+
+
+def _target(ck: Checkpoint, key: str, v: torch.Tensor, world: int) -> _Target:
+    local, lay = _tensor_and_layout(key, v, world if _is_dtensor(v) or layout_of(v) else 1)
+    if tuple(local.shape) != lay.local_shape:
+        raise LayoutError(f"{key}: local tensor of shape {tuple(local.shape)} but layout for {lay.local_shape}")
+    src_dtype = None
+    for p in lay.pieces:
+        if p.tensor in ck.manifest["tensors"]:
+            src_dtype = ck.dtype_of(p.tensor)
+            break
+    dest = local
+    if not local.is_contiguous() or (src_dtype is not None and src_dtype != local.dtype):
+        dest = torch.empty(local.shape, dtype=src_dtype or local.dtype)
+    elif local.device.type != "cpu":
+        dest = torch.empty(local.shape, dtype=local.dtype)
+    if sum(p.box.numel for p in lay.pieces) < local.numel():
+        dest.zero_()  # padding is recreated as zeros
+    return _Target(key, dest, local, lay)
+
+
+def _stored_path(m: Mapping[str, Any], key: str) -> tuple[Any, ...]:
+    return tuple(m.get("paths", {}).get(key) or _tree.split_key(key))
+
+
+def _object_prefix(m: Mapping[str, Any], key: str) -> str | None:
+    """The longest key saved as one object that ``key`` lies inside (``a.b``
+    for ``a.b.0.c``), if any."""
+    parts = key.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        k = ".".join(parts[:n])
+        if k in m["objects"] or k in m["per_rank_objects"]:
+            return k
+    return None
+
+
+def _subtree(
+    ck: Checkpoint, key: str, path: tuple[Any, ...]
+) -> tuple[Any, dict[str, tuple[Any, Any]], dict[str, tuple[Any, Any, tuple[Any, ...]]]] | None:
+    """For a target value (an empty dict, None) whose key the checkpoint holds
+    only as the prefix of others (``optim.state`` of ``optim.state.0.exp_avg``):
+    the saved structure rebuilt, with full empty tensors and the places of the
+    objects to fill; None when it holds no key under it."""
+    m = ck.manifest
+    pre = key + "."
+    names = [n for n in m["tensors"] if n.startswith(pre)]
+    objs = [n for n in (*m["objects"], *m["per_rank_objects"]) if n.startswith(pre)]
+    if not names and not objs:
+        return None
+    total = sum(math.prod(m["tensors"][n]["shape"]) * _dtype(m["tensors"][n]["dtype"]).itemsize for n in names)
+    _limits.check_allocation(total, f"the {len(names)} tensors under {key!r} of {ck.dir}", str(ck.dir))
+    root: dict[str, Any] = {}
+    tensors: dict[str, tuple[Any, Any]] = {}
+    places: dict[str, tuple[Any, Any, tuple[Any, ...]]] = {}
+    for n in sorted([*names, *objs], key=lambda n: n.split(".")):
+        sp = _stored_path(m, n)
+        cut = next((i for i in range(1, len(sp) + 1) if _tree.key_of(sp[:i]) == key), None)
+        if cut is None or cut == len(sp):
+            continue  # a name under the prefix by its text only ("a.b" of a key "a.b.c" with a dotted part)
+        rel = ("_", *sp[cut:])
+        try:
+            if n in m["tensors"]:
+                g = m["tensors"][n]
+                tensors[n] = _tree.set_path(root, rel, torch.empty(g["shape"], dtype=_dtype(g["dtype"])))
+            else:
+                holder, slot = _tree.set_path(root, rel, None)
+                places[n] = (holder, slot, (*path, *sp[cut:]))
+        except (ValueError, TypeError, AttributeError) as e:
+            raise FormatError(f"{ck.dir / MANIFEST}: paths[{n[:100]!r}] does not fit the others ({e})",
+                              path=str(ck.dir / MANIFEST), record=f"paths[{n[:100]!r}]") from None  # fmt: skip
+    if "_" not in root:
+        return None
+    return root["_"], tensors, places
+
+
 def load_sharded(
     path: str | os.PathLike[str],
     state_dict: MutableMapping[str, Any],
@@ -585,28 +681,32 @@ def load_sharded(
     if not (Path(path) / MANIFEST).exists() and dcp.is_dcp(path):
         return _load_from_dcp(path, state_dict, world, weights_only, stats, verify)
     ck = _checkpoint if _checkpoint is not None else Checkpoint(path)
+    m = ck.manifest
     targets: list[_Target] = []
-    objects_wanted: list[tuple[str, MutableMapping[str, Any], str]] = []
-    for key, v, parent, k in _flatten(state_dict):
+    objects_wanted: list[_Wanted] = []
+    for leaf in _flatten(state_dict, f"load_sharded({path})"):
+        key, v = leaf.key, leaf.value
         if isinstance(v, torch.Tensor):
-            local, lay = _tensor_and_layout(key, v, world if _is_dtensor(v) or layout_of(v) else 1)
-            if tuple(local.shape) != lay.local_shape:
-                raise LayoutError(f"{key}: local tensor of shape {tuple(local.shape)} but layout for {lay.local_shape}")
-            src_dtype = None
-            for p in lay.pieces:
-                if p.tensor in ck.manifest["tensors"]:
-                    src_dtype = ck.dtype_of(p.tensor)
-                    break
-            dest = local
-            if not local.is_contiguous() or (src_dtype is not None and src_dtype != local.dtype):
-                dest = torch.empty(local.shape, dtype=src_dtype or local.dtype)
-            elif local.device.type != "cpu":
-                dest = torch.empty(local.shape, dtype=local.dtype)
-            if sum(p.box.numel for p in lay.pieces) < local.numel():
-                dest.zero_()  # padding is recreated as zeros
-            targets.append(_Target(key, dest, local, lay))
+            plain = not _is_dtensor(v) and layout_of(v) is None
+            if plain and key not in m["tensors"] and _object_prefix(m, key) is not None:
+                # Saved inside an object (by an older tierstore that kept lists and integer-keyed dicts whole).
+                objects_wanted.append(_Wanted(key, leaf.parent, leaf.slot, leaf.path, v))
+                continue
+            targets.append(_target(ck, key, v, world))
+        elif key in m["objects"] or key in m["per_rank_objects"]:
+            objects_wanted.append(_Wanted(key, leaf.parent, leaf.slot, leaf.path, None))
         else:
-            objects_wanted.append((key, parent, k))
+            sub = _subtree(ck, key, leaf.path)
+            if sub is None:
+                objects_wanted.append(_Wanted(key, leaf.parent, leaf.slot, leaf.path, None))
+                continue
+            tree, tensors, objs = sub
+            leaf.parent[leaf.slot] = tree
+            for name, (holder, slot) in tensors.items():
+                t = holder[slot]
+                targets.append(_Target(name, t, t, Layout.full(name, tuple(t.shape))))
+            for name, (holder, slot, pth) in objs.items():
+                objects_wanted.append(_Wanted(name, holder, slot, pth, None))
     t_plan = time.perf_counter()
     the_plan = make_plan(ck, targets)
     plan_seconds = time.perf_counter() - t_plan
@@ -696,14 +796,15 @@ def _load_from_dcp(
 
     targets = []
     objects = []
-    for key, v, parent, k in _flatten(state_dict):
+    for leaf in _flatten(state_dict, f"load_sharded({path})", dcp=True):
+        key, v = leaf.key, leaf.value
         if isinstance(v, torch.Tensor):
             local, lay = _tensor_and_layout(key, v, world if _is_dtensor(v) or layout_of(v) else 1)
             if sum(p.box.numel for p in lay.pieces) < local.numel():
                 local.zero_()
             targets.append((key, local, lay))
         else:
-            objects.append((key, parent, k))
+            objects.append((key, leaf.parent, leaf.slot))
     dcp.load_dcp_into(path, targets, objects, weights_only, stats, verify)
     return state_dict
 
@@ -722,7 +823,7 @@ def consolidate(
     from tierstore import dcp
 
     if not (Path(path) / MANIFEST).exists() and dcp.is_dcp(path):
-        return dcp.to_state_dict(path, weights_only)
+        return dcp.to_state_dict(path, weights_only, nested=True)
     ck = Checkpoint(path)
     m = ck.manifest
     _check_consolidated_size(Path(path), m)
@@ -783,7 +884,7 @@ def _check_consolidated_size(d: Path, m: dict[str, Any]) -> None:
 
 def _load_objects(
     ck: Checkpoint,
-    wanted: list[tuple[str, MutableMapping[str, Any], str]],
+    wanted: list[_Wanted],
     rank: int,
     world: int,
     policy: str | Callable[[dict[int, Any]], Any] | None,
@@ -813,24 +914,64 @@ def _load_objects(
 
     m = ck.manifest
     saved_world = int(m["world_size"])
-    for key, parent, k in wanted:
+
+    def saved(key: str) -> Any:
         if key in m["objects"]:
-            parent[k] = value(m["objects"][key], key)
-        elif key in m["per_rank_objects"]:
-            holders = {int(r): f for r, f in m["per_rank_objects"][key].items()}
-            if saved_world == world and rank in holders:
-                parent[k] = value(holders[rank], key)
-            elif policy == "rank0":
-                parent[k] = value(holders[min(holders)], key)
-            elif callable(policy):
-                parent[k] = policy({r: value(f, key) for r, f in holders.items()})
-            else:
-                raise FormatError(
-                    f"{ck.dir}: per-rank object {key!r} was saved by {saved_world} ranks and is loaded by {world}; "
-                    "pass per_rank_policy='rank0' or a function of {rank: value} to choose"
-                )
+            return value(m["objects"][key], key)
+        holders = {int(r): f for r, f in m["per_rank_objects"][key].items()}
+        if saved_world == world and rank in holders:
+            return value(holders[rank], key)
+        if policy == "rank0":
+            return value(holders[min(holders)], key)
+        if callable(policy):
+            return policy({r: value(f, key) for r, f in holders.items()})
+        raise FormatError(
+            f"{ck.dir}: per-rank object {key!r} was saved by {saved_world} ranks and is loaded by {world}; "
+            "pass per_rank_policy='rank0' or a function of {rank: value} to choose"
+        )
+
+    for w in wanted:
+        if w.key in m["objects"] or w.key in m["per_rank_objects"]:
+            got = saved(w.key)
         else:
-            raise FormatError(f"{ck.dir}: the checkpoint has no value for {key!r}")
+            pre = _object_prefix(m, w.key)
+            cut = None
+            if pre is not None:
+                cut = next((i for i in range(1, len(w.path)) if _tree.key_of(w.path[:i]) == pre), None)
+            if pre is None or cut is None:
+                raise MissingRecordError(f"{ck.dir}: the checkpoint has no value for {w.key!r}", path=str(ck.dir))
+            got = _index(saved(pre), w.path[cut:], f"{ck.dir}: the checkpoint has no value for {w.key!r} "
+                         f"(its object {pre!r} holds none there)")  # fmt: skip
+        if w.like is None:
+            w.parent[w.slot] = got
+        elif not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(w.like.shape):
+            what = f"a tensor of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+            raise LayoutError(f"{ck.dir}: {w.key!r} is {what} in the checkpoint; the target is a tensor of shape "
+                              f"{tuple(w.like.shape)}")  # fmt: skip
+        else:
+            with torch.no_grad():
+                w.like.copy_(got)
+
+
+def _index(obj: Any, rest: Sequence[Any], missing: str) -> Any:
+    """``obj`` indexed by the path items ``rest`` (string keys that were
+    integers, list indices), as an older checkpoint's whole object holds them."""
+    for item in rest:
+        k = item["int"] if isinstance(item, dict) else item
+        if isinstance(obj, Mapping):
+            if k in obj:
+                obj = obj[k]
+                continue
+            if isinstance(k, str) and k.lstrip("-").isdigit() and int(k) in obj:
+                obj = obj[int(k)]
+                continue
+        elif isinstance(obj, (list, tuple)) and (isinstance(k, int) or (isinstance(k, str) and k.isdigit())):
+            i = int(k)
+            if i < len(obj):
+                obj = obj[i]
+                continue
+        raise MissingRecordError(missing)
+    return obj
 
 
 # ----------------------------------------------------------------------------------------------

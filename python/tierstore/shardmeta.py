@@ -207,6 +207,20 @@ def _validate(m: dict[str, Any], d: Path, where: str, data: bytes) -> dict[str, 
             f.mapping(a, fld)
             f.uint(f.get(a, "bytes", f"{fld}.bytes"), f"{fld}.bytes")
             f.uint(f.get(a, "crc32", f"{fld}.crc32"), f"{fld}.crc32", most=_U32)
+    from tierstore import _tree
+
+    paths = f.mapping(m.get("paths", {}), "paths")
+    held = {s.get("key") for s in stored} | set(tensors) | set(objects) | set(per_rank) if paths else set()
+    for k, pth in paths.items():
+        fld = f"paths[{k[:100]!r}]"
+        if k not in held:
+            f.fail(fld, "the path of a key the checkpoint holds", k[:100])
+        got = _tree.check_path(pth, k)
+        if got is None:
+            f.fail(fld, f"the key path of {k[:100]!r} (strings, list indices, {{'int': n}} keys; joined by '.' "
+                        "they give the key)", pth)  # fmt: skip
+        paths[k] = got
+    m["paths"] = paths
     m.setdefault("objects", {})
     m.setdefault("per_rank_objects", {})
     return m
