@@ -448,7 +448,7 @@ def _build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any
     }
     # Paths of the keys whose nesting their dotted key does not tell (list
     # indices, integer keys, keys with dots), for a load that rebuilds it.
-    kept = {k: p for k, p in sorted(paths.items()) if k in held}
+    kept = {k: p for k, p in paths.items() if k in held}  # in the state dict's order, for a rebuild
     if kept:
         out["paths"] = kept
     return out
@@ -624,7 +624,8 @@ def _subtree(
     root: dict[str, Any] = {}
     tensors: dict[str, tuple[Any, Any]] = {}
     places: dict[str, tuple[Any, Any, tuple[Any, ...]]] = {}
-    for n in sorted([*names, *objs], key=lambda n: n.split(".")):
+    order = {k: i for i, k in enumerate(m.get("paths", {}))}
+    for n in sorted([*names, *objs], key=lambda n: (order.get(n, len(order)), n.split("."))):
         sp = _stored_path(m, n)
         cut = next((i for i in range(1, len(sp) + 1) if _tree.key_of(sp[:i]) == key), None)
         if cut is None or cut == len(sp):
