@@ -154,7 +154,7 @@ def test_a_checkpoint_saved_before_the_dcp_rules_still_loads(tmp_path: pathlib.P
 def test_hostile_key_paths_in_the_manifest_are_refused(tmp_path: pathlib.Path) -> None:
     from tierstore import _metadata
 
-    m, opt = trained()
+    _m, opt = trained()
     tierstore.save_sharded({"optim": opt.state_dict()}, tmp_path)
     raw = (tmp_path / "manifest.json").read_bytes()
     man, _ = _metadata.loads(raw, "manifest", required=True)
