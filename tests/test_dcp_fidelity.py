@@ -343,3 +343,14 @@ def test_checkpointer_restores_an_optimizer_state_dict_with_its_integer_keys(tmp
     finally:
         ck.close()
     same(got, state, "restored")
+
+
+def test_a_fresh_optimizer_target_of_a_dcp_checkpoint_warns(tmp_path: pathlib.Path) -> None:
+    """DCP's rules load nothing into an empty ``state``: the user is told."""
+    import torch.distributed.checkpoint as dcp
+
+    _m, opt = trained()
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
+    _m2, fresh = trained(seed=1, steps=0)
+    with pytest.warns(UserWarning, match=r"'optim.state' is an empty dict.*'optim.state.0.step'"):
+        tierstore.load_sharded(tmp_path, {"optim": fresh.state_dict()})

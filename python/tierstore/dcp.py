@@ -46,7 +46,8 @@ import os
 import pickle
 import pickletools
 import stat
-from collections.abc import Callable, Mapping, MutableMapping
+import warnings
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -949,14 +950,28 @@ def load_dcp_into(
     weights_only: bool = True,
     stats: dict[str, Any] | None = None,
     verify: str | bool = "touched",
+    *,
+    empties: Sequence[str] = (),
 ) -> None:
     """Fills each target's pieces from the DCP checkpoint at ``path`` and
     sets each object. ``verify``: ``"touched"`` or ``"full"`` check the
     CRC-32s of every chunk read (a DCP chunk is read whole, so the two are
-    the same), ``False`` none."""
+    the same), ``False`` none. ``empties``: keys of empty dicts in the
+    target, which DCP's rules skip; a warning names those the checkpoint
+    holds values under."""
     verify = _check_verify(verify)
     ck = DcpCheckpoint(path, weights_only=weights_only)
     where = ck.metadata_path
+    for key in empties:
+        under = [k for k in (*ck.tensors, *ck.objects) if k.startswith(key + ".")]
+        if under:
+            warnings.warn(
+                f"{where}: the target's {key!r} is an empty dict, so (as with DCP) the {len(under)} values the "
+                f"checkpoint holds under it ({', '.join(repr(k) for k in under[:3])}"
+                f"{', ...' if len(under) > 3 else ''}) are not loaded; give it their entries first (an optimizer "
+                "whose state exists: after a step, or from torch.distributed.checkpoint.state_dict.get_state_dict)",
+                stacklevel=3,
+            )
     cache: dict[int, torch.Tensor] = {}
     read = 0
     needed = 0

@@ -806,7 +806,9 @@ def _load_from_dcp(
             targets.append((key, local, lay))
         else:
             objects.append((key, leaf.parent, leaf.slot))
-    dcp.load_dcp_into(path, targets, objects, weights_only, stats, verify)
+    # DCP's rules skip an empty dict: say so when the checkpoint holds values under one.
+    empties = [leaf.key for leaf in _flatten(state_dict) if isinstance(leaf.value, Mapping) and not leaf.value]
+    dcp.load_dcp_into(path, targets, objects, weights_only, stats, verify, empties=empties)
     return state_dict
 
 
