@@ -40,6 +40,7 @@ from tierstore.errors import (
 )
 from tierstore.layout import Layout, attach, layout_of
 from tierstore.offload import OffloadedOptimizer, offload
+from tierstore.resume import ResumableSampler, RunState
 from tierstore.sharded import (
     PerRank,
     load_optimizer_state_dict,
@@ -72,6 +73,8 @@ __all__ = [
     "PermissionDeniedError",
     "RemoteTier",
     "ResourceLimitError",
+    "ResumableSampler",
+    "RunState",
     "StorageIOError",
     "TierstoreError",
     "TorchLoadError",

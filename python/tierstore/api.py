@@ -15,7 +15,7 @@ import io as _io
 import mmap as _mmap
 import os
 import pickle
-import random
+import secrets
 import struct
 import sys
 import warnings
@@ -84,7 +84,8 @@ def _small_records(byteorder: bool, align: int) -> list[tuple[str, bytes]]:
     if byteorder:
         recs.append(("byteorder", sys.byteorder.encode()))
     recs.append(("version", b"3\n"))
-    serial = "".join(str(random.randrange(10)) for _ in range(40))
+    # Not from the global `random`: a save (often on a background thread) must not move the training's stream.
+    serial = f"{secrets.randbelow(10**40):040d}"
     recs.append((".data/serialization_id", serial.encode()))
     return recs
 

@@ -811,19 +811,32 @@ class DcpCheckpoint:
                 self.objects[fqn] = info
             else:
                 c.fail(fld, "a TensorStorageMetadata or BytesStorageMetadata", md)
-        # planner_data: how DCP's flattening nested each key (for a rebuild of the structure).
-        self.paths: dict[str, tuple[Any, ...]] = {}
-        pdata = getattr(self.meta, "planner_data", None)
-        if pdata is not None:
-            c.of(pdata, dict, "planner_data", "None or a dict of fqn to key path")
-            for fqn, pth in pdata.items():
-                if not isinstance(fqn, str) or (fqn not in self.tensors and fqn not in self.objects):
-                    continue  # paths of keys not saved (DCP keeps the planner's whole mapping)
-                got = _tree.check_path(list(pth) if isinstance(pth, tuple) else pth, fqn)
-                if got is None or any(isinstance(i, dict) for i in got):
-                    c.fail(f"planner_data[{fqn[:200]!r}]", "a key path (strings and list indices joined by '.' "
-                           "give the key)", pth)  # fmt: skip
-                self.paths[fqn] = got
+        self._planner_data = getattr(self.meta, "planner_data", None)
+
+    def key_paths(self) -> dict[str, tuple[Any, ...]]:
+        """How DCP's flattening nested each saved key (``planner_data``), for a
+        rebuild of the structure. It only shapes the nesting: keys whose path
+        does not fit are left flat, with a warning."""
+        paths: dict[str, tuple[Any, ...]] = {}
+        pdata = self._planner_data
+        bad: list[str] = []
+        if pdata is not None and not isinstance(pdata, dict):
+            bad.append(f"planner_data is {_show(pdata)}, not a dict")
+            pdata = None
+        for fqn, pth in (pdata or {}).items():
+            if not isinstance(fqn, str) or (fqn not in self.tensors and fqn not in self.objects):
+                continue  # paths of keys not saved (DCP keeps the planner's whole mapping)
+            got = _tree.check_path(list(pth) if isinstance(pth, tuple) else pth, fqn)
+            if got is None or any(isinstance(i, dict) for i in got):
+                bad.append(f"planner_data[{fqn[:200]!r}] is {_show(pth)}, not its key path")
+                continue
+            paths[fqn] = got
+        if bad:
+            warnings.warn(
+                f"{self.metadata_path}: {'; '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}: those keys are left flat",
+                stacklevel=3,
+            )
+        return paths
 
     # -- reading chunks
 
@@ -1079,8 +1092,9 @@ def to_state_dict(
     if not nested:
         return flat
     out: dict[str, Any] = {}
+    paths = ck.key_paths()
     for fqn, v in flat.items():
-        pth = ck.paths.get(fqn)
+        pth = paths.get(fqn)
         if pth is None:
             out[fqn] = v
             continue
