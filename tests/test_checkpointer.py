@@ -509,3 +509,21 @@ def test_rank_dying_mid_flush_leaves_the_previous_checkpoint(tmp_path: Path) -> 
     assert ck.restored is not None and ck.restored["step"] == 1
     assert torch.equal(got["w"], torch.full((1 << 20,), 1.0))
     ck.close()
+
+
+def test_relative_remote_tier_paths_are_taken_from_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's ``RemoteTier("runs/exp1-remote")`` lands in
+    ``runs/exp1-remote``, not under the Checkpointer's directory; a
+    DiskTier's relative path stays under it."""
+    monkeypatch.chdir(tmp_path)
+    ck = Checkpointer("runs/exp1", tiers=[HostTier("16MiB"), DiskTier("local"), RemoteTier("runs/exp1-remote")])
+    try:
+        ck.save(1, {"w": torch.ones(4)})
+        ck.wait()
+    finally:
+        ck.close()
+    assert list((tmp_path / "runs" / "exp1-remote").glob("step-*"))
+    assert list((tmp_path / "runs" / "exp1" / "local").glob("step-*"))
+    assert not (tmp_path / "runs" / "exp1" / "runs").exists()

@@ -92,3 +92,36 @@ def test_backend_forced_by_environment(tmp_path: pathlib.Path) -> None:
     )  # fmt: skip
     d = json.loads(r.stdout)
     assert d["backend"] == "buffered" and "TIERSTORE_BACKEND" in d["backend_reason"]
+
+
+def test_inspect_of_a_torch_save_file_shows_dtypes_kinds_and_exits_1_when_damaged(tmp_path: pathlib.Path) -> None:
+    p = tmp_path / "torch.pt"
+    b = torch.arange(5)
+    torch.save({"a": torch.ones(3, dtype=torch.bfloat16), "nested": {"b": b}, "v": b[1:]}, p)
+    r = tierstore_cli("inspect", "--json", str(p))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    rows = {row["record"]: row for row in out["records"]}
+    assert rows["data.pkl"]["kind"] == "pickle"
+    assert rows["data/0"]["kind"] == "storage" and rows["data/0"]["dtype"] == "bfloat16"
+    assert rows["data/0"]["tensors"] == ["a (3,)"]
+    assert rows["data/1"]["dtype"] == "int64" and sorted(rows["data/1"]["tensors"]) == ["nested.b (5,)", "v (4,)"]
+    # The sizes inspect shows are the ones verify checks.
+    v = tierstore_cli("verify", str(p))
+    assert v.returncode == 0, v.stderr
+    n = len(out["records"])
+    from tierstore.cli import _human
+
+    assert f"{n} records, {_human(out['record_bytes'])} of record data verified" in v.stdout
+    assert f"in a {_human(out['file_bytes'])} file" in v.stdout
+    text = tierstore_cli("inspect", str(p)).stdout
+    assert f"{_human(out['record_bytes'])} of record data in a {_human(out['file_bytes'])} file" in text
+    # A flipped bit in a storage: DAMAGED, and a non-zero exit (text and JSON).
+    raw = bytearray(p.read_bytes())
+    at = raw.find(torch.arange(5).numpy().tobytes())
+    raw[at + 9] ^= 4
+    p.write_bytes(bytes(raw))
+    for args in (("inspect", str(p)), ("inspect", "--json", str(p))):
+        r = tierstore_cli(*args)
+        assert r.returncode == 1 and "DAMAGED" in r.stdout, args
+    assert json.loads(tierstore_cli("inspect", "--json", str(p)).stdout)["damaged"] == ["data/1"]

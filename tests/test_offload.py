@@ -779,7 +779,8 @@ def test_checkpoint_takes_offloaded_state_from_the_tiers(tmp_path: Path) -> None
         subgroup_bytes="1MiB",
     )
     ck = tierstore.Checkpointer(
-        tmp_path / "ck", tiers=[HostTier("64MiB"), DiskTier("local"), tierstore.RemoteTier("remote")]
+        tmp_path / "ck",
+        tiers=[HostTier("64MiB"), DiskTier("local"), tierstore.RemoteTier(str(tmp_path / "ck" / "remote"))],
     )
     for step in range(3):
         _big_step(m_ref, ref, step)
@@ -818,7 +819,9 @@ def test_checkpoint_takes_offloaded_state_from_the_tiers(tmp_path: Path) -> None
     )
     ref2 = torch.optim.AdamW(m_saved.parameters(), lr=1e-3)
     ref2.load_state_dict(at_save)
-    ck2 = tierstore.Checkpointer(tmp_path / "ck", tiers=[DiskTier("local"), tierstore.RemoteTier("remote")])
+    ck2 = tierstore.Checkpointer(
+        tmp_path / "ck", tiers=[DiskTier("local"), tierstore.RemoteTier(str(tmp_path / "ck" / "remote"))]
+    )
     ck2.load_latest(into={"model": m_new.state_dict(), "optim": opt_new})
     assert ck2.restored is not None and ck2.restored["step"] == 3
     for step in range(3, 6):

@@ -352,3 +352,46 @@ def tensor_paths(obj: Any, limit: int = 1_000_000) -> list[tuple[list[str | int]
         for k, v in reversed(items):
             stack.append(([*path, k], v))
     return out
+
+
+def describe_storages(data: bytes) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """For ``tierstore inspect`` of a file torch.save wrote: the dtype of
+    each storage record (``data/<key>``) and the tensors viewing it (``path
+    shape``), from ``data.pkl`` unpickled under torch's weights-only rules
+    onto the meta device (no data read, nothing run). Empty when the pickle
+    needs more than those rules allow."""
+    from torch import _weights_only_unpickler
+
+    dtypes: dict[str, str] = {}
+    by_impl: dict[int, str] = {}
+
+    def persistent_load(pid: Any) -> Any:
+        if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        stype, key, _loc, numel = pid[1], str(pid[2]), pid[3], int(pid[4])
+        dtype = stype if isinstance(stype, torch.dtype) else stype.dtype
+        item = torch.empty((), dtype=dtype).element_size()
+        if numel < 0 or numel * item > 1 << 62:
+            raise pickle.UnpicklingError(f"storage {key!r}: {numel} elements")
+        untyped = torch.UntypedStorage(numel * item, device="meta")
+        by_impl[untyped._cdata] = key
+        dtypes[f"data/{key}"] = str(dtype).removeprefix("torch.")
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+    try:
+        refuse_absurd_sizes(data, "inspect")  # what would make the unpickler allocate or recurse without bound
+        u = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
+        u.persistent_load = persistent_load  # type: ignore[method-assign]
+        obj = u.load()
+    except Exception:  # inspect shows what it can; load and verify report the pickle's problems
+        return dtypes, {}
+    views: dict[str, list[str]] = {}
+    for path, t in tensor_paths(obj):
+        try:
+            key = by_impl.get(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            continue
+        if key is not None:
+            shown = ".".join(str(p) for p in path) or "(root)"
+            views.setdefault(f"data/{key}", []).append(f"{shown} {tuple(t.shape)}")
+    return dtypes, views

@@ -159,10 +159,17 @@ class DiskTier:
 @dataclass
 class RemoteTier(DiskTier):
     """Remote storage (a shared or parallel file system): like
-    :class:`DiskTier`, keeping everything unless told otherwise."""
+    :class:`DiskTier`, keeping everything unless told otherwise. A relative
+    path is taken as it reads, relative to the working directory when the
+    tier is made (remote storage lies outside the job's checkpoint
+    directory), not under the checkpointer's path as a DiskTier's is."""
 
     keep_last: int | None = None
     name: str = "remote"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.paths = [os.path.abspath(p) for p in self.paths]  # type: ignore[union-attr]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -485,7 +492,9 @@ def _unflatten(flat: Mapping[str, Any], tree: list[list[Any]]) -> dict[str, Any]
 class Checkpointer:
     """Lazy asynchronous checkpoints cascading host memory → local disk → remote.
 
-    ``path``: the job's checkpoint directory; relative tier paths are under it.
+    ``path``: the job's checkpoint directory; relative :class:`DiskTier`
+    paths are under it (a :class:`RemoteTier`'s are relative to the working
+    directory).
     ``tiers``: nearest first; default ``[HostTier(), DiskTier(".")]``.
     ``on_busy``: when a save arrives while the host budget is still occupied by
     snapshots not yet durable: ``"wait"`` (block until there is room) or

@@ -72,6 +72,17 @@ def _record_states(path: str, arch: _archive.Archive, offsets: dict[str, int], v
     return states
 
 
+def _torch_kind(rel: str) -> str:
+    """The kind of a record in a file torch wrote (tierstore's manifest names its own)."""
+    if rel.startswith("data/"):
+        return "storage"
+    if rel.endswith(".pkl"):
+        return "pickle"
+    if rel.startswith("code/"):
+        return "code"
+    return "meta"
+
+
 def _engine() -> Any:
     from tierstore._engine import get_engine
 
@@ -147,6 +158,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     shapes: dict[str, list[str]] = {}
     dtypes: dict[str, str] = {}
     kinds: dict[str, str] = {}
+    if m is None and "data.pkl" in arch.records:
+        # A file torch.save wrote: dtypes and tensors from its pickle (weights-only rules, meta device).
+        from tierstore import _pickle
+
+        crc, size, *_ = arch.records["data.pkl"]
+        if size <= 1 << 30:
+            (data,) = _core.read_records(_engine(), path, [(arch.full("data.pkl"), offsets["data.pkl"], size, crc)],
+                                         verify=False)  # fmt: skip
+            dtypes, shapes = _pickle.describe_storages(bytes(data))
     if m is not None:
         for t in m.get("tensors", []):
             if not isinstance(t, dict):
@@ -164,7 +184,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         rows.append(
             {
                 "record": rel,
-                "kind": kinds.get(rel, "storage" if rel.startswith("data/") else "meta"),
+                "kind": kinds.get(rel) or _torch_kind(rel),
                 "dtype": dtypes.get(rel, ""),
                 "tensors": shapes.get(rel, []),
                 "size": size,
@@ -182,6 +202,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "writer": m.get("writer") if m else "torch.save (no tierstore manifest)",
             "archive": arch.prefix,
             "file_bytes": arch.file_len,
+            "record_bytes": sum(r["size"] for r in rows),
             "records": rows,
             "damaged": damaged,
         }
@@ -192,7 +213,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     con = _console()
     writer = m.get("writer") if m else "torch.save (no tierstore manifest)"
     con.print(
-        f"[bold]{escape(path)}[/bold]: {len(rows)} records, {_human(arch.file_len)}, written by {escape(str(writer))}"
+        f"[bold]{escape(path)}[/bold]: {len(rows)} records, {_human(sum(r['size'] for r in rows))} of record data "
+        f"in a {_human(arch.file_len)} file, written by {escape(str(writer))}"
     )
     table = Table(show_lines=False)
     for col in ("record", "kind", "dtype", "tensors (path shape)", "size", "offset", "aligned", "checksum"):
@@ -226,7 +248,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with _progress.bar(_progress.wanted(None), f"verifying {path}") as cb:
         n, nbytes = _archive.verify(path, cb)
     _loads_as_load_does(path, not args.unsafe)
-    print(f"{path}: OK ({n} records, {_human(nbytes)} verified)")
+    size = _archive.open_archive(path)[0].file_len
+    print(f"{path}: OK ({n} records, {_human(nbytes)} of record data verified, in a {_human(size)} file)")
     return 0
 
 
