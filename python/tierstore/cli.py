@@ -166,7 +166,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if size <= 1 << 30:
             (data,) = _core.read_records(_engine(), path, [(arch.full("data.pkl"), offsets["data.pkl"], size, crc)],
                                          verify=False)  # fmt: skip
-            dtypes, shapes = _pickle.describe_storages(bytes(data))
+            dtypes, shapes = _pickle.describe_storages(memoryview(data).tobytes())
     if m is not None:
         for t in m.get("tensors", []):
             if not isinstance(t, dict):
