@@ -23,7 +23,7 @@ import json
 import math
 import os
 import sys
-from typing import Any
+from typing import Any, cast
 
 from rich.markup import escape
 
@@ -166,7 +166,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if size <= 1 << 30:
             (data,) = _core.read_records(_engine(), path, [(arch.full("data.pkl"), offsets["data.pkl"], size, crc)],
                                          verify=False)  # fmt: skip
-            dtypes, shapes = _pickle.describe_storages(memoryview(data).tobytes())
+            dtypes, shapes = _pickle.describe_storages(bytes(cast(Any, data)))
     if m is not None:
         for t in m.get("tensors", []):
             if not isinstance(t, dict):
