@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import pathlib
 import pickle
 
 import pytest
@@ -341,3 +342,23 @@ def test_a_lying_local_size_inside_a_longer_stream_still_loads() -> None:
     stream.seek(4)
     _same(obj, tierstore.load(stream))
     assert tierstore.load(stream) == {"after": 1}
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit")
+@pytest.mark.filterwarnings("ignore:'torch.load' received a zip file that looks like a TorchScript")
+def test_torchscript_archives_are_handed_to_torch_with_its_error_types(tmp_path: pathlib.Path) -> None:
+    """A TorchScript archive (data.pkl, constants.pkl, code records) loads
+    as torch.load loads it, from a path and from a stream; under
+    weights_only=True it is refused as torch refuses it (a RuntimeError)."""
+    m = torch.jit.script(torch.nn.Linear(3, 2))
+    p = tmp_path / "script.pt"
+    torch.jit.save(m, str(p))
+    with pytest.raises(RuntimeError, match="TorchScript"):
+        tierstore.load(p)
+    with pytest.raises(tierstore.UnsafeObjectError):
+        tierstore.load(p)
+    x = torch.randn(4, 3)
+    for src in (p, io.BytesIO(p.read_bytes())):
+        got = tierstore.load(src, weights_only=False)
+        assert isinstance(got, torch.jit.ScriptModule)
+        assert torch.equal(got(x), m(x))

@@ -35,6 +35,7 @@ from tierstore.errors import (
     TorchLoadError,
     TruncatedFileError,
     UnsafeObjectError,
+    UnsafeTorchScriptError,
     UnsafePathError,
     UnsupportedObjectError,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "TornSnapshotError",
     "TruncatedFileError",
     "UnsafeObjectError",
+    "UnsafeTorchScriptError",
     "UnsafePathError",
     "UnsupportedObjectError",
     "__version__",

@@ -40,6 +40,7 @@ from tierstore.errors import (
     TorchLoadError,
     TruncatedFileError,
     UnsafeObjectError,
+    UnsafeTorchScriptError,
 )
 
 __all__ = ["load", "save"]
@@ -501,7 +502,8 @@ def _hand_to_torch(src: Any, opts: dict[str, Any], mmap: bool) -> Any:
             raise  # the file's own code may raise anything; running it was the caller's choice
         msg = " ".join(str(e).split())[:400]
         if "weights_only" in msg or "weights only" in msg.lower():
-            raise UnsafeObjectError(f"{name}: torch.load refused it with weights_only=True: {msg}", path=name) from None
+            unsafe = UnsafeTorchScriptError if isinstance(e, RuntimeError) else UnsafeObjectError
+            raise unsafe(f"{name}: torch.load refused it with weights_only=True: {msg}", path=name) from None
         cls = TorchLoadError if isinstance(e, RuntimeError) else CorruptFileError
         raise cls(
             f"{name}: a legacy or TorchScript torch file that torch.load cannot read ({type(e).__name__}: {msg})",

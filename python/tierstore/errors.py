@@ -24,6 +24,7 @@ when one is concerned), and its message names both::
     │   ├── MissingRecordError                        a record the file needs is absent
     │   └── ChecksumError                             bytes differ from their checksum
     ├── UnsafeObjectError        (pickle.UnpicklingError)  refused by weights_only=True
+    │   └── UnsafeTorchScriptError  (RuntimeError)      a TorchScript archive, as torch refuses it
     ├── UnsupportedObjectError   (RuntimeError)       an object torch cannot save either (ZeroTensor)
     ├── NotAFileError            (TypeError, AttributeError)  neither a path nor a file object
     └── NotSeekableError         (io.UnsupportedOperation)    a stream load cannot seek in
@@ -57,6 +58,7 @@ __all__ = [
     "TorchLoadError",
     "TruncatedFileError",
     "UnsafeObjectError",
+    "UnsafeTorchScriptError",
     "UnsafePathError",
     "UnsupportedObjectError",
 ]
@@ -179,6 +181,11 @@ class UnsafeObjectError(TierstoreError, pickle.UnpicklingError):
     def __init__(self, message: str, *, path: str | None = None) -> None:
         pickle.UnpicklingError.__init__(self, message)
         self._locate(path, None)
+
+
+class UnsafeTorchScriptError(UnsafeObjectError, RuntimeError):
+    """``weights_only=True`` refused a TorchScript archive: torch raises a
+    ``RuntimeError`` there, so this is both."""
 
 
 class NotAFileError(TierstoreError, TypeError, AttributeError):
