@@ -35,8 +35,8 @@ from tierstore.errors import (
     TorchLoadError,
     TruncatedFileError,
     UnsafeObjectError,
-    UnsafeTorchScriptError,
     UnsafePathError,
+    UnsafeTorchScriptError,
     UnsupportedObjectError,
 )
 from tierstore.layout import Layout, attach, layout_of
@@ -82,8 +82,8 @@ __all__ = [
     "TornSnapshotError",
     "TruncatedFileError",
     "UnsafeObjectError",
-    "UnsafeTorchScriptError",
     "UnsafePathError",
+    "UnsafeTorchScriptError",
     "UnsupportedObjectError",
     "__version__",
     "attach",

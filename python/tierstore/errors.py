@@ -58,8 +58,8 @@ __all__ = [
     "TorchLoadError",
     "TruncatedFileError",
     "UnsafeObjectError",
-    "UnsafeTorchScriptError",
     "UnsafePathError",
+    "UnsafeTorchScriptError",
     "UnsupportedObjectError",
 ]
 
