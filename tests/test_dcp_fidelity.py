@@ -354,3 +354,27 @@ def test_a_fresh_optimizer_target_of_a_dcp_checkpoint_warns(tmp_path: pathlib.Pa
     _m2, fresh = trained(seed=1, steps=0)
     with pytest.warns(UserWarning, match=r"'optim.state' is an empty dict.*'optim.state.0.step'"):
         tierstore.load_sharded(tmp_path, {"optim": fresh.state_dict()})
+
+
+def tp_optim_job(rank: int, world: int, path: str) -> list[str]:
+    """Tensor-parallel shards of a parameter, and a plain optimizer.state_dict()
+    of them: the state tensors carry no layout."""
+    import warnings as w
+
+    from tierstore import Layout, attach
+
+    full = torch.arange(16.0).reshape(4, 4)
+    lay = Layout.shard("w", (4, 4), 0, rank, world)
+    p = torch.nn.Parameter(full[2 * rank : 2 * rank + 2].clone())
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.full_like(p, float(rank + 1))
+    opt.step()
+    with w.catch_warnings(record=True) as got:
+        w.simplefilter("always")
+        tierstore.save_sharded({"w": attach(p.detach(), lay), "optim": opt.state_dict()}, path)
+    return [str(x.message) for x in got]
+
+
+def test_a_plain_optimizer_state_of_sharded_parameters_is_not_silently_deduplicated(tmp_path: pathlib.Path) -> None:
+    msgs = run_world(2, tp_optim_job, str(tmp_path / "tp"))
+    assert any("optim.state.0.momentum_buffer" in m and "differ between ranks" in m for m in msgs[0]), msgs

@@ -167,6 +167,46 @@ def _replica_id(lay: Layout) -> str:
     return json.dumps([[p.tensor, p.box.to_json()] for p in lay.pieces])
 
 
+def _sample_crc(t: torch.Tensor) -> int | None:
+    """CRC-32 of 16 elements spread over ``t`` (a cheap fingerprint: replicas
+    of one tensor have equal ones); None where it cannot be taken."""
+    try:
+        flat = t.detach().reshape(-1)
+        n = flat.numel()
+        if n == 0:
+            return 0
+        idx = torch.linspace(0, n - 1, min(n, 16)).round().long().to(flat.device)
+        picked = flat.index_select(0, idx).cpu().contiguous()
+        return zlib.crc32(picked.view(torch.uint8).numpy().tobytes())
+    except (RuntimeError, TypeError, NotImplementedError):  # quantized, sparse, meta, ...
+        return None
+
+
+def _warn_unreplicated(metas: list[dict[str, Any]], d: Path) -> None:
+    """Plain tensors stand for the whole logical tensor, replicated over the
+    ranks, and one rank writes each (as DCP does). When the ranks' copies
+    differ (a tensor-parallel shard saved without its layout, such as the
+    state of a plain ``optimizer.state_dict()`` of sharded parameters), only
+    one copy would be kept: say so."""
+    seen: dict[str, tuple[int, int, str]] = {}
+    odd: list[str] = []
+    for r, m in enumerate(metas):
+        for key, info in m["tensors"].items():
+            if info.get("sample") is None:
+                continue
+            first = seen.setdefault(info["replica_id"], (r, info["sample"], key))
+            if first[1] != info["sample"] and len(odd) < 5:
+                odd.append(f"{key!r} (ranks {first[0]} and {r})")
+    if odd:
+        warnings.warn(
+            f"save_sharded({d}): plain tensors differ between ranks: {', '.join(odd)}; a plain tensor stands for "
+            "the whole tensor, replicated, and only one rank's copy is written. Attach a Layout to shards (or use "
+            "DTensors, or tierstore.optimizer_state_dict for optimizer state that follows its parameters' layouts), "
+            "or wrap values that differ per rank in PerRank",
+            stacklevel=3,
+        )
+
+
 def _assign_writers(metas: list[dict[str, Any]]) -> dict[tuple[int, str], bool]:
     """For replicated tensors held by several ranks, one holder writes: the
     one with the fewest bytes assigned so far (largest tensors first), so that
@@ -266,12 +306,15 @@ def save_sharded(
                 "replicated": layouts[k].replicated,
                 "replica_id": _replica_id(layouts[k]),
                 "nbytes": t.numel() * t.element_size(),
+                **({"sample": _sample_crc(t)} if world > 1 and layouts[k].replicated else {}),
             }
             for k, t in tensors.items()
         },
     }
     metas = _all_gather(meta, world, pg)
     save_id = metas[0]["save_id"]
+    if rank == 0 and world > 1:
+        _warn_unreplicated(metas, d)
     writes = _assign_writers(metas)
     mine = {k: t for k, t in tensors.items() if writes[(rank, k)]}
     file_info: dict[str, Any] = {"rank": rank, "tensors": {}, "objects_file": None, "paths": paths}
