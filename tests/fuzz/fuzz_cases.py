@@ -1425,15 +1425,32 @@ def sharded_variant_whole(ctx: Ctx, d: Path) -> Sharded:
     }
     if rng.random() < 0.5:
         objects["hist"] = [1, 2.5, "three", None, (4, 5)]
+    # An optimizer.state_dict()-like part: integer keys, a list of dicts, an
+    # empty dict (DCP's flattening rules; key paths in the manifest).
+    optim = rng.random() < 0.5
+    fresh = optim and rng.random() < 0.5  # the target holds {} / None there: rebuilt from the saved keys
+    if optim:
+        globals_["opt.state.0.m"] = rand_tensor(g, (rng.randint(1, 6),), dt[1])
+        objects["opt.state.1"] = {}
+        objects["opt.groups.0.lr"] = rng.random()
+        objects["opt.groups.0.params"] = [0, 1]
+
+    def opt_part(gl: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {
+            "state": {0: {"m": gl["opt.state.0.m"]}, 1: {}},
+            "groups": [{"lr": objects["opt.groups.0.lr"], "params": [0, 1]}],
+        }
 
     def state(magic: bool = False) -> dict[str, Any]:
         gl = {k: (magic_like(v) if magic else v) for k, v in globals_.items()}
         s: dict[str, Any] = {"model": {"w": gl["model.w"], "b": gl["model.b"]}}
-        s.update({k: v for k, v in gl.items() if not k.startswith("model.")})
+        s.update({k: v for k, v in gl.items() if not k.startswith(("model.", "opt."))})
         s["step"] = objects["step"]
         s["cfg"] = {"lr": objects["cfg.lr"], "name": objects["cfg.name"]}
         if "hist" in objects:
             s["hist"] = objects["hist"]
+        if optim:
+            s["opt"] = opt_part(gl)
         return s
 
     tierstore.save_sharded(state(), d)
@@ -1443,11 +1460,17 @@ def sharded_variant_whole(ctx: Ctx, d: Path) -> Sharded:
         exp = state()
         tgt["model"] = {k: poisoned(tuple(v.shape), v.dtype) for k, v in tgt["model"].items()}
         for k in globals_:
-            if not k.startswith("model."):
+            if not k.startswith(("model.", "opt.")):
                 tgt[k] = poisoned(tuple(globals_[k].shape), globals_[k].dtype)
         tgt["step"], tgt["cfg"] = None, {"lr": None, "name": None}
         if "hist" in tgt:
             tgt["hist"] = None
+        if optim and fresh:
+            tgt["opt"] = {"state": {}, "groups": None}
+        elif optim:
+            m = globals_["opt.state.0.m"]
+            tgt["opt"] = {"state": {0: {"m": poisoned(tuple(m.shape), m.dtype)}, 1: {}},
+                          "groups": [{"lr": None, "params": None}]}  # fmt: skip
         return tgt, exp
 
     return Sharded(d, globals_, objects, same, None, "whole", state)
