@@ -274,7 +274,9 @@ def test_the_unpickler_refuses_on_its_own(
     single: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without the opcode walk, find_class alone still refuses every global."""
-    monkeypatch.setattr(dcp, "_scan", lambda data, where, strict: None)
+    from tierstore import _dcp_pickle
+
+    monkeypatch.setattr(_dcp_pickle, "_scan", lambda data, where, strict: None)
     for d, marker in hostile_copies(single, tmp_path):
         with pytest.raises(UnsafeObjectError, match="refused the global"):
             dcp.DcpCheckpoint(d)

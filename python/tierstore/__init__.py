@@ -13,7 +13,7 @@ from __future__ import annotations
 from tierstore._core import __version__
 from tierstore._engine import configure, get_engine, info
 from tierstore.api import load, save
-from tierstore.checkpointer import Checkpointer, CheckpointHandle, DiskTier, HostTier, RemoteTier, TornSnapshotError
+from tierstore.checkpointer import Checkpointer, CheckpointHandle
 from tierstore.errors import (
     ChecksumError,
     CorruptFileError,
@@ -33,6 +33,7 @@ from tierstore.errors import (
     StorageIOError,
     TierstoreError,
     TorchLoadError,
+    TornSnapshotError,
     TruncatedFileError,
     UnsafeObjectError,
     UnsafePathError,
@@ -49,6 +50,7 @@ from tierstore.sharded import (
     optimizer_state_dict,
     save_sharded,
 )
+from tierstore.tiers import DiskTier, HostTier, RemoteTier
 
 __all__ = [
     "CheckpointHandle",

@@ -244,7 +244,7 @@ def refuse_absurd_sizes(data: bytes, path: str) -> None:
     bound) and ``bytearray(<int>)`` beyond what the pickle could hold."""
     import pickletools
 
-    from tierstore.dcp import scan_pickle
+    from tierstore._dcp_pickle import scan_pickle
     from tierstore.errors import CorruptFileError, UnsafeObjectError
 
     scan_pickle(data, f"{path}: record 'data.pkl'")

@@ -56,6 +56,7 @@ __all__ = [
     "StorageIOError",
     "TierstoreError",
     "TorchLoadError",
+    "TornSnapshotError",
     "TruncatedFileError",
     "UnsafeObjectError",
     "UnsafePathError",
@@ -186,6 +187,11 @@ class UnsafeObjectError(TierstoreError, pickle.UnpicklingError):
 class UnsafeTorchScriptError(UnsafeObjectError, RuntimeError):
     """``weights_only=True`` refused a TorchScript archive: torch raises a
     ``RuntimeError`` there, so this is both."""
+
+
+class TornSnapshotError(TierstoreError, RuntimeError):
+    """A tensor was modified before its capture finished (the Checkpointer's
+    ``debug=True`` check)."""
 
 
 class NotAFileError(TierstoreError, TypeError, AttributeError):

@@ -67,8 +67,8 @@ import torch
 
 from tierstore import _core, _paths
 from tierstore._engine import get_engine, host_buffer
-from tierstore.checkpointer import DiskTier, HostTier, parse_size
 from tierstore.errors import ChecksumError, TierstoreError
+from tierstore.tiers import DiskTier, HostTier, parse_size
 
 __all__ = ["OffloadedOptimizer", "offload"]
 

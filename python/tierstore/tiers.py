@@ -1,0 +1,95 @@
+"""The storage tiers a Checkpointer and an offloaded optimizer place state
+on (host memory, local disks, remote storage), and byte sizes as users
+write them ("4GiB")."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+__all__ = ["DiskTier", "HostTier", "RemoteTier", "parse_size"]
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_size(v: int | str) -> int:
+    """``"4GiB"``, ``"512MB"``, ``"1.5g"`` or a byte count."""
+    if isinstance(v, int):
+        if v < 0:
+            raise ValueError(f"a size must not be negative, got {v}")
+        return v
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(v))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {v!r} as a size: expected e.g. 4GiB, 512MiB, 2GB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+# ----------------------------------------------------------------------------------------------
+# tiers
+
+
+@dataclass
+class HostTier:
+    """Host memory: the capture buffers, with a byte budget.
+
+    Buffers are allocated once and reused across saves; a snapshot stays in
+    memory after it is durable (the nearest copy for ``load_latest``) until
+    its space is needed. ``pinned`` (default: when CUDA is available) makes
+    device-to-host copies asynchronous. ``keep_last`` durable snapshots stay
+    in memory as restore points; older ones give their buffer back for reuse.
+    The default budget comes from ``TIERSTORE_HOST_BUDGET`` (else 2 GiB).
+    """
+
+    budget: int | str = field(default_factory=lambda: os.environ.get("TIERSTORE_HOST_BUDGET", "2GiB"))
+    pinned: bool | None = None
+    keep_last: int = 1
+    name: str = "host"
+
+    def __post_init__(self) -> None:
+        self.budget = parse_size(self.budget)
+
+
+@dataclass
+class DiskTier:
+    """A disk tier: one or more directories (relative ones are taken under the
+    checkpointer's path). Checkpoints rotate over the paths.
+
+    ``every``: this tier receives every n-th checkpoint. Retention:
+    ``keep_last`` newest complete checkpoints, plus those whose step is a
+    multiple of ``keep_every``; ``None`` keeps all. The newest complete
+    checkpoint is never deleted.
+    """
+
+    paths: str | os.PathLike[str] | list[str | os.PathLike[str]] = "."
+    keep_last: int | None = 3
+    keep_every: int | None = None
+    every: int = 1
+    name: str = "local"
+
+    def __post_init__(self) -> None:
+        ps = self.paths if isinstance(self.paths, list) else [self.paths]
+        if not ps:
+            raise ValueError(f"tier {self.name!r}: at least one path is needed")
+        self.paths = [os.fspath(p) for p in ps]
+        if self.every < 1:
+            raise ValueError(f"tier {self.name!r}: every must be at least 1, got {self.every}")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ValueError(f"tier {self.name!r}: keep_last must be at least 1 (or None to keep all)")
+
+
+@dataclass
+class RemoteTier(DiskTier):
+    """Remote storage (a shared or parallel file system): like
+    :class:`DiskTier`, keeping everything unless told otherwise. A relative
+    path is taken as it reads, relative to the working directory when the
+    tier is made (remote storage lies outside the job's checkpoint
+    directory), not under the checkpointer's path as a DiskTier's is."""
+
+    keep_last: int | None = None
+    name: str = "remote"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.paths = [os.path.abspath(p) for p in self.paths]  # type: ignore[union-attr]
