@@ -48,6 +48,7 @@ def main() -> None:
     noise = np.random.default_rng(5)
     run = tierstore.RunState(sampler=sampler, scheduler=sched, noise=noise)
     ckpt = tierstore.Checkpointer(d / "ckpt", tiers=[tierstore.HostTier(), tierstore.DiskTier(".", keep_last=2)])
+    ckpt.attach(opt)  # the next optimizer step waits until the checkpoint's tensors are captured
 
     step = 1
     if args.resume:

@@ -46,20 +46,18 @@ from typing import Any
 import torch
 
 from tierstore import _core, _metadata, _paths, _threads, _tree
+from tierstore._dist import all_gather, group_info
 from tierstore._engine import get_engine, host_buffer
+from tierstore._fs import make_dir, write_json_atomic
 from tierstore.errors import TierstoreError, TornSnapshotError
 from tierstore.layout import Layout, layout_of
 from tierstore.layout import attach as attach_layout
 from tierstore.sharded import (
     PerRank,
-    _all_gather,
-    _group_info,
-    _make_dir,
-    _tensor_and_layout,
-    _write_json_atomic,
     consolidate,
     load_sharded,
     save_sharded,
+    tensor_and_layout,
 )
 from tierstore.shardmeta import MANIFEST, read_attachment, read_manifest
 
@@ -473,7 +471,7 @@ class Checkpointer:
         self.eager_unowned = eager_unowned
         if rate_limit is not None:
             get_engine().set_background_rate(parse_size(rate_limit))
-        self.rank, self.world, pg = _group_info(process_group)
+        self.rank, self.world, pg = group_info(process_group)
         self._pg_ctl = self._pg_flush = self._pg_promote = None
         if self.world > 1:
             from datetime import timedelta
@@ -585,7 +583,7 @@ class Checkpointer:
         block = self.on_busy == "wait"
         slab = self.pool.reserve(nbytes[0], snap, block=False)
         if self.world > 1 and self.on_busy == "skip":
-            oks = _all_gather(slab is not None, self.world, self._pg_ctl)
+            oks = all_gather(slab is not None, self.world, self._pg_ctl)
             if not all(oks) and slab is not None:
                 self.pool.release(snap)
                 slab = None
@@ -820,7 +818,7 @@ class Checkpointer:
         if self.world > 1:
             # Every rank must take the same copy: agree on the candidates of rank 0.
             disk = [{k: v for k, v in c.items() if k != "_snap"} for c in cands if c["path"] is not None]
-            cands = _all_gather(disk, self.world, self._pg_ctl)[0]
+            cands = all_gather(disk, self.world, self._pg_ctl)[0]
         failures: list[str] = []
         for c in cands:
             err: BaseException | None = None
@@ -831,7 +829,7 @@ class Checkpointer:
                 err = e
             ok = [err is None]
             if self.world > 1:
-                ok = _all_gather(err is None, self.world, self._pg_ctl)
+                ok = all_gather(err is None, self.world, self._pg_ctl)
             if all(ok):
                 self.restored = {"step": c["step"], "tier": c["tier"], "path": c["path"]}
                 return result
@@ -916,7 +914,7 @@ class Checkpointer:
             keep_layout = layout_of(obj)
             local = obj
             if keep_layout is None and _DTensor is not None and isinstance(obj, _DTensor):
-                local, keep_layout = _tensor_and_layout(key, obj, self.world)
+                local, keep_layout = tensor_and_layout(key, obj, self.world)
             # Plain tensors get their layout (whole, replicated over the ranks) when written.
             # The capture runs under no_grad, so the source needs no detach().
             src = local
@@ -1198,7 +1196,7 @@ class Checkpointer:
         if self.rank == 0:
             d.mkdir(parents=True, exist_ok=True)
             meta = {"step": snap.step, "world_size": self.world, "tree": snap.tree, "created_unix": time.time()}
-            _write_json_atomic(d / META, meta)
+            write_json_atomic(d / META, meta)
 
     def _flush(self, snap: _Snapshot) -> None:
         h = snap.handle
@@ -1337,7 +1335,7 @@ class Checkpointer:
         sid = m["save_id"]
         # The step directory's entry (and any tier directory made here) made
         # durable in their parents before the manifest commits the copy.
-        _make_dir(dst, durable=True)
+        make_dir(dst, durable=True)
         engine = get_engine()
         mine = [
             f
@@ -1353,7 +1351,7 @@ class Checkpointer:
                 _core.copy_file(engine, src / f, dst / f, background=True)
         except (OSError, TierstoreError) as e:
             err = e
-        oks = _all_gather(err is None, self.world, self._pg_promote)
+        oks = all_gather(err is None, self.world, self._pg_promote)
         if err is not None:
             raise err
         if not all(oks):
@@ -1361,7 +1359,7 @@ class Checkpointer:
         if self.rank == 0:
             _core.copy_file(engine, src / MANIFEST, dst / MANIFEST, background=True)
         if self.world > 1:
-            _all_gather(True, self.world, self._pg_promote)
+            all_gather(True, self.world, self._pg_promote)
 
     def _gc(self, t: DiskTier) -> None:
         """Retention on tier ``t`` (rank 0 only): keeps the newest ``keep_last``

@@ -76,7 +76,7 @@ def _c_strides(shape: Sequence[int]) -> list[int]:
     return [math.prod(shape[i + 1 :]) for i in range(len(shape))]
 
 
-def _affine(piece: Piece, local_shape: Sequence[int], nd: int) -> tuple[int, list[int]]:
+def affine_map(piece: Piece, local_shape: Sequence[int], nd: int) -> tuple[int, list[int]]:
     """``(base, strides)`` such that the local flat index of global element x
     (inside the piece's box) is ``base + sum(strides[d] * (x[d] - box.offsets[d]))``."""
     box = piece.box
@@ -115,8 +115,8 @@ def runs_for(
     copy ``inter`` from the saved piece to the target piece. Small results
     are lists, large ones NumPy arrays."""
     nd = len(inter.offsets)
-    sbase, sstr = src_affine or _affine(src.piece, src.local_shape, nd)
-    dbase, dstr = dst_affine or _affine(dst_piece, dst_shape, nd)
+    sbase, sstr = src_affine or affine_map(src.piece, src.local_shape, nd)
+    dbase, dstr = dst_affine or affine_map(dst_piece, dst_shape, nd)
     sbox, dbox = src.piece.box.offsets, dst_piece.box.offsets
     s0, d0 = sbase, dbase
     nonunit = []

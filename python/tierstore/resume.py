@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierstore._dist import group_info
 from tierstore.errors import TierstoreError
 from tierstore.sharded import PerRank
 
@@ -56,11 +57,8 @@ WORLD_CHANGE = ("error", "rank0", "reseed")
 
 
 def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    rank, world, _pg = group_info(None)
+    return rank, world
 
 
 def _numpy_state() -> dict[str, Any]:

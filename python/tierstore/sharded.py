@@ -40,9 +40,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierstore import _archive, _core, _limits, _tree, manifest
+from tierstore import _archive, _core, _dist, _limits, _tree, manifest
 from tierstore._engine import get_engine
-from tierstore.errors import FormatError, LayoutError, MissingRecordError, NotFoundError, TierstoreError
+from tierstore._fs import make_dir
+from tierstore.errors import FormatError, LayoutError, MissingRecordError, NotFoundError
 from tierstore.layout import Box, Layout, Piece, layout_of
 from tierstore.reshard import CoverageError, Source, merge_runs, overlapping_pair, prove_coverage, runs_for
 from tierstore.shardmeta import (
@@ -51,9 +52,7 @@ from tierstore.shardmeta import (
     MANIFEST,
     Checkpoint,
     ChunkTable,
-    _fsync_dir,
     dtype_of,
-    write_atomic,
     write_manifest,
 )
 
@@ -84,31 +83,10 @@ class PerRank:
 # process groups
 
 
-def _group_info(pg: Any) -> tuple[int, int, Any]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(pg), dist.get_world_size(pg), pg
-    if pg is not None:
-        raise TierstoreError("a process group was given but torch.distributed is not initialised")
-    return 0, 1, None
-
-
-def _all_gather(obj: Any, world: int, pg: Any) -> list[Any]:
-    if world == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj, group=pg)
-    return out
-
-
-def _barrier(world: int, pg: Any) -> None:
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier(group=pg)
+# Called through these names (a test stands in for _all_gather to kill a rank mid-save).
+_group_info = _dist.group_info
+_all_gather = _dist.all_gather
+_barrier = _dist.barrier
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,7 +128,8 @@ def _is_dtensor(v: Any) -> bool:
     return isinstance(v, DTensor)
 
 
-def _tensor_and_layout(key: str, v: torch.Tensor, world: int) -> tuple[torch.Tensor, Layout]:
+def tensor_and_layout(key: str, v: torch.Tensor, world: int) -> tuple[torch.Tensor, Layout]:
+    """The local tensor of ``v`` and its layout: attached, from DTensor placements, or whole (replicated)."""
     if _is_dtensor(v):
         return _dtensor_layout(key, v)
     lay = layout_of(v)
@@ -229,30 +208,6 @@ def _assign_writers(metas: list[dict[str, Any]]) -> dict[tuple[int, str], bool]:
     return decide
 
 
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """``data`` as checksummed JSON (see :mod:`tierstore._metadata`), atomically."""
-    from tierstore import _metadata
-
-    write_atomic(path, _metadata.dumps(data))
-
-
-def _make_dir(d: Path, durable: bool) -> None:
-    """Creates ``d`` and its missing parents. When ``durable``, fsyncs the
-    parent of each directory made here, and ``d``'s parent in any case (the
-    caller may just have made ``d``, as a Checkpointer makes its step
-    directory), so that the checkpoint's directory entry survives a power loss
-    once the manifest is committed."""
-    made: list[Path] = []
-    p = d
-    while not os.path.lexists(p) and p.parent != p:
-        made.append(p)
-        p = p.parent
-    d.mkdir(parents=True, exist_ok=True)
-    if durable:
-        for parent in dict.fromkeys([d.parent, *(m.parent for m in made)]):
-            _fsync_dir(parent)
-
-
 def save_sharded(
     state_dict: Mapping[str, Any],
     path: str | os.PathLike[str],
@@ -276,7 +231,7 @@ def save_sharded(
     rank, world, pg = _group_info(process_group)
     d = Path(path)
     if rank == 0:
-        _make_dir(d, durable)
+        make_dir(d, durable)
     _barrier(world, pg)
     if not d.is_dir():
         raise NotFoundError(f"{d}: checkpoint directory does not exist", path=str(d))
@@ -290,7 +245,7 @@ def save_sharded(
         if not _tree.is_plain(leaf.path):
             paths[key] = list(leaf.path)
         if isinstance(v, torch.Tensor):
-            local, lay = _tensor_and_layout(key, v, world)
+            local, lay = tensor_and_layout(key, v, world)
             lay.validate(f"{key}")
             tensors[key] = local.detach()
             layouts[key] = lay
@@ -562,7 +517,7 @@ def make_plan(ck: Checkpoint, targets: list[_Target]) -> Plan:
 def expand_plan(plan: Plan, targets: list[_Target]) -> dict[int, tuple[list[int], list[int], list[int]]]:
     """Turns a plan into byte ranges per file: (file offsets, lengths,
     destination addresses), merged where contiguous on both sides."""
-    from tierstore.reshard import _affine
+    from tierstore.reshard import affine_map
 
     # Per file: flat Python lists for small results, NumPy arrays for large ones.
     per_file: dict[int, tuple[list[int], list[int], list[int], list[Any]]] = {}
@@ -572,11 +527,11 @@ def expand_plan(plan: Plan, targets: list[_Target]) -> dict[int, tuple[list[int]
         item = t.dest.element_size()
         base = t.dest.data_ptr()
         nd = len(piece.box.offsets)
-        daff = _affine(piece, t.layout.local_shape, nd)
+        daff = affine_map(piece, t.layout.local_shape, nd)
         for src, inter in hits:
             saff = src_aff.get(id(src))
             if saff is None:
-                saff = src_aff[id(src)] = _affine(src.piece, src.local_shape, nd)
+                saff = src_aff[id(src)] = affine_map(src.piece, src.local_shape, nd)
             s_el, d_el, n_el = runs_for(inter, src, piece, t.layout.local_shape, saff, daff)
             acc = per_file.setdefault(src.file, ([], [], [], []))
             if isinstance(s_el, list):
@@ -616,7 +571,7 @@ class _Wanted:
 
 
 def _target(ck: Checkpoint, key: str, v: torch.Tensor, world: int) -> _Target:
-    local, lay = _tensor_and_layout(key, v, world if _is_dtensor(v) or layout_of(v) else 1)
+    local, lay = tensor_and_layout(key, v, world if _is_dtensor(v) or layout_of(v) else 1)
     if tuple(local.shape) != lay.local_shape:
         raise LayoutError(f"{key}: local tensor of shape {tuple(local.shape)} but layout for {lay.local_shape}")
     src_dtype = None
@@ -843,7 +798,7 @@ def _load_from_dcp(
     for leaf in _flatten(state_dict, f"load_sharded({path})", dcp=True):
         key, v = leaf.key, leaf.value
         if isinstance(v, torch.Tensor):
-            local, lay = _tensor_and_layout(key, v, world if _is_dtensor(v) or layout_of(v) else 1)
+            local, lay = tensor_and_layout(key, v, world if _is_dtensor(v) or layout_of(v) else 1)
             if sum(p.box.numel for p in lay.pieces) < local.numel():
                 local.zero_()
             targets.append((key, local, lay))

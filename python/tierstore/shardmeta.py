@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from tierstore import _archive, _metadata, _paths, manifest
+from tierstore._fs import write_atomic
 from tierstore.errors import ManifestError, NotFoundError
 from tierstore.layout import Box, Piece
 from tierstore.reshard import GlobalIndex, Source, prove_tiling_arrays
@@ -56,29 +57,6 @@ def dtype_of(name: Any, where: str = "checkpoint manifest", field: str = "dtype"
 
 def _itemsize(dt: torch.dtype) -> int:
     return torch.empty((), dtype=dt).element_size()
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
-    """Writes ``data`` to ``path`` through a temporary name, fsynced, renamed,
-    directory fsynced; ``durable=False`` skips both fsyncs (the replace stays
-    atomic against a process crash, not against a power loss)."""
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        if durable:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if durable:
-        _fsync_dir(path.parent)
 
 
 def write_manifest(d: Path, m: dict[str, Any], durable: bool = True) -> None:
