@@ -55,6 +55,7 @@ from tierstore.layout import attach as attach_layout
 from tierstore.sharded import (
     PerRank,
     consolidate,
+    is_dtensor,
     load_sharded,
     save_sharded,
     tensor_and_layout,
@@ -74,10 +75,6 @@ __all__ = [
     "parse_size",
 ]
 
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # torch without distributed
-    _DTensor = None  # type: ignore[assignment,misc]
 
 STEP_DIR = re.compile(r"^step-(\d{12})$")
 META = "checkpoint.json"
@@ -217,8 +214,6 @@ class _HostPool:
 
 # ----------------------------------------------------------------------------------------------
 # snapshots and handles
-
-_LEVELS = ("pending", "captured", "durable-local", "durable-remote")
 
 
 class CheckpointHandle:
@@ -374,7 +369,7 @@ def _copy_host(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def _storage_ptr(t: torch.Tensor) -> int:
     """The address of ``t``'s storage (a DTensor's: its local shard's)."""
-    if _DTensor is not None and isinstance(t, _DTensor):
+    if is_dtensor(t):
         t = t.to_local()
     return int(t.untyped_storage().data_ptr())
 
@@ -913,7 +908,7 @@ class Checkpointer:
                 return memo[id(obj)]
             keep_layout = layout_of(obj)
             local = obj
-            if keep_layout is None and _DTensor is not None and isinstance(obj, _DTensor):
+            if keep_layout is None and is_dtensor(obj):
                 local, keep_layout = tensor_and_layout(key, obj, self.world)
             # Plain tensors get their layout (whole, replicated over the ranks) when written.
             # The capture runs under no_grad, so the source needs no detach().

@@ -35,7 +35,6 @@ from __future__ import annotations
 import errno as _errno
 import io as _io
 import pickle
-from typing import Any
 
 __all__ = [
     "ChecksumError",
@@ -261,7 +260,3 @@ def os_error(exc: OSError, path: str, action: str) -> TierstoreError:
     """Wraps an ``OSError`` raised by Python code into the hierarchy."""
     cls = _OS_ERRORS.get(exc.errno or 0, StorageIOError)
     return cls(f"{path}: {action}: {exc.strerror or exc}", path=path, errno=exc.errno)
-
-
-def _describe(obj: Any) -> str:
-    return type(obj).__module__ + "." + type(obj).__qualname__

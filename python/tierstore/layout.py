@@ -30,7 +30,7 @@ checkpoint's manifest; docs/FORMAT.md describes the form.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -616,13 +616,3 @@ def attach(t: torch.Tensor, layout: Layout) -> torch.Tensor:
 def layout_of(t: torch.Tensor) -> Layout | None:
     """The layout attached to ``t``, if any."""
     return getattr(t, _ATTR, None)
-
-
-def boxes_disjoint(boxes: Iterable[Box]) -> bool:
-    """True when no two boxes overlap (quadratic; used on small sets)."""
-    bs = list(boxes)
-    for i in range(len(bs)):
-        for j in range(i + 1, len(bs)):
-            if bs[i].intersect(bs[j]) is not None:
-                return False
-    return True

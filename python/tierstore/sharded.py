@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequenc
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 import torch
@@ -55,6 +55,9 @@ from tierstore.shardmeta import (
     dtype_of,
     write_manifest,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "PerRank",
@@ -120,7 +123,8 @@ def _dtensor_layout(key: str, t: Any) -> tuple[torch.Tensor, Layout]:
     return local, lay
 
 
-def _is_dtensor(v: Any) -> bool:
+def is_dtensor(v: Any) -> TypeGuard[DTensor]:
+    """Whether ``v`` is a DTensor (False where torch has no distributed tensors)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
@@ -130,7 +134,7 @@ def _is_dtensor(v: Any) -> bool:
 
 def tensor_and_layout(key: str, v: torch.Tensor, world: int) -> tuple[torch.Tensor, Layout]:
     """The local tensor of ``v`` and its layout: attached, from DTensor placements, or whole (replicated)."""
-    if _is_dtensor(v):
+    if is_dtensor(v):
         return _dtensor_layout(key, v)
     lay = layout_of(v)
     if lay is None:
@@ -551,14 +555,6 @@ def expand_plan(plan: Plan, targets: list[_Target]) -> dict[int, tuple[list[int]
     return out
 
 
-def plan_reads(
-    ck: Checkpoint, targets: list[_Target]
-) -> tuple[dict[int, tuple[list[int], list[int], list[int]]], dict[str, int]]:
-    """Byte ranges per file for all targets, and bytes needed per target."""
-    plan = make_plan(ck, targets)
-    return expand_plan(plan, targets), plan.needed
-
-
 @dataclass
 class _Wanted:
     """A non-tensor value to load (or a plain tensor saved inside an object)."""
@@ -571,7 +567,7 @@ class _Wanted:
 
 
 def _target(ck: Checkpoint, key: str, v: torch.Tensor, world: int) -> _Target:
-    local, lay = tensor_and_layout(key, v, world if _is_dtensor(v) or layout_of(v) else 1)
+    local, lay = tensor_and_layout(key, v, world if is_dtensor(v) or layout_of(v) else 1)
     if tuple(local.shape) != lay.local_shape:
         raise LayoutError(f"{key}: local tensor of shape {tuple(local.shape)} but layout for {lay.local_shape}")
     src_dtype = None
@@ -686,7 +682,7 @@ def load_sharded(
     for leaf in _flatten(state_dict, f"load_sharded({path})"):
         key, v = leaf.key, leaf.value
         if isinstance(v, torch.Tensor):
-            plain = not _is_dtensor(v) and layout_of(v) is None
+            plain = not is_dtensor(v) and layout_of(v) is None
             if plain and key not in m["tensors"] and _object_prefix(m, key) is not None:
                 # Saved inside an object (by an older tierstore that kept lists and integer-keyed dicts whole).
                 objects_wanted.append(_Wanted(key, leaf.parent, leaf.slot, leaf.path, v))
@@ -798,7 +794,7 @@ def _load_from_dcp(
     for leaf in _flatten(state_dict, f"load_sharded({path})", dcp=True):
         key, v = leaf.key, leaf.value
         if isinstance(v, torch.Tensor):
-            local, lay = tensor_and_layout(key, v, world if _is_dtensor(v) or layout_of(v) else 1)
+            local, lay = tensor_and_layout(key, v, world if is_dtensor(v) or layout_of(v) else 1)
             if sum(p.box.numel for p in lay.pieces) < local.numel():
                 local.zero_()
             targets.append((key, local, lay))
@@ -1060,11 +1056,3 @@ def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, named_params: An
         "param_groups": [dict(g, params=[index[n] for n in g["params"]]) for g in state["param_groups"]],
     }
     optimizer.load_state_dict(sd)
-
-
-def optimizer_state_template(
-    optimizer: torch.optim.Optimizer, named_params: Any, layouts: Mapping[str, Layout] | None = None
-) -> dict[str, Any]:
-    """Empty tensors shaped like the optimizer's state (after one step), to
-    pass to :func:`load_sharded` on a fresh optimizer."""
-    return optimizer_state_dict(optimizer, named_params, layouts)
