@@ -62,3 +62,15 @@ def test_no_import_circle() -> None:
     graph = _graph()
     assert "tiers" in graph and "offload" in graph and graph["offload"], "the walker sees the package"
     assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph) or [])}"
+
+
+def test_the_checkpointer_knows_offloaded_optimizers_only_through_their_protocol() -> None:
+    """An offloaded optimizer takes part in checkpoints through
+    ``checkpoint_parts`` / ``restore_from_checkpoint`` and the entry format
+    in ``_offload_entry``; the tiers live in ``tiers``; neither side imports
+    the other."""
+    graph = _graph()
+    assert "offload" not in graph["checkpointer"]
+    assert "checkpointer" not in graph["offload"]
+    assert "tiers" in graph["checkpointer"] and "tiers" in graph["offload"]
+    assert "_offload_entry" in graph["checkpointer"] and "_offload_entry" in graph["offload"]

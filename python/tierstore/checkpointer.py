@@ -49,6 +49,7 @@ from tierstore import _core, _metadata, _paths, _threads, _tree
 from tierstore._dist import all_gather, group_info
 from tierstore._engine import get_engine, host_buffer
 from tierstore._fs import make_dir, write_json_atomic
+from tierstore._offload_entry import OFFLOAD_KEY, is_offload_parts, offload_meta, restore_state_dict
 from tierstore.errors import TierstoreError, TornSnapshotError
 from tierstore.layout import Layout, layout_of
 from tierstore.layout import attach as attach_layout
@@ -367,6 +368,20 @@ def _copy_host(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+def _checkpoints_itself(obj: Any) -> bool:
+    """Whether ``obj`` takes part in checkpoints through the protocol an
+    ``OffloadedOptimizer`` implements: ``checkpoint_parts(prefix, tag,
+    file_prefix) -> (parts, pins)`` (its entry, see
+    :mod:`tierstore._offload_entry`, and files to copy) and
+    ``restore_from_checkpoint(meta, tensors, directory)``. The Checkpointer
+    needs no import of the optimizer's module."""
+    return (
+        not isinstance(obj, (torch.Tensor, Mapping))
+        and callable(getattr(obj, "checkpoint_parts", None))
+        and callable(getattr(obj, "restore_from_checkpoint", None))
+    )
+
+
 def _storage_ptr(t: torch.Tensor) -> int:
     """The address of ``t``'s storage (a DTensor's: its local shard's)."""
     if is_dtensor(t):
@@ -642,18 +657,16 @@ class Checkpointer:
         parts (resident subgroups as tensors, the others as pinned files that
         the flush copies), attaching it so that its next step waits for the
         capture. Returns the new state and the storages of those tensors."""
-        from tierstore.offload import OffloadedOptimizer
-
         buffers: set[int] = set()
         count = [0]
 
         def walk(obj: Any) -> Any:
-            if isinstance(obj, OffloadedOptimizer):
+            if _checkpoints_itself(obj):
                 if obj not in self._optimizers:
                     self.attach(obj)
                 prefix = f"r{self.rank:05d}-o{count[0]}-" if self.world > 1 else f"o{count[0]}-"
                 tag = f"{os.getpid()}-{snap.ordinal}-{count[0]}"
-                parts, pins = obj._checkpoint_parts(prefix, tag, f"offload-{self.rank:05d}.")
+                parts, pins = obj.checkpoint_parts(prefix, tag, f"offload-{self.rank:05d}.")
                 count[0] += 1
                 snap.has_offload = True
                 snap.offload_pins.extend(pins)
@@ -661,10 +674,10 @@ class Checkpointer:
                     if isinstance(v, torch.Tensor):
                         buffers.add(v.untyped_storage().data_ptr())
                 if self.world > 1:
-                    parts["__tierstore_offload__"] = PerRank(parts["__tierstore_offload__"])
+                    parts[OFFLOAD_KEY] = PerRank(parts[OFFLOAD_KEY])
                 return parts
             if isinstance(obj, Mapping) and not isinstance(obj, torch.Tensor):
-                if not any(isinstance(v, (OffloadedOptimizer, Mapping)) for v in obj.values()):
+                if not any(_checkpoints_itself(v) or isinstance(v, Mapping) for v in obj.values()):
                     return obj
                 out = dict(obj)
                 for k, v in obj.items():
@@ -1409,16 +1422,14 @@ class Checkpointer:
     def _load_into(self, d: Path, into: Any, weights_only: bool, per_rank_policy: Any) -> Any:
         """``load_sharded`` into ``into``, where offloaded optimizers get their
         saved subgroups back as they are (no per-parameter work)."""
-        from tierstore.offload import OffloadedOptimizer, offload_meta
-
-        found: list[tuple[MutableMapping[str, Any], str, OffloadedOptimizer]] = []
+        found: list[tuple[MutableMapping[str, Any], str, Any]] = []
 
         def walk(obj: Any) -> Any:
             if isinstance(obj, Mapping) and not isinstance(obj, torch.Tensor):
                 out = dict(obj)
                 for k, v in obj.items():
-                    if isinstance(v, OffloadedOptimizer):
-                        out[k] = {"__tierstore_offload__": None}
+                    if _checkpoints_itself(v):
+                        out[k] = {OFFLOAD_KEY: None}
                         found.append((out, k, v))
                     else:
                         out[k] = walk(v)
@@ -1431,9 +1442,9 @@ class Checkpointer:
         # The offload entries' metadata first (small), then every tensor in one load.
         probe = _only_offload_meta(template)
         load_sharded(d, probe, process_group=None, per_rank_policy=per_rank_policy, weights_only=weights_only)
-        metas = [offload_meta(m["__tierstore_offload__"], str(d)) for m in _offload_entries(probe)]
+        metas = [offload_meta(m[OFFLOAD_KEY], str(d)) for m in _offload_entries(probe)]
         for (parent, k, _opt), meta in zip(found, metas, strict=True):
-            entry: dict[str, Any] = {"__tierstore_offload__": None}
+            entry: dict[str, Any] = {OFFLOAD_KEY: None}
             for e in meta["subgroups"]:
                 if "tensor" in e:
                     entry[e["tensor"]] = torch.empty(e["nbytes"], dtype=torch.uint8)
@@ -1441,7 +1452,7 @@ class Checkpointer:
         load_sharded(d, template, process_group=None, per_rank_policy=per_rank_policy, weights_only=weights_only)
         for (parent, k, opt), meta in zip(found, metas, strict=True):
             tensors = {n: t for n, t in parent[k].items() if isinstance(t, torch.Tensor)}
-            opt._restore_from_checkpoint(meta, tensors, d)
+            opt.restore_from_checkpoint(meta, tensors, d)
         _copy_back(into, template)
         return into
 
@@ -1508,8 +1519,8 @@ def _only_offload_meta(tree: Mapping[str, Any]) -> dict[str, Any]:
     """The part of a load template that holds offload metadata entries."""
     out: dict[str, Any] = {}
     for k, v in tree.items():
-        if isinstance(v, Mapping) and "__tierstore_offload__" in v:
-            out[k] = {"__tierstore_offload__": None}
+        if isinstance(v, Mapping) and OFFLOAD_KEY in v:
+            out[k] = {OFFLOAD_KEY: None}
         elif isinstance(v, Mapping):
             sub = _only_offload_meta(v)
             if sub:
@@ -1519,7 +1530,7 @@ def _only_offload_meta(tree: Mapping[str, Any]) -> dict[str, Any]:
 
 def _offload_entries(tree: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
     for v in tree.values():
-        if isinstance(v, Mapping) and "__tierstore_offload__" in v:
+        if isinstance(v, Mapping) and OFFLOAD_KEY in v:
             yield v
         elif isinstance(v, Mapping):
             yield from _offload_entries(v)
@@ -1528,13 +1539,11 @@ def _offload_entries(tree: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
 def _copy_back(into: Any, template: Any) -> None:
     """Puts what ``load_sharded`` filled into a template back into ``into``
     (offloaded optimizers stay in place: they restored themselves)."""
-    from tierstore.offload import OffloadedOptimizer
-
     if not isinstance(into, MutableMapping):
         return
     for k, v in into.items():
         t = template.get(k)
-        if isinstance(v, OffloadedOptimizer):
+        if _checkpoints_itself(v):
             continue
         if isinstance(v, Mapping) and not isinstance(v, torch.Tensor):
             _copy_back(v, t)
@@ -1545,8 +1554,6 @@ def _copy_back(into: Any, template: Any) -> None:
 def _offload_state_dicts(obj: Any, d: Path) -> Any:
     """Turns offloaded optimizers' checkpoint entries into the wrapped
     optimizer's ordinary state dict."""
-    from tierstore.offload import OFFLOAD_KEY, is_offload_parts, offload_meta, restore_state_dict
-
     if is_offload_parts(obj):
         tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
         return restore_state_dict(offload_meta(obj[OFFLOAD_KEY], str(d)), tensors, d)
