@@ -378,3 +378,15 @@ def tp_optim_job(rank: int, world: int, path: str) -> list[str]:
 def test_a_plain_optimizer_state_of_sharded_parameters_is_not_silently_deduplicated(tmp_path: pathlib.Path) -> None:
     msgs = run_world(2, tp_optim_job, str(tmp_path / "tp"))
     assert any("optim.state.0.momentum_buffer" in m and "differ between ranks" in m for m in msgs[0]), msgs
+
+
+def test_two_values_with_one_flat_key_are_refused(tmp_path: pathlib.Path) -> None:
+    clash = {"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}
+    with pytest.raises(tierstore.LayoutError, match=r"'a\.b'"):
+        tierstore.save_sharded(clash, tmp_path / "s")
+    ck = tierstore.Checkpointer(tmp_path / "ck")
+    try:
+        with pytest.raises(tierstore.LayoutError, match=r"'a\.b'"):
+            ck.save(1, clash)
+    finally:
+        ck.close()

@@ -50,7 +50,7 @@ from tierstore._dist import all_gather, group_info
 from tierstore._engine import get_engine, host_buffer
 from tierstore._fs import make_dir, write_json_atomic
 from tierstore._offload_entry import OFFLOAD_KEY, is_offload_parts, offload_meta, restore_state_dict
-from tierstore.errors import TierstoreError, TornSnapshotError
+from tierstore.errors import LayoutError, TierstoreError, TornSnapshotError
 from tierstore.layout import Layout, layout_of
 from tierstore.layout import attach as attach_layout
 from tierstore.sharded import (
@@ -391,7 +391,10 @@ def _storage_ptr(t: torch.Tensor) -> int:
 
 def _flat_tree(sd: Mapping[str, Any]) -> list[tuple[str, list[Any]]]:
     """(flat key, key path) per leaf, with the flattening rules of save_sharded."""
-    return [(leaf.key, list(leaf.path)) for leaf in _tree.flatten(sd)]
+    try:
+        return [(leaf.key, list(leaf.path)) for leaf in _tree.flatten(sd, where="Checkpointer.save")]
+    except ValueError as e:  # two values with one key
+        raise LayoutError(str(e)) from None
 
 
 def _unflatten(flat: Mapping[str, Any], tree: list[list[Any]]) -> dict[str, Any]:
