@@ -252,7 +252,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                 tiers = [
                     tierstore.HostTier(args.host_budget),
                     tierstore.DiskTier(str(fast), keep_last=2),
-                    tierstore.RemoteTier(".", keep_last=2),
+                    tierstore.RemoteTier(str(d), keep_last=2),  # the disk: the checkpoint directory itself
                 ]
             pri = PRI_MODES.get(args.mode, args.priority)
             kw: dict[str, Any] = {} if pri is None else {"priority": pri}

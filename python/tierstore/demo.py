@@ -221,7 +221,11 @@ def child(d: Path, layers: int, width: int) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     ck = tierstore.Checkpointer(
         d / "job",
-        tiers=[tierstore.HostTier("2GiB"), tierstore.DiskTier("local", keep_last=2), tierstore.RemoteTier("remote")],
+        tiers=[
+            tierstore.HostTier("2GiB"),
+            tierstore.DiskTier("local", keep_last=2),  # under the job's directory
+            tierstore.RemoteTier(str(d / "job" / "remote")),  # a remote tier's relative path would be the cwd's
+        ],
     )
     ck.attach(opt)
     seen: dict[int, Any] = {}
@@ -269,7 +273,12 @@ def _lazy_part(con: Any, d: Path, args: argparse.Namespace, state: dict[str, Any
 
     # Resume as two tensor-parallel ranks would: each matrix split in two along dim 0.
     ck = tierstore.Checkpointer(
-        d / "job", tiers=[tierstore.HostTier("2GiB"), tierstore.DiskTier("local"), tierstore.RemoteTier("remote")]
+        d / "job",
+        tiers=[
+            tierstore.HostTier("2GiB"),
+            tierstore.DiskTier("local"),
+            tierstore.RemoteTier(str(d / "job" / "remote")),
+        ],
     )
     torch.manual_seed(0)
     model = TinyGPT(VOCAB, args.width, args.layers, heads=8, ctx=CTX)
