@@ -154,13 +154,18 @@ def _sample_crc(t: torch.Tensor) -> int | None:
     """CRC-32 of 16 elements spread over ``t`` (a cheap fingerprint: replicas
     of one tensor have equal ones); None where it cannot be taken."""
     try:
-        flat = t.detach().reshape(-1)
-        n = flat.numel()
+        t = t.detach()
+        n = t.numel()
         if n == 0:
             return 0
-        idx = torch.linspace(0, n - 1, min(n, 16)).round().long().to(flat.device)
-        picked = flat.index_select(0, idx).cpu().contiguous()
-        return zlib.crc32(picked.view(torch.uint8).numpy().tobytes())
+        if t.dim() == 0:
+            picked = t.reshape(1)
+        else:
+            # The elements are picked by coordinates: no copy of a non-contiguous tensor.
+            idx = torch.linspace(0, n - 1, min(n, 16)).round().long()
+            coords = tuple(c.to(t.device) for c in torch.unravel_index(idx, tuple(t.shape)))
+            picked = t[coords]
+        return zlib.crc32(picked.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     except (RuntimeError, TypeError, NotImplementedError):  # quantized, sparse, meta, ...
         return None
 
