@@ -164,13 +164,13 @@ def test_old_checkpoints_without_chunk_checksums_are_verified_whole(
     a record read in part is read whole and checked against its CRC-32."""
     import tierstore.api
 
-    real_save = tierstore.api.save
+    real_write = tierstore.api.write_file
 
-    def v1_save(*a: Any, **kw: Any) -> None:  # shard files as tierstore 0.1.0 wrote them
-        kw.pop("_chunk_checksums", None)
-        real_save(*a, **kw)
+    def v1_write(*a: Any, **kw: Any) -> Any:  # shard files as tierstore 0.1.0 wrote them
+        kw.pop("chunk_checksums", None)
+        return real_write(*a, **kw)
 
-    monkeypatch.setattr(tierstore.api, "save", v1_save)
+    monkeypatch.setattr(tierstore.api, "write_file", v1_write)
     d, full = _rows(tmp_path, 2, (64, 128))
     monkeypatch.undo()
     m = _manifest(d)

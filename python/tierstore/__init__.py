@@ -20,6 +20,9 @@ from tierstore.errors import (
     CoverageError,
     DirectoryError,
     FormatError,
+    InternalError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
     LayoutError,
     ManifestError,
     MissingRecordError,
@@ -39,6 +42,8 @@ from tierstore.errors import (
     UnsafePathError,
     UnsafeTorchScriptError,
     UnsupportedObjectError,
+    UsageError,
+    WaitTimeoutError,
 )
 from tierstore.layout import Layout, attach, layout_of
 from tierstore.offload import OffloadedOptimizer, offload
@@ -62,6 +67,9 @@ __all__ = [
     "DiskTier",
     "FormatError",
     "HostTier",
+    "InternalError",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "Layout",
     "LayoutError",
     "ManifestError",
@@ -87,6 +95,8 @@ __all__ = [
     "UnsafePathError",
     "UnsafeTorchScriptError",
     "UnsupportedObjectError",
+    "UsageError",
+    "WaitTimeoutError",
     "__version__",
     "attach",
     "configure",

@@ -3,7 +3,6 @@ and whole-file verification (``tierstore verify``)."""
 
 from __future__ import annotations
 
-import struct
 import sys
 import zlib
 from collections.abc import Callable
@@ -14,46 +13,68 @@ from tierstore._engine import get_engine
 from tierstore.errors import (
     ChecksumError,
     CorruptFileError,
+    InternalError,
     ManifestError,
     MissingRecordError,
-    TruncatedFileError,
 )
 
-_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
-_LOCAL_SIG = 0x04034B50
 # Records are verified in batches of at most this many bytes, so that
 # verifying a file needs bounded memory whatever its size.
 _VERIFY_BATCH = 256 << 20
 
 
 class Archive:
-    """The directory of an archive: record name (without prefix) -> entry."""
+    """The directory of an archive: record name (without the archive folder)
+    -> its :class:`tierstore._core.Record`. ``container`` is the file opened
+    once by :func:`open_directory` (None for a stream, which is read through
+    the caller's file object)."""
 
-    def __init__(self, path: str, entries: list[tuple[str, int, int, int, int, int]], cd_offset: int, file_len: int):
+    def __init__(
+        self,
+        path: str,
+        records: list[_core.Record],
+        cd_offset: int,
+        file_len: int,
+        container: _core.Container | None = None,
+    ) -> None:
         self.path = path
         self.cd_offset = cd_offset
         self.file_len = file_len
-        if not entries:
+        self.container = container
+        if not records:
             raise MissingRecordError(f"{path}: missing record 'data.pkl' (the archive is empty)", path=path)
-        first = entries[0][0]
+        first = records[0].name
         self.prefix = first.split("/", 1)[0] if "/" in first else ""
         cut = len(self.prefix) + 1 if self.prefix else 0
-        self.records: dict[str, tuple[int, int, int, int, int]] = {}
-        for name, crc, size, csize, method, hdr in entries:
-            if cut and not name.startswith(self.prefix + "/"):
+        self.records: dict[str, _core.Record] = {}
+        for r in records:
+            if cut and not r.name.startswith(self.prefix + "/"):
                 raise CorruptFileError(
-                    f"{path}: record '{name}' is outside the archive folder '{self.prefix}/'",
+                    f"{path}: record '{r.name}' is outside the archive folder '{self.prefix}/'",
                     path=path,
-                    record=name,
+                    record=r.name,
                 )
-            self.records[name[cut:]] = (crc, size, csize, method, hdr)
+            self.records[r.name[cut:]] = r
 
     def full(self, rel: str) -> str:
         return f"{self.prefix}/{rel}" if self.prefix else rel
 
+    def opened(self) -> _core.Container:
+        if self.container is None:
+            raise InternalError(f"{self.path}: a stream's archive has no open container")
+        return self.container
 
-def load_small(path: str, offset: int, size: int, what: str) -> bytes:
-    data: bytes = _core.read_small(path, offset, size, what)
+
+def open_directory(path: str) -> Archive:
+    """Opens ``path`` once and reads and validates its zip directory (in the
+    engine: no zip bytes are parsed in Python)."""
+    c = _core.open_container(path)
+    return Archive(path, c.records, c.cd_offset, c.file_len, c)
+
+
+def load_small(arch: Archive, offset: int, size: int, what: str) -> bytes:
+    """``size`` bytes at ``offset`` of the archive's open file."""
+    data: bytes = arch.opened().read(offset, size, what)
     return data
 
 
@@ -68,37 +89,16 @@ def check_crc(path: str, record: str, data: Any, expected: int) -> None:
         )
 
 
-def _local_data_offset(path: str, arch: Archive, rel: str, header: bytes) -> int:
-    hdr = arch.records[rel][4]
-    if len(header) < 30:
-        raise TruncatedFileError(
-            f"{path}: truncated file: record '{arch.full(rel)}' is cut short",
-            path=path,
-            record=arch.full(rel),
-        )
-    sig, _v, _fl, _m, _t, _d, _c, _cs, _us, nlen, xlen = _LOCAL_HEADER.unpack_from(header)
-    if sig != _LOCAL_SIG:
-        raise CorruptFileError(
-            f"{path}: record '{arch.full(rel)}': no local file header at offset {hdr}",
-            path=path,
-            record=arch.full(rel),
-        )
-    return int(hdr + 30 + nlen + xlen)
-
-
 def read_manifest(path: str, arch: Archive) -> dict[str, Any] | None:
     rel = manifest.MANIFEST_NAME
-    if rel not in arch.records:
+    rec = arch.records.get(rel)
+    if rec is None:
         return None
-    crc, size, _csize, _method, hdr = arch.records[rel]
-    if size > manifest.MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{path}: record '{arch.full(rel)}': absurd size {size}", path=path, record=rel)
-    probe = min(30 + len(arch.full(rel)) + 512, arch.cd_offset - hdr)
-    off = _local_data_offset(path, arch, rel, load_small(path, hdr, probe, "manifest header"))
-    if off + size > arch.cd_offset:
-        raise ManifestError(f"{path}: record '{arch.full(rel)}' runs past the record area", path=path, record=rel)
-    data = load_small(path, off, size, "manifest")
-    check_crc(path, arch.full(rel), data, crc)
+    if rec.size > manifest.MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{path}: record '{arch.full(rel)}': absurd size {rec.size}", path=path, record=rel)
+    off = arch.opened().local_data_offset(rec.name)
+    data = load_small(arch, off, rec.size, "manifest")
+    check_crc(path, arch.full(rel), data, rec.crc32)
     m = manifest.parse(data, path, arch.file_len)
     m["_offset"] = off
     return m
@@ -107,9 +107,9 @@ def read_manifest(path: str, arch: Archive) -> dict[str, Any] | None:
 def record_offsets(path: str, arch: Archive, m: dict[str, Any] | None) -> dict[str, int]:
     """Data offset of every record: from the manifest (checked against the
     directory) or from the local headers."""
+    c = arch.opened()
     if m is None:
-        offs = _core.data_offsets(path)
-        return {rel: off for rel, off in zip(arch.records, offs, strict=True)}
+        return dict(zip(arch.records, c.data_offsets(), strict=True))
     out: dict[str, int] = {}
     for r in m["records"]:
         rel = r["name"]
@@ -120,7 +120,7 @@ def record_offsets(path: str, arch: Archive, m: dict[str, Any] | None) -> dict[s
                 path=path,
                 record=manifest.MANIFEST_NAME,
             )
-        crc, size, _cs, _m, _hdr = ent
+        size, crc = ent.size, ent.crc32
         if r["size"] != size or r["crc32"] != crc:
             raise ManifestError(
                 f"{path}: record '{manifest.MANIFEST_NAME}': entry for '{rel}' (size {r['size']}, crc32 "
@@ -130,11 +130,10 @@ def record_offsets(path: str, arch: Archive, m: dict[str, Any] | None) -> dict[s
             )
         out[rel] = r["offset"]
     out[manifest.MANIFEST_NAME] = m["_offset"]
-    _core.check_offsets(path, [(arch.full(rel), off) for rel, off in out.items()])
+    c.check_offsets([(arch.full(rel), off) for rel, off in out.items()])
     missing = [rel for rel in arch.records if rel not in out]
     if missing:
-        offs = _core.data_offsets(path)
-        all_off = dict(zip(arch.records, offs, strict=True))
+        all_off = dict(zip(arch.records, c.data_offsets(), strict=True))
         for rel in missing:
             out[rel] = all_off[rel]
     return out
@@ -159,7 +158,7 @@ def default_byteorder() -> str:
 def byteorder(arch: Archive, offsets: dict[str, int], read: Callable[[int, int], bytes]) -> str:
     if "byteorder" not in arch.records:
         return default_byteorder()
-    size = arch.records["byteorder"][1]
+    size = arch.records["byteorder"].size
     if size > 16:
         raise CorruptFileError(
             f"{arch.path}: record 'byteorder' is {size} bytes long", path=arch.path, record="byteorder"
@@ -176,23 +175,28 @@ def byteorder(arch: Archive, offsets: dict[str, int], read: Callable[[int, int],
 
 def refuse_compressed(path: str, arch: Archive) -> None:
     """``CorruptFileError`` naming the first record that is not stored uncompressed."""
-    for rel, (_crc, size, csize, method, _h) in arch.records.items():
-        if method != 0 or csize != size:
+    for rel, r in arch.records.items():
+        if r.method != 0 or r.compressed_size != r.size:
             raise CorruptFileError(
-                f"{path}: record '{arch.full(rel)}' is compressed (method {method}); torch and tierstore "
+                f"{path}: record '{arch.full(rel)}' is compressed (method {r.method}); torch and tierstore "
                 "archives store records uncompressed",
                 path=path,
                 record=arch.full(rel),
             )
 
 
+def manifest_and_offsets(arch: Archive) -> tuple[dict[str, Any] | None, dict[str, int]]:
+    """The manifest (None for files torch wrote) and the data offsets of an
+    opened archive; compressed records are refused."""
+    refuse_compressed(arch.path, arch)
+    m = read_manifest(arch.path, arch)
+    return m, record_offsets(arch.path, arch, m)
+
+
 def open_archive(path: str) -> tuple[Archive, dict[str, Any] | None, dict[str, int]]:
     """Directory, manifest (None for files torch wrote) and data offsets of ``path``."""
-    entries, cd_offset, file_len = _core.read_directory(path)
-    arch = Archive(path, entries, cd_offset, file_len)
-    refuse_compressed(path, arch)
-    m = read_manifest(path, arch)
-    return arch, m, record_offsets(path, arch, m)
+    arch = open_directory(path)
+    return (arch, *manifest_and_offsets(arch))
 
 
 def verify(path: str, progress: Callable[[int, int], None] | None = None) -> tuple[int, int]:
@@ -205,7 +209,7 @@ def verify(path: str, progress: Callable[[int, int], None] | None = None) -> tup
     if m is not None:
         # Readers without our manifest (torch.load, zipfile) find each record
         # through its local header: those must agree with the manifest too.
-        local = dict(zip(arch.records, _core.data_offsets(path), strict=True))
+        local = dict(zip(arch.records, arch.opened().data_offsets(), strict=True))
         for rel, off in offsets.items():
             if local.get(rel) != off:
                 raise CorruptFileError(
@@ -215,8 +219,8 @@ def verify(path: str, progress: Callable[[int, int], None] | None = None) -> tup
                     record=arch.full(rel),
                 )
     specs = [
-        (arch.full(rel), offsets[rel], size, crc)
-        for rel, (crc, size, _cs, _m2, _h) in sorted(arch.records.items(), key=lambda kv: offsets[kv[0]])
+        (arch.full(rel), offsets[rel], r.size, r.crc32)
+        for rel, r in sorted(arch.records.items(), key=lambda kv: offsets[kv[0]])
     ]
     total = sum(s[2] for s in specs)
     done = 0

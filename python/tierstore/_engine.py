@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tierstore import _core
+from tierstore.errors import InvalidArgumentError
 
 __all__ = ["configure", "get_engine", "host_buffer", "info"]
 
@@ -42,7 +43,7 @@ def _env_int(name: str) -> int | None:
     try:
         return int(v)
     except ValueError:
-        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+        raise InvalidArgumentError(f"environment variable {name}={v!r} is not an integer") from None
 
 
 def _from_env() -> _core.Engine:

@@ -25,7 +25,7 @@ import zlib
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-from tierstore.errors import ManifestError
+from tierstore.errors import InvalidArgumentError, ManifestError
 
 __all__ = ["Fields", "dumps", "loads"]
 
@@ -35,7 +35,7 @@ _TRAILER = re.compile(rb',?"checksum":"crc32:([0-9a-f]{8})"\}\s*\Z')
 def dumps(obj: Mapping[str, Any]) -> bytes:
     """``obj`` as compact JSON with its checksum as the last member."""
     if "checksum" in obj:
-        raise ValueError("metadata may not hold its own 'checksum' member")
+        raise InvalidArgumentError("metadata may not hold its own 'checksum' member")
     body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
     head = body[:-1]
     crc = zlib.crc32(head)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tierstore.errors import UnsupportedObjectError
+from tierstore.errors import InvalidArgumentTypeError, UnsupportedObjectError, UsageError
 
 DEFAULT_PROTOCOL = 2
 _UNTYPED_DTYPES = frozenset(torch.storage._new_dtypes())
@@ -81,9 +81,7 @@ class StorageCollector:
         if str(storage.device) != "meta" and storage.data_ptr() != 0:
             seen = self._dtypes.setdefault(storage.data_ptr(), dtype)
             if seen != dtype:
-                raise RuntimeError(
-                    "Cannot save multiple tensors or storages that view the same data as different types"
-                )
+                raise UsageError("Cannot save multiple tensors or storages that view the same data as different types")
         key = self._keys.get(storage._cdata)
         if key is None:
             key = str(len(self._keys))
@@ -326,7 +324,9 @@ def restore_location_fn(map_location: Any) -> Any:
             return restore(s, loc) if r is None else r
 
         return call
-    raise TypeError(f"map_location must be None, a str, a torch.device, a dict or a callable, not {map_location!r}")
+    raise InvalidArgumentTypeError(
+        f"map_location must be None, a str, a torch.device, a dict or a callable, not {map_location!r}"
+    )
 
 
 def tensor_paths(obj: Any, limit: int = 1_000_000) -> list[tuple[list[str | int], torch.Tensor]]:

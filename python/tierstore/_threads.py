@@ -35,6 +35,8 @@ import ctypes.util
 import os
 import sys
 
+from tierstore.errors import InvalidArgumentError
+
 PRIORITIES = ("idle", "low", "normal")
 _PR_SET_NAME = 15
 
@@ -51,7 +53,7 @@ def _get_libc() -> ctypes.CDLL | None:
 
 def check_priority(priority: str) -> str:
     if priority not in PRIORITIES:
-        raise ValueError(f"priority must be one of {', '.join(map(repr, PRIORITIES))}, got {priority!r}")
+        raise InvalidArgumentError(f"priority must be one of {', '.join(map(repr, PRIORITIES))}, got {priority!r}")
     return priority
 
 

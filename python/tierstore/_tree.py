@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from tierstore.errors import InvalidArgumentError
+
 PathItem = str | int | dict[str, int]
 
 
@@ -113,7 +115,7 @@ def flatten(sd: Mapping[Any, Any], *, dcp: bool = False, where: str = "state dic
         else:
             key = key_of(path)
             if key in seen:
-                raise ValueError(f"{where}: two values flatten to the key {key!r}")
+                raise InvalidArgumentError(f"{where}: two values flatten to the key {key!r}")
             seen.add(key)
             yield Leaf(key, v, parent, slot, path)
 
@@ -136,7 +138,7 @@ def set_path(
     def place(cur: Any, item: PathItem, fresh: Any) -> Any:
         if isinstance(cur, list):
             if not isinstance(item, int):
-                raise ValueError(f"path item {item!r} indexes a list")
+                raise InvalidArgumentError(f"path item {item!r} indexes a list")
             while len(cur) <= item:
                 cur.append(None)
             if cur[item] is None:
@@ -148,7 +150,7 @@ def set_path(
     for i in range(len(path) - 1):
         cur = place(cur, path[i], [] if type(path[i + 1]) is int else {})
         if not isinstance(cur, (list, MutableMapping)):
-            raise ValueError(f"path {list(path)!r} goes through a value")
+            raise InvalidArgumentError(f"path {list(path)!r} goes through a value")
     last = path[-1]
     place(cur, last, None)
     slot = last if isinstance(cur, list) else key(last)

@@ -21,6 +21,7 @@ import sys
 import warnings
 import zlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import IO, Any
 
@@ -31,6 +32,7 @@ from tierstore._engine import get_engine
 from tierstore.errors import (
     ChecksumError,
     CorruptFileError,
+    InvalidArgumentError,
     ManifestError,
     MissingRecordError,
     NotAContainerError,
@@ -41,6 +43,7 @@ from tierstore.errors import (
     TruncatedFileError,
     UnsafeObjectError,
     UnsafeTorchScriptError,
+    UsageError,
 )
 
 __all__ = ["load", "save"]
@@ -53,8 +56,6 @@ DEFAULT_ALIGN = 4096
 # torch aligns records; only storages need page alignment.
 _META_ALIGN = 64
 _STREAM_CHUNK = 8 << 20
-_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
-_LOCAL_SIG = 0x04034B50
 
 
 # torch's own functions, taken at import: formats that are torch's alone are
@@ -164,9 +165,6 @@ def save(
     progress: bool | None = False,
     align: int = DEFAULT_ALIGN,
     background: bool = False,
-    _gates: Gates | None = None,
-    _chunk_checksums: bool = False,
-    _layouts: Mapping[tuple[str | int, ...], Any] | None = None,
 ) -> None:
     """Saves ``obj`` to ``f`` like ``torch.save``, at the disk's speed.
 
@@ -189,45 +187,84 @@ def save(
         # own writer does exactly that (and stores CRC 0 for them).
         _TORCH_SAVE(obj, f, pickle_module or pickle, pickle_protocol)
         return
-    if align & (align - 1) or not 64 <= align <= 32768:
-        raise ValueError(f"align must be a power of two between 64 and 32768, got {align}")
+    _check_align(align)
     if not isinstance(f, (str, os.PathLike)) and not hasattr(f, "write"):
         raise NotAFileError(
             f"f must be a path or a writable binary file object, not {type(f).__name__} (it has no write)"
         )
-    # Storages reachable through dicts, lists and tuples get their keys before
-    # pickling, so that their bytes are written while the pickler runs.
-    found = _pickle.tensor_paths(obj)
-    collector = _pickle.StorageCollector()
-    collector.preseed([t for _, t in found])
-    prefix = _archive_name(f)
-    small = _small_records(not _disable_byteorder_record, align)
-    pickler = _PickleJob(obj, pickle_module, pickle_protocol, collector)
     if isinstance(f, (str, os.PathLike)):
-        _save_path(
-            os.fspath(f),
-            prefix,
-            pickler,
-            found,
-            small,
-            durable,
-            progress,
-            align,
-            background,
-            _gates,
-            _chunk_checksums,
-            layouts=_layouts,
-        )
+        pickler = _PickleJob(obj, pickle_module, pickle_protocol)
+        small = _small_records(not _disable_byteorder_record, align)
+        _save_path(os.fspath(f), pickler, small, durable=durable, progress=progress, align=align, background=background)
     else:
+        pickler = _PickleJob(obj, pickle_module, pickle_protocol)
+        prefix = _archive_name(f)
         data_pkl = pickler.run()
-        storages = _host_storages(collector)
-        parts = _ManifestParts(prefix, collector, found, align, _layouts)
+        storages = _host_storages(pickler.collector)
+        parts = _ManifestParts(prefix, pickler.collector, pickler.found, align)
+        small = _small_records(not _disable_byteorder_record, align)
         _save_stream(f, prefix, data_pkl, storages, small, parts, align)
 
 
+def _check_align(align: int) -> None:
+    if align & (align - 1) or not 64 <= align <= 32768:
+        raise InvalidArgumentError(f"align must be a power of two between 64 and 32768, got {align}")
+
+
+@dataclass(frozen=True)
+class Written:
+    """What :func:`write_file` wrote, as its writer placed it: the file's
+    length, its manifest's records (name without the archive folder, data
+    offset, size, CRC-32) and tensors, and the CRC-32 of the manifest record."""
+
+    file_len: int
+    records: list[dict[str, Any]]
+    tensors: list[dict[str, Any]]
+    manifest_crc32: int
+
+
+def write_file(
+    obj: Any,
+    path: str | os.PathLike[str],
+    *,
+    durable: bool = True,
+    background: bool = False,
+    gates: Gates | None = None,
+    chunk_checksums: bool = False,
+    layouts: Mapping[tuple[str | int, ...], Any] | None = None,
+) -> Written:
+    """The file writer under :func:`save` for the package's own containers
+    (shard files, objects files, Checkpointer snapshots): ``gates`` lets the
+    writer read storages still being filled by a capture, ``chunk_checksums``
+    adds the per-chunk table partial reads verify against, ``layouts`` gives
+    tensors' shard layouts for the manifest. Returns where everything went,
+    so that no caller opens the file again to learn it."""
+    pickler = _PickleJob(obj, None, _pickle.DEFAULT_PROTOCOL)
+    small = _small_records(True, DEFAULT_ALIGN)
+    return _save_path(
+        os.fspath(path),
+        pickler,
+        small,
+        durable=durable,
+        progress=False,
+        align=DEFAULT_ALIGN,
+        background=background,
+        gates=gates,
+        chunk_checksums=chunk_checksums,
+        layouts=layouts,
+    )
+
+
 class _PickleJob:
-    def __init__(self, obj: Any, module: ModuleType | None, protocol: int, collector: _pickle.StorageCollector) -> None:
-        self.obj, self.module, self.protocol, self.collector = obj, module, protocol, collector
+    """The object to pickle, with its storages found beforehand: those
+    reachable through dicts, lists and tuples get their keys before pickling,
+    so that their bytes are written while the pickler runs."""
+
+    def __init__(self, obj: Any, module: ModuleType | None, protocol: int) -> None:
+        self.obj, self.module, self.protocol = obj, module, protocol
+        self.found = _pickle.tensor_paths(obj)
+        self.collector = _pickle.StorageCollector()
+        self.collector.preseed([t for _, t in self.found])
 
     def run(self) -> bytes:
         data, _ = _pickle.dumps(self.obj, self.module, self.protocol, self.collector)
@@ -246,11 +283,13 @@ class _ManifestParts:
         layouts: Mapping[tuple[str | int, ...], Any] | None = None,
     ) -> None:
         self.prefix, self.collector, self.align = prefix, collector, align
-        self.tensors_json = manifest.dump_tensors(_tensor_entries(found, collector, layouts))
+        self.tensors = _tensor_entries(found, collector, layouts)
+        self.tensors_json = manifest.dump_tensors(self.tensors)
+        self.records: list[dict[str, Any]] = []
 
     def build(
         self,
-        entries: list[tuple[str, int, int, int, int | None]],
+        entries: list[_core.PlannedRecord],
         crcs: dict[str, int],
         chunks: dict[str, dict[str, Any]] | None = None,
     ) -> bytes:
@@ -259,9 +298,9 @@ class _ManifestParts:
         records = []
         cut = len(self.prefix) + 1
         storages = self.collector.storages
-        for name, _hdr, data_off, size, _crc in entries:
-            rel = name[cut:]
-            rec: dict[str, Any] = {"name": rel, "offset": data_off, "size": size, "crc32": crcs[name]}
+        for e in entries:
+            rel = e.name[cut:]
+            rec: dict[str, Any] = {"name": rel, "offset": e.data_offset, "size": e.size, "crc32": crcs[e.name]}
             if rel.startswith("data/"):
                 s = storages[rel[5:]]
                 rec["kind"] = "storage"
@@ -275,6 +314,7 @@ class _ManifestParts:
             else:
                 rec["kind"] = "pickle" if rel == "data.pkl" else "meta"
             records.append(rec)
+        self.records = records
         return manifest.build(
             archive=self.prefix,
             alignment=self.align,
@@ -308,20 +348,18 @@ def _add_storages(
 
 def _save_path(
     path: str,
-    prefix: str,
     pickler: _PickleJob,
-    found: list[tuple[list[str | int], torch.Tensor]],
     small: list[tuple[str, bytes]],
+    *,
     durable: bool,
     progress: bool | None,
     align: int,
-    background: bool = False,
+    background: bool,
     gates: Gates | None = None,
     chunk_checksums: bool = False,
-    *,
     layouts: Mapping[tuple[str | int, ...], Any] | None = None,
-) -> None:
-    collector = pickler.collector
+) -> Written:
+    collector, found, prefix = pickler.collector, pickler.found, _archive_name(path)
     w = _core.create_writer(get_engine(), path, align=align, durable=durable, background=background)
     added: set[str] = set()
     # Host copies of device storages must live until their bytes are written.
@@ -353,14 +391,16 @@ def _save_path(
         for name, data in [("data.pkl", data_pkl), *small]:
             w.add_bytes(f"{prefix}/{name}", data, _META_ALIGN)
         entries = w.entries()
-        crcs = {e[0]: e[4] for e in entries if e[4] is not None}
+        crcs = {e.name: e.crc32 for e in entries if e.crc32 is not None}
         for name, data in [("data.pkl", data_pkl), *small]:
             crcs[f"{prefix}/{name}"] = zlib.crc32(data)
-        w.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", parts.build(entries, crcs, chunks), _META_ALIGN)
-        w.commit()
+        built = parts.build(entries, crcs, chunks)
+        w.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", built, _META_ALIGN)
+        file_len = w.commit()
     except BaseException:
         w.abort()
         raise
+    return Written(file_len, parts.records, parts.tensors, zlib.crc32(built))
 
 
 def _chunk_table(storages: list[tuple[str, torch.UntypedStorage]]) -> tuple[bytes, dict[str, dict[str, Any]]]:
@@ -397,7 +437,7 @@ def _save_stream(
     _add_storages(s, prefix, storages)
     for name, data in [("data.pkl", data_pkl), *small]:
         s.add_bytes(f"{prefix}/{name}", data, _META_ALIGN)
-    crcs = dict(zip((e[0] for e in s.entries()), s.checksums(), strict=True))
+    crcs = dict(zip((e.name for e in s.entries()), s.checksums(), strict=True))
     m = parts.build(s.entries(), crcs)
     s.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", m, _META_ALIGN)
     while (chunk := s.next_chunk()) is not None:
@@ -426,7 +466,7 @@ def _resolve_weights_only(weights_only: bool | None, pickle_module: ModuleType |
     if os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true"):
         weights_only = True
     if weights_only and pickle_module is not None:
-        raise RuntimeError("Can not safely load weights when explicit pickle_module is specified")
+        raise UsageError("Can not safely load weights when explicit pickle_module is specified")
     return bool(weights_only)
 
 
@@ -473,7 +513,7 @@ def load(
     if isinstance(f, (str, os.PathLike)):
         return _load_path(os.fspath(f), bool(mmap), verify, progress, opts)
     if mmap:
-        raise ValueError("f must be a file path in order to use the mmap argument")
+        raise InvalidArgumentError("f must be a file path in order to use the mmap argument")
     if not hasattr(f, "read"):
         raise NotAFileError(
             f"f must be a path or a readable binary file object, not {type(f).__name__} (it has no read)"
@@ -518,10 +558,10 @@ def _expected_crc(arch: _archive.Archive, rel: str) -> int | None:
     (the bytes are populated later, in place). Only for files tierstore did
     not write (tierstore's always record the real CRC, and its manifest
     repeats it)."""
-    crc, size, *_ = arch.records[rel]
-    if crc == 0 and size and manifest.MANIFEST_NAME not in arch.records:
+    r = arch.records[rel]
+    if r.crc32 == 0 and r.size and manifest.MANIFEST_NAME not in arch.records:
         return None
-    return crc
+    return int(r.crc32)
 
 
 def _check_data_crcs(name: str, arch: _archive.Archive, regions: list[tuple[str, int, int]]) -> None:
@@ -544,14 +584,13 @@ def _check_data_crcs(name: str, arch: _archive.Archive, regions: list[tuple[str,
 
 def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts: dict[str, Any]) -> Any:
     try:
-        entries, cd_offset, file_len = _core.read_directory(path)
+        arch = _archive.open_directory(path)
     except NotAContainerError:
         with open(path, "rb") as fh:
             head = fh.read(512)
         if _is_legacy_torch(head):
             return _hand_to_torch(path, opts, mmap)
         raise
-    arch = _archive.Archive(path, entries, cd_offset, file_len)
     # TorchScript (torch.jit.save) archives hold data.pkl too, and compressed
     # code records: torch.load tells them by constants.pkl and dispatches them.
     if "constants.pkl" in arch.records:
@@ -560,12 +599,12 @@ def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts:
         raise MissingRecordError(
             f"{path}: missing record '{arch.full('data.pkl')}'", path=path, record=arch.full("data.pkl")
         )
-    arch, _m, offsets = _archive.open_archive(path)
-    crc, size, *_ = arch.records["data.pkl"]
-    data_pkl = _archive.load_small(path, offsets["data.pkl"], size, "data.pkl")
+    _m, offsets = _archive.manifest_and_offsets(arch)
+    pkl = arch.records["data.pkl"]
+    data_pkl = _archive.load_small(arch, offsets["data.pkl"], pkl.size, "data.pkl")
     if verify:
-        _archive.check_crc(path, arch.full("data.pkl"), data_pkl, crc)
-    byteorder = _archive.byteorder(arch, offsets, lambda off, n: _archive.load_small(path, off, n, "byteorder"))
+        _archive.check_crc(path, arch.full("data.pkl"), data_pkl, pkl.crc32)
+    byteorder = _archive.byteorder(arch, offsets, lambda off, n: _archive.load_small(arch, off, n, "byteorder"))
     keys = [rel[5:] for rel in arch.records if rel.startswith("data/")]
     storages: dict[str, torch.UntypedStorage] = {}
     if mmap:
@@ -573,10 +612,10 @@ def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts:
         # as torch.load does: then writes to the tensors reach the file.
         get_opts = getattr(torch.serialization, "get_default_mmap_options", None)
         shared = get_opts is not None and get_opts() == _mmap.MAP_SHARED
-        overall = torch.UntypedStorage.from_file(path, shared, file_len)
+        overall = torch.UntypedStorage.from_file(path, shared, arch.file_len)
         for k in keys:
             off = offsets[f"data/{k}"]
-            storages[k] = overall[off : off + arch.records[f"data/{k}"][1]]
+            storages[k] = overall[off : off + arch.records[f"data/{k}"].size]
         if verify:
             _check_data_crcs(path, arch, [(f"data/{k}", storages[k].data_ptr(), storages[k].nbytes()) for k in keys])
     else:
@@ -584,7 +623,7 @@ def _load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts:
             (
                 arch.full(f"data/{k}"),
                 offsets[f"data/{k}"],
-                arch.records[f"data/{k}"][1],
+                arch.records[f"data/{k}"].size,
                 _expected_crc(arch, f"data/{k}") if verify else None,
             )
             for k in keys
@@ -677,8 +716,8 @@ def _load_stream(f: IO[bytes], verify: bool, opts: dict[str, Any]) -> Any:
     f.seek(start)
     if _is_legacy_torch(head):
         return _hand_to_torch(f, opts, False)  # torch leaves the position after the legacy pickles
-    entries, cd_offset, arch_len, offs = _core.read_directory_stream(f, start, avail, name)
-    arch = _archive.Archive(name, entries, cd_offset, arch_len)
+    records, cd_offset, arch_len, offs = _core.read_directory_stream(f, start, avail, name)
+    arch = _archive.Archive(name, records, cd_offset, arch_len)
     if "constants.pkl" in arch.records:  # TorchScript, as in _load_path
         f.seek(start)
         return _hand_to_torch(f, opts, False)
@@ -690,11 +729,10 @@ def _load_stream(f: IO[bytes], verify: bool, opts: dict[str, Any]) -> Any:
     offsets = dict(zip(arch.records, offs, strict=True))
 
     def small(rel: str) -> bytes:
-        size = arch.records[rel][1]
-        buf = bytearray(size)
+        buf = bytearray(arch.records[rel].size)
         _read_exact(f, name, arch.full(rel), start + offsets[rel], memoryview(buf))
         if verify:
-            _archive.check_crc(name, arch.full(rel), buf, arch.records[rel][0])
+            _archive.check_crc(name, arch.full(rel), buf, arch.records[rel].crc32)
         return bytes(buf)
 
     _check_stream_manifest(name, arch, offsets, small)
@@ -707,7 +745,7 @@ def _load_stream(f: IO[bytes], verify: bool, opts: dict[str, Any]) -> Any:
             if verify and rel not in ("data.pkl", "byteorder", manifest.MANIFEST_NAME):
                 small(rel)  # every record's checksum is checked, as a path load does
             continue
-        n = arch.records[rel][1]
+        n = arch.records[rel].size
         if not n:
             storages[rel[5:]] = _empty_storage()
             continue
@@ -736,7 +774,7 @@ def _check_stream_manifest(
     rel = manifest.MANIFEST_NAME
     if rel not in arch.records:
         return
-    crc, size, *_rest = arch.records[rel]
+    size, crc = arch.records[rel].size, arch.records[rel].crc32
     if size > manifest.MAX_MANIFEST_BYTES:
         raise ManifestError(f"{name}: record '{arch.full(rel)}': absurd size {size}", path=name, record=rel)
     data = read(rel)
@@ -744,7 +782,7 @@ def _check_stream_manifest(
     m = manifest.parse(data, name, arch.file_len)
     for r in m["records"]:
         ent = arch.records.get(r["name"])
-        if ent is None or ent[0] != r["crc32"] or ent[1] != r["size"] or offsets.get(r["name"]) != r["offset"]:
+        if ent is None or ent.crc32 != r["crc32"] or ent.size != r["size"] or offsets.get(r["name"]) != r["offset"]:
             raise ManifestError(
                 f"{name}: record '{rel}': entry for '{r['name']}' (size {r['size']}, crc32 {r['crc32']:08x}, offset "
                 f"{r['offset']}) disagrees with the zip directory and local headers",

@@ -35,6 +35,7 @@ import os
 import queue
 import re
 import shutil
+import stat
 import threading
 import time
 import warnings
@@ -50,7 +51,7 @@ from tierstore._dist import all_gather, group_info
 from tierstore._engine import get_engine, host_buffer
 from tierstore._fs import make_dir, write_json_atomic
 from tierstore._offload_entry import OFFLOAD_KEY, is_offload_parts, offload_meta, restore_state_dict
-from tierstore.errors import LayoutError, TierstoreError, TornSnapshotError
+from tierstore.errors import InvalidArgumentError, LayoutError, TierstoreError, TornSnapshotError, WaitTimeoutError
 from tierstore.layout import Layout, layout_of
 from tierstore.layout import attach as attach_layout
 from tierstore.sharded import (
@@ -58,8 +59,8 @@ from tierstore.sharded import (
     consolidate,
     is_dtensor,
     load_sharded,
-    save_sharded,
     tensor_and_layout,
+    write_sharded,
 )
 from tierstore.shardmeta import MANIFEST, read_attachment, read_manifest
 
@@ -185,7 +186,7 @@ class _HostPool:
 
     def reserve(self, nbytes: int, snap: _Snapshot, block: bool, timeout: float | None = None) -> _Slab | None:
         if nbytes > self.budget:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"a snapshot needs {nbytes / 2**20:.1f} MiB of host memory but the host tier's budget is "
                 f"{self.budget / 2**20:.1f} MiB; raise HostTier(budget=...) (or TIERSTORE_HOST_BUDGET) to at "
                 f"least the state's size, ideally twice it so that a capture overlaps the previous flush"
@@ -280,7 +281,7 @@ class CheckpointHandle:
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"checkpoint of step {self.step}: still {self.tiers} after {timeout} s")
+                    raise WaitTimeoutError(f"checkpoint of step {self.step}: still {self.tiers} after {timeout} s")
                 self._cond.wait(0.1 if left is None else min(left, 0.1))
         if self.state == "failed" and self.error is not None:
             self.reported = True
@@ -458,20 +459,20 @@ class Checkpointer:
     ) -> None:
         _threads.check_priority(priority)
         if on_busy not in ("wait", "skip"):
-            raise ValueError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
+            raise InvalidArgumentError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
         if interval < 1:
-            raise ValueError(f"interval must be at least 1, got {interval}")
+            raise InvalidArgumentError(f"interval must be at least 1, got {interval}")
         self.path = Path(path)
         tiers = list(tiers) if tiers is not None else [HostTier(), DiskTier(".")]
         hosts = [t for t in tiers if isinstance(t, HostTier)]
         self.disks: list[DiskTier] = [t for t in tiers if isinstance(t, DiskTier)]
         if len(hosts) > 1 or (hosts and tiers[0] is not hosts[0]):
-            raise ValueError("at most one HostTier, and it must come first")
+            raise InvalidArgumentError("at most one HostTier, and it must come first")
         if not self.disks:
-            raise ValueError("at least one DiskTier is needed for checkpoints to be durable")
+            raise InvalidArgumentError("at least one DiskTier is needed for checkpoints to be durable")
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
-            raise ValueError(f"tier names must differ: {names}")
+            raise InvalidArgumentError(f"tier names must differ: {names}")
         self.host = hosts[0] if hosts else HostTier()
         pinned = self.host.pinned if self.host.pinned is not None else torch.cuda.is_available()
         self.pool = _HostPool(int(self.host.budget), pinned)
@@ -572,7 +573,7 @@ class Checkpointer:
         if self._closed:
             raise TierstoreError("this Checkpointer is closed")
         if step < 0:
-            raise ValueError(f"step must be non-negative, got {step}")
+            raise InvalidArgumentError(f"step must be non-negative, got {step}")
         handle = CheckpointHandle(step, self.tier_names)
         snap = _Snapshot(step, self._ordinal, handle)
         state, offload_buffers = self._expand_offloaded(state, snap)
@@ -1228,13 +1229,13 @@ class Checkpointer:
             try:
                 self._write_meta(d, snap)
                 self._copy_offload_pins(snap, d)
-                save_sharded(
+                write_sharded(
                     snap.state,
                     d,
                     process_group=self._pg_flush,
                     background=True,
-                    _gates=snap.gates,
-                    _attachments=(META,),
+                    gates=snap.gates,
+                    attachments=(META,),
                 )
                 snap.captured.wait()
                 if snap.error is not None:
@@ -1301,8 +1302,8 @@ class Checkpointer:
                             return
                         self._write_meta(d, snap)
                         self._copy_offload_pins(snap, d)
-                        save_sharded(
-                            snap.state, d, process_group=self._pg_promote, background=True, _attachments=(META,)
+                        write_sharded(
+                            snap.state, d, process_group=self._pg_promote, background=True, attachments=(META,)
                         )
                         snap.local_dir = d
                     h.paths[t.name] = str(d)
@@ -1472,7 +1473,11 @@ def _step_dirs(p: Path, tier: str) -> list[Path]:
     for d in entries:
         if not STEP_DIR.match(d.name):
             continue
-        if d.is_symlink() or not d.is_dir() or not _paths.inside(p, d):
+        try:
+            st = d.lstat()
+        except FileNotFoundError:
+            continue  # removed since the listing (retention on another thread): not a stray entry
+        if not stat.S_ISDIR(st.st_mode) or not _paths.inside(p, d):
             _warn_once(f"tierstore: {d} on tier {tier!r} is not a step directory of this tier (a symlink or not a "
                        "directory); it is skipped")  # fmt: skip
             continue

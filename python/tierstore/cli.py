@@ -57,7 +57,7 @@ def _record_states(path: str, arch: _archive.Archive, offsets: dict[str, int], v
         return dict.fromkeys(arch.records, "not checked")
     states: dict[str, str] = {}
     with _progress.bar(_progress.wanted(None), f"verifying {path}") as cb:
-        specs = [(arch.full(rel), offsets[rel], e[1], e[0]) for rel, e in arch.records.items()]
+        specs = [(arch.full(rel), offsets[rel], e.size, e.crc32) for rel, e in arch.records.items()]
         total = sum(s[2] for s in specs)
         done = 0
         for spec, rel in zip(specs, arch.records, strict=True):
@@ -162,10 +162,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         # A file torch.save wrote: dtypes and tensors from its pickle (weights-only rules, meta device).
         from tierstore import _pickle
 
-        crc, size, *_ = arch.records["data.pkl"]
-        if size <= 1 << 30:
-            (data,) = _core.read_records(_engine(), path, [(arch.full("data.pkl"), offsets["data.pkl"], size, crc)],
-                                         verify=False)  # fmt: skip
+        pkl = arch.records["data.pkl"]
+        if pkl.size <= 1 << 30:
+            spec = (pkl.name, offsets["data.pkl"], pkl.size, pkl.crc32)
+            (data,) = _core.read_records(_engine(), path, [spec], verify=False)
             dtypes, shapes = _pickle.describe_storages(bytes(cast(Any, data)))
     if m is not None:
         for t in m.get("tensors", []):
@@ -179,8 +179,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 dtypes[r["name"]] = str(r["dtype"])
             kinds[r["name"]] = str(r.get("kind", ""))
     rows: list[dict[str, Any]] = []
-    for rel, (crc, size, _cs, _meth, _hdr) in sorted(arch.records.items(), key=lambda kv: offsets[kv[0]]):
-        off = offsets[rel]
+    for rel, rec in sorted(arch.records.items(), key=lambda kv: offsets[kv[0]]):
+        off, size, crc = offsets[rel], rec.size, rec.crc32
         rows.append(
             {
                 "record": rel,

@@ -64,6 +64,7 @@ from tierstore.errors import (
     CorruptFileError,
     CoverageError,
     FormatError,
+    InvalidArgumentError,
     ManifestError,
     MissingRecordError,
     NotFoundError,
@@ -446,7 +447,7 @@ def _check_verify(verify: str | bool) -> str | bool:
     if verify is True:
         return "touched"
     if verify not in _VERIFY_MODES:
-        raise ValueError(f"verify must be 'touched', 'full' or False, not {verify!r}")
+        raise InvalidArgumentError(f"verify must be 'touched', 'full' or False, not {verify!r}")
     return verify
 
 

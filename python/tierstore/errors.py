@@ -13,6 +13,12 @@ when one is concerned), and its message names both::
     ├── StorageIOError           (OSError)            any other I/O failure
     ├── ResourceLimitError       (MemoryError)        a load would need more memory than there is
     ├── LayoutError              (ValueError)         a layout that describes no valid placement
+    ├── InvalidArgumentError     (ValueError)         an argument value tierstore cannot take
+    ├── InvalidArgumentTypeError (TypeError)          an argument of a type tierstore cannot take
+    ├── UsageError               (RuntimeError)       a call refused here, where torch raises RuntimeError
+    ├── TornSnapshotError        (RuntimeError)       a tensor changed before its capture finished
+    ├── WaitTimeoutError         (TimeoutError)       a wait with a timeout ran out
+    ├── InternalError            (AssertionError)     a broken invariant inside tierstore (a bug)
     ├── FormatError              (ValueError)         the file's contents are wrong
     │   ├── NotAContainerError                        not a zip archive at all
     │   ├── TruncatedFileError                        cut short
@@ -42,6 +48,9 @@ __all__ = [
     "CoverageError",
     "DirectoryError",
     "FormatError",
+    "InternalError",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "LayoutError",
     "ManifestError",
     "MissingRecordError",
@@ -61,6 +70,8 @@ __all__ = [
     "UnsafePathError",
     "UnsafeTorchScriptError",
     "UnsupportedObjectError",
+    "UsageError",
+    "WaitTimeoutError",
 ]
 
 
@@ -164,6 +175,33 @@ class CoverageError(FormatError):
 
 class LayoutError(_ValueBaseError):
     """A layout that does not describe a valid placement."""
+
+
+class InvalidArgumentError(_ValueBaseError):
+    """An argument with a value tierstore cannot take (a size it cannot
+    read, an unknown policy name, a tier list without a disk): a
+    ``ValueError`` too, as a builtin would raise."""
+
+
+class InvalidArgumentTypeError(TierstoreError, TypeError):
+    """An argument of a type tierstore cannot take: a ``TypeError`` too."""
+
+
+class WaitTimeoutError(TierstoreError, TimeoutError):
+    """A wait with a ``timeout`` (``CheckpointHandle.wait``) ran out: a
+    ``TimeoutError`` too."""
+
+
+class InternalError(TierstoreError, AssertionError):
+    """A broken invariant inside tierstore (an internal state move its
+    transition table forbids, a call on an object that cannot serve it): a bug
+    in tierstore, never caused by the user's data; please report it."""
+
+
+class UsageError(TierstoreError, RuntimeError):
+    """A call tierstore refuses in this situation, where torch raises a
+    ``RuntimeError`` (``weights_only=True`` with an explicit
+    ``pickle_module``; two tensors viewing one storage as different types)."""
 
 
 class ResourceLimitError(TierstoreError, MemoryError):

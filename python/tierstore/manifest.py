@@ -4,8 +4,10 @@ Every data file carries ``<archive>/.tierstore/manifest.json``, a JSON object
 that ``torch.load`` ignores. It lists each record's byte offset, size and
 CRC-32, each storage's dtype and element count, and where each tensor sits in
 the saved object, and it leaves room for what later formats add: a shard
-layout per tensor, a codec and a delta base per record. The JSON schema is
-``manifest.schema.json`` next to this module; docs/FORMAT.md describes it.
+layout per tensor, a codec and a delta base per record. Its JSON schema is
+``schemas/manifest.schema.json`` in this package (beside those of a sharded
+checkpoint's ``manifest.json``, a step's ``checkpoint.json`` and an offloaded
+optimizer's entry); docs/FORMAT.md describes them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 from importlib import resources
 from typing import Any
 
-from tierstore.errors import ManifestError
+from tierstore.errors import InvalidArgumentError, ManifestError
 
 FORMAT_NAME = "tierstore"
 FORMAT_VERSION = 1
@@ -31,9 +33,18 @@ CHUNK_ALGO = "crc32c"
 MAX_MANIFEST_BYTES = 1 << 30
 
 
-def schema() -> dict[str, Any]:
-    """The JSON schema of the manifest."""
-    text = resources.files("tierstore").joinpath("manifest.schema.json").read_text()
+SCHEMAS = ("manifest", "sharded_manifest", "checkpoint", "offload_entry")
+
+
+def schema(name: str = "manifest") -> dict[str, Any]:
+    """A JSON schema of the format, by name (:data:`SCHEMAS`): ``manifest``
+    (this record), ``sharded_manifest`` (a sharded checkpoint's
+    ``manifest.json``), ``checkpoint`` (a Checkpointer step's
+    ``checkpoint.json``) or ``offload_entry`` (the meta of an offloaded
+    optimizer's checkpoint entry)."""
+    if name not in SCHEMAS:
+        raise InvalidArgumentError(f"no schema {name!r}; there are {', '.join(SCHEMAS)}")
+    text = resources.files("tierstore").joinpath("schemas", f"{name}.schema.json").read_text()
     result: dict[str, Any] = json.loads(text)
     return result
 

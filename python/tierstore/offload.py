@@ -76,7 +76,7 @@ from tierstore._offload_entry import (
     state_dtype,
     subgroup_bytes,
 )
-from tierstore.errors import ChecksumError, TierstoreError
+from tierstore.errors import ChecksumError, InvalidArgumentError, TierstoreError
 from tierstore.tiers import DiskTier, HostTier, parse_size
 
 # The checkpoint entry's names, re-exported where they were first defined.
@@ -418,14 +418,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         **optimizer_kwargs: Any,
     ) -> None:
         if balance not in ("bandwidth", "even"):
-            raise ValueError(f"balance must be 'bandwidth' or 'even', got {balance!r}")
+            raise InvalidArgumentError(f"balance must be 'bandwidth' or 'even', got {balance!r}")
         tiers = tiers if tiers is not None else _default_tiers()
         hosts = [t for t in tiers if isinstance(t, HostTier)]
         disks = [t for t in tiers if isinstance(t, DiskTier)]
         if not disks:
-            raise ValueError("offload needs at least one DiskTier (a directory for the state that does not fit)")
+            raise InvalidArgumentError(
+                "offload needs at least one DiskTier (a directory for the state that does not fit)"
+            )
         if len(hosts) > 1:
-            raise ValueError("offload takes at most one HostTier")
+            raise InvalidArgumentError("offload takes at most one HostTier")
         self.budget = int(hosts[0].budget) if hosts else parse_size("1GiB")
         self.subgroup_bytes = max(_PAGE, parse_size(subgroup_bytes))
         self.pipeline = pipeline
@@ -1172,10 +1174,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         masters from the model parameters, state into the tiers."""
         sd = state_dict
         if len(sd["param_groups"]) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
+            raise InvalidArgumentError("loaded state dict has a different number of parameter groups")
         for g, g2 in zip(self.param_groups, sd["param_groups"], strict=True):
             if len(g["params"]) != len(g2["params"]):
-                raise ValueError(
+                raise InvalidArgumentError(
                     "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
                 )
         for g, g2 in zip(self.param_groups, sd["param_groups"], strict=True):

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from tierstore._dist import group_info
-from tierstore.errors import TierstoreError
+from tierstore.errors import InvalidArgumentError, InvalidArgumentTypeError, TierstoreError
 from tierstore.sharded import PerRank
 
 __all__ = ["ResumableSampler", "RunState"]
@@ -140,12 +140,12 @@ class RunState:
 
     def __init__(self, *, rng: bool = True, on_world_change: str = "error", **objects: Any) -> None:
         if on_world_change not in WORLD_CHANGE:
-            raise ValueError(f"on_world_change must be one of {WORLD_CHANGE}, not {on_world_change!r}")
+            raise InvalidArgumentError(f"on_world_change must be one of {WORLD_CHANGE}, not {on_world_change!r}")
         for name, obj in objects.items():
             if _capture_kind(obj) == "state_dict" and not (
                 callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
             ):
-                raise TypeError(
+                raise InvalidArgumentTypeError(
                     f"RunState: {name!r} ({type(obj).__name__}) has no state_dict()/load_state_dict() and is not a "
                     "torch.Generator or numpy.random.Generator"
                 )
@@ -176,7 +176,7 @@ class RunState:
         (default: the one given at construction)."""
         policy = on_world_change or self.on_world_change
         if policy not in WORLD_CHANGE:
-            raise ValueError(f"on_world_change must be one of {WORLD_CHANGE}, not {policy!r}")
+            raise InvalidArgumentError(f"on_world_change must be one of {WORLD_CHANGE}, not {policy!r}")
         if isinstance(state, PerRank):
             state = state.value
         if not isinstance(state, Mapping) or state.get("format") != _FORMAT:
@@ -251,7 +251,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             rank = r if rank is None else rank
             world = w if world is None else world
         if not 0 <= rank < world:
-            raise ValueError(f"rank {rank} is not in a world of {world}")
+            raise InvalidArgumentError(f"rank {rank} is not in a world of {world}")
         self.n, self.shuffle, self.seed = int(n), shuffle, int(seed)
         self.rank, self.world, self.drop_last = rank, world, drop_last
         self.epoch = 0

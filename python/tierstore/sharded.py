@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import numpy as np
 import torch
 
-from tierstore import _archive, _core, _dist, _limits, _tree, manifest
+from tierstore import _core, _dist, _limits, _tree, api
 from tierstore._engine import get_engine
 from tierstore._fs import make_dir
-from tierstore.errors import FormatError, LayoutError, MissingRecordError, NotFoundError
+from tierstore.errors import FormatError, InvalidArgumentError, LayoutError, MissingRecordError, NotFoundError
 from tierstore.layout import Box, Layout, Piece, layout_of
 from tierstore.reshard import CoverageError, Source, merge_runs, overlapping_pair, prove_coverage, runs_for
 from tierstore.shardmeta import (
@@ -224,8 +224,6 @@ def save_sharded(
     process_group: Any = None,
     durable: bool = True,
     background: bool = False,
-    _gates: Any = None,
-    _attachments: Sequence[str] = (),
 ) -> None:
     """Saves this rank's part of a sharded checkpoint (every rank calls it).
 
@@ -234,9 +232,25 @@ def save_sharded(
     ``durable=False`` skips every fsync (of the data files, the manifest and
     the directories): the commit stays atomic against a process crash but
     not against a power loss.
-    ``_attachments`` names files rank 0 wrote into the directory before
-    (``checkpoint.json``): the manifest records their size and CRC-32.
     """
+    write_sharded(state_dict, path, process_group=process_group, durable=durable, background=background)
+
+
+def write_sharded(
+    state_dict: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: Any = None,
+    durable: bool = True,
+    background: bool = False,
+    gates: api.Gates | None = None,
+    attachments: Sequence[str] = (),
+) -> None:
+    """The shard writer under :func:`save_sharded`, for the Checkpointer:
+    ``gates`` lets the file writers read tensors still being captured
+    (see :func:`tierstore.api.write_file`); ``attachments`` names files rank 0
+    wrote into the directory before (``checkpoint.json``), whose size and
+    CRC-32 the manifest records."""
     rank, world, pg = _group_info(process_group)
     d = Path(path)
     if rank == 0:
@@ -283,7 +297,6 @@ def save_sharded(
     mine = {k: t for k, t in tensors.items() if writes[(rank, k)]}
     file_info: dict[str, Any] = {"rank": rank, "tensors": {}, "objects_file": None, "paths": paths}
     fname = f"rank-{rank:05d}.{save_id}.pt"
-    from tierstore.api import save as ts_save
 
     keep_objects = dict(per_rank)
     if rank == 0:
@@ -294,25 +307,23 @@ def save_sharded(
         oname = f"objects-{rank:05d}.{save_id}.pt"
         pool = ThreadPoolExecutor(1, thread_name_prefix="tierstore-objects")
         objects_job = pool.submit(
-            ts_save, {"objects": keep_objects}, d / oname, durable=durable, background=background, _gates=_gates
+            api.write_file, {"objects": keep_objects}, d / oname, durable=durable, background=background, gates=gates
         )
         pool.shutdown(wait=False)
     try:
         if mine:
             contiguous = {k: (t if t.is_contiguous() else t.contiguous()) for k, t in mine.items()}
-            ts_save(
+            written = api.write_file(
                 {"tensors": contiguous},
                 d / fname,
                 durable=durable,
                 background=background,
-                _gates=_gates,
-                _chunk_checksums=True,
-                _layouts={("tensors", k): layouts[k].to_json() for k in contiguous},
+                gates=gates,
+                chunk_checksums=True,
+                layouts={("tensors", k): layouts[k].to_json() for k in contiguous},
             )
-            arch, m, _offsets = _archive.open_archive(str(d / fname))
-            assert m is not None
-            recs = {r["name"]: r for r in m["records"]}
-            for t in m["tensors"]:
+            recs = {r["name"]: r for r in written.records}
+            for t in written.tensors:
                 if len(t["path"]) != 2 or t["path"][0] != "tensors":
                     continue
                 key = t["path"][1]
@@ -329,35 +340,27 @@ def save_sharded(
                     "layout": layouts[key].to_json(),
                 }
             file_info["file"] = fname
-            file_info["bytes"] = arch.file_len
-            file_info["manifest_crc32"] = arch.records[manifest.MANIFEST_NAME][0]
+            file_info["bytes"] = written.file_len
+            file_info["manifest_crc32"] = written.manifest_crc32
     finally:
-        if objects_job is not None:
-            objects_job.result()  # its error, if the tensor file succeeded
+        objects_written = objects_job.result() if objects_job is not None else None  # its error, if any
     if keep_objects:
         file_info["objects_file"] = oname
         file_info["object_keys"] = sorted(keep_objects)
         file_info["per_rank_keys"] = sorted(per_rank)
-        file_info["objects_bytes"], file_info["objects_manifest_crc32"] = _file_facts(d / oname)
+        assert objects_written is not None
+        file_info["objects_bytes"] = objects_written.file_len
+        file_info["objects_manifest_crc32"] = objects_written.manifest_crc32
     infos = _all_gather(file_info, world, pg)
     if rank == 0:
         m = _build_manifest(d, save_id, world, infos)
         m["attachments"] = {}
-        for name in _attachments:
+        for name in attachments:
             data = (d / name).read_bytes()
             m["attachments"][name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
         write_manifest(d, m, durable)
         _collect_garbage(d, save_id)
     _barrier(world, pg)
-
-
-def _file_facts(p: Path) -> tuple[int, int]:
-    """Length of a tierstore file and the CRC-32 of its manifest record."""
-    entries, _cd, file_len = _core.read_directory(str(p))
-    for name, crc, *_rest in entries:
-        if name.endswith("/" + manifest.MANIFEST_NAME):
-            return file_len, crc
-    raise FormatError(f"{p}: written without a tierstore manifest", path=str(p))
 
 
 def _build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any]]) -> dict[str, Any]:
@@ -654,7 +657,6 @@ def load_sharded(
     weights_only: bool = True,
     stats: dict[str, Any] | None = None,
     verify: str | bool = "touched",
-    _checkpoint: Checkpoint | None = None,
 ) -> MutableMapping[str, Any]:
     """Fills ``state_dict`` in place from the checkpoint at ``path``.
 
@@ -671,16 +673,40 @@ def load_sharded(
     none (the metadata is still checked). ``stats``, if given, receives the
     bytes read, verified and needed. Returns ``state_dict``.
     """
+    return read_sharded(
+        path,
+        state_dict,
+        process_group=process_group,
+        per_rank_policy=per_rank_policy,
+        weights_only=weights_only,
+        stats=stats,
+        verify=verify,
+    )
+
+
+def read_sharded(
+    path: str | os.PathLike[str],
+    state_dict: MutableMapping[str, Any],
+    *,
+    process_group: Any = None,
+    per_rank_policy: str | Callable[[dict[int, Any]], Any] | None = None,
+    weights_only: bool = True,
+    stats: dict[str, Any] | None = None,
+    verify: str | bool = "touched",
+    checkpoint: Checkpoint | None = None,
+) -> MutableMapping[str, Any]:
+    """:func:`load_sharded`, given the checkpoint's metadata already read
+    and checked (``checkpoint``) where the caller has it."""
     if verify is True:
         verify = "touched"
     if verify not in VERIFY_MODES:
-        raise ValueError(f"verify must be 'touched', 'full' or False, not {verify!r}")
+        raise InvalidArgumentError(f"verify must be 'touched', 'full' or False, not {verify!r}")
     rank, world, _pg = _group_info(process_group)
     from tierstore import dcp
 
     if not (Path(path) / MANIFEST).exists() and dcp.is_dcp(path):
         return _load_from_dcp(path, state_dict, world, weights_only, stats, verify)
-    ck = _checkpoint if _checkpoint is not None else Checkpoint(path)
+    ck = checkpoint if checkpoint is not None else Checkpoint(path)
     m = ck.manifest
     targets: list[_Target] = []
     objects_wanted: list[_Wanted] = []
@@ -849,7 +875,7 @@ def consolidate(
         )
     flat_sd: dict[str, Any] = {}
     # load_sharded flattens nested dicts; global names are already flat keys.
-    load_sharded(path, sd, weights_only=weights_only, per_rank_policy=per_rank_policy, _checkpoint=ck)
+    read_sharded(path, sd, weights_only=weights_only, per_rank_policy=per_rank_policy, checkpoint=ck)
     flat_sd.update(sd)
     return flat_sd
 

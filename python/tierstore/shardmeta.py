@@ -332,7 +332,7 @@ class Checkpoint:
         if fm is None:
             raise bad("it has no tierstore manifest record")
         if self.version >= 2:
-            mcrc = arch.records[manifest.MANIFEST_NAME][0]
+            mcrc = arch.records[manifest.MANIFEST_NAME].crc32
             if mcrc != fe["manifest_crc32"]:
                 raise bad(
                     f"its manifest record has crc32 {mcrc:08x}, manifest.json recorded {fe['manifest_crc32']:08x}"
@@ -442,9 +442,9 @@ class Checkpoint:
             )
         if not p.exists():
             raise NotFoundError(f"{p}: objects file of the checkpoint is missing", path=str(p))
-        arch, _m, _o = _archive.open_archive(str(p))
+        arch = _archive.open_directory(str(p))
         entry = arch.records.get(manifest.MANIFEST_NAME)
-        if arch.file_len != want["bytes"] or entry is None or entry[0] != want["manifest_crc32"]:
+        if arch.file_len != want["bytes"] or entry is None or entry.crc32 != want["manifest_crc32"]:
             raise ManifestError(
                 f"{p}: the objects file does not match manifest.json ({arch.file_len} bytes, the manifest says "
                 f"{want['bytes']}, or another manifest record); it is damaged or from another checkpoint or rank",
@@ -473,9 +473,9 @@ class Checkpoint:
         if count != -(-r["size"] // size):
             f.fail("count", f"{-(-r['size'] // size)} chunks of {size} bytes for {r['size']} bytes", count)
         trec = arch.records.get(manifest.CHUNKS_NAME)
-        if trec is None or at + 4 * count > trec[1]:
+        if trec is None or at + 4 * count > trec.size:
             f.fail("at", f"a part of record '{manifest.CHUNKS_NAME}'", at)
-        sums = _archive.load_small(p, offsets[manifest.CHUNKS_NAME] + at, 4 * count, "chunk checksums")
+        sums = _archive.load_small(arch, offsets[manifest.CHUNKS_NAME] + at, 4 * count, "chunk checksums")
         if zlib.crc32(sums) != crc:
             raise ManifestError(
                 f"{p}: record '{arch.full(manifest.CHUNKS_NAME)}': the chunk checksums of record '{name}' are "

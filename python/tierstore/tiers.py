@@ -8,6 +8,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from tierstore.errors import InvalidArgumentError
+
 __all__ = ["DiskTier", "HostTier", "RemoteTier", "parse_size"]
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}
@@ -18,11 +20,11 @@ def parse_size(v: int | str) -> int:
     """``"4GiB"``, ``"512MB"``, ``"1.5g"`` or a byte count."""
     if isinstance(v, int):
         if v < 0:
-            raise ValueError(f"a size must not be negative, got {v}")
+            raise InvalidArgumentError(f"a size must not be negative, got {v}")
         return v
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(v))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {v!r} as a size: expected e.g. 4GiB, 512MiB, 2GB or a number of bytes")
+        raise InvalidArgumentError(f"cannot read {v!r} as a size: expected e.g. 4GiB, 512MiB, 2GB or a number of bytes")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -71,12 +73,12 @@ class DiskTier:
     def __post_init__(self) -> None:
         ps = self.paths if isinstance(self.paths, list) else [self.paths]
         if not ps:
-            raise ValueError(f"tier {self.name!r}: at least one path is needed")
+            raise InvalidArgumentError(f"tier {self.name!r}: at least one path is needed")
         self.paths = [os.fspath(p) for p in ps]
         if self.every < 1:
-            raise ValueError(f"tier {self.name!r}: every must be at least 1, got {self.every}")
+            raise InvalidArgumentError(f"tier {self.name!r}: every must be at least 1, got {self.every}")
         if self.keep_last is not None and self.keep_last < 1:
-            raise ValueError(f"tier {self.name!r}: keep_last must be at least 1 (or None to keep all)")
+            raise InvalidArgumentError(f"tier {self.name!r}: keep_last must be at least 1 (or None to keep all)")
 
 
 @dataclass

@@ -14,6 +14,7 @@
 //! - [`chunks`]: checksums per 4 KiB chunk of a record, and verified partial reads.
 //! - [`halves`]: 32-bit words split into 16-bit halves and joined (the offload's split masters).
 
+pub mod archive;
 pub mod buf;
 pub mod chunks;
 pub mod copy;

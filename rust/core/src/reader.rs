@@ -6,6 +6,7 @@
 //! chunks, many in flight; CRCs are checked as chunks arrive, on `cpu_threads`
 //! threads, so verification overlaps the I/O.
 
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -477,11 +478,11 @@ fn populate(ptr: *mut u8, len: usize) {
 /// are spread over `threads` threads so that a cold file with thousands of
 /// records does not pay one seek at a time.
 pub fn resolve_data_offsets(
-    file: &EngineFile,
+    src: &FileSource,
+    path: &Path,
     dir: &Directory,
     threads: usize,
 ) -> Result<Vec<u64>> {
-    let src = FileSource::open(&file.path)?;
     let n = dir.entries.len();
     let next = AtomicUsize::new(0);
     let out: Vec<AtomicU64> = (0..n).map(|_| AtomicU64::new(0)).collect();
@@ -496,8 +497,8 @@ pub fn resolve_data_offsets(
                 let mut buf = vec![0u8; len as usize];
                 let r = src
                     .read_exact_at(&mut buf, e.header_offset)
-                    .map_err(|err| Error::io(&file.path, "read", err))
-                    .and_then(|()| zip::data_offset_from_local(&buf, e, dir, &file.path));
+                    .map_err(|err| Error::io(path, "read", err))
+                    .and_then(|()| zip::data_offset_from_local(&buf, e, dir, path));
                 match r {
                     Ok(off) => out[i].store(off, Ordering::Relaxed),
                     Err(err) => {

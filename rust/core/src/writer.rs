@@ -32,6 +32,13 @@ const DIRECT_MIN: u64 = 64 << 10;
 /// A file range `[start, end)`.
 type Range = (u64, u64);
 
+/// A file in place: where it is and how long it is.
+#[derive(Clone, Debug)]
+pub struct Committed {
+    pub path: PathBuf,
+    pub file_len: u64,
+}
+
 /// How a container is written.
 #[derive(Clone, Debug)]
 pub struct WriteOptions {
@@ -144,7 +151,7 @@ impl ContainerWriter {
     /// Writes what remains (deferred header blocks, records added since
     /// `write_data`, the central directory), then makes the file durable and
     /// renames it into place.
-    pub fn commit(self, state: Arc<TaskState>) -> Result<Task<PathBuf>> {
+    pub fn commit(self, state: Arc<TaskState>) -> Result<Task<Committed>> {
         Task::spawn("tierstore-commit", state, move |st| {
             let mut w = self;
             w.plan.compute_missing_crcs(w.engine.config().cpu_threads);
@@ -177,7 +184,10 @@ impl ContainerWriter {
                     t1.elapsed()
                 );
             }
-            Ok(path)
+            Ok(Committed {
+                path,
+                file_len: file_end,
+            })
         })
     }
 

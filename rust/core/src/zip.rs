@@ -375,7 +375,7 @@ fn u64_at(b: &[u8], i: usize) -> u64 {
     u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"))
 }
 
-fn read_at(
+pub(crate) fn read_at(
     src: &(impl ReadAt + ?Sized),
     path: &Path,
     off: u64,

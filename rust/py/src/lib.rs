@@ -11,6 +11,7 @@
 
 use pyo3::prelude::*;
 
+mod archive;
 mod buffer;
 mod engine;
 mod errors;
@@ -23,6 +24,7 @@ mod writer;
 #[pymodule(gil_used = false)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    archive::register(m)?;
     buffer::register(m)?;
     engine::register(m)?;
     reader::register(m)?;

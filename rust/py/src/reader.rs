@@ -7,12 +7,13 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tierstore_core::chunks;
-use tierstore_core::file::{EngineFile, FileSource};
+use tierstore_core::file::EngineFile;
 use tierstore_core::io::Class;
 use tierstore_core::reader::{self, ReadSpec};
 use tierstore_core::task::{Task, TaskState};
 use tierstore_core::zip::{self, Directory};
 
+use crate::archive::{record, Record};
 use crate::buffer::Buffer;
 use crate::engine::PyEngine;
 use crate::errors::IntoPy;
@@ -36,35 +37,6 @@ pub(crate) fn class_of(background: bool) -> Class {
     } else {
         Class::Foreground
     }
-}
-
-/// One central-directory entry: (name, crc32, size, compressed_size, method, header_offset).
-type EntryTuple = (String, u32, u64, u64, u16, u64);
-
-fn entries(dir: &Directory) -> Vec<EntryTuple> {
-    dir.entries
-        .iter()
-        .map(|e| {
-            (
-                e.name.clone(),
-                e.crc,
-                e.size,
-                e.compressed_size,
-                e.method,
-                e.header_offset,
-            )
-        })
-        .collect()
-}
-
-/// Reads and validates the zip directory of `path`.
-/// Returns (entries, central_directory_offset, file_length).
-#[pyfunction]
-fn read_directory(py: Python<'_>, path: PathBuf) -> PyResult<(Vec<EntryTuple>, u64, u64)> {
-    let dir = py
-        .detach(|| FileSource::open(&path).and_then(|src| zip::read_directory(&src, &path)))
-        .py_err(py)?;
-    Ok((entries(&dir), dir.cd_offset, dir.file_len))
 }
 
 /// A Python binary file object seen as a random-access source: the `len`
@@ -114,7 +86,7 @@ impl zip::ReadAt for PyStream {
 /// the archive in the stream, so its end is found from its start
 /// ([`zip::archive_extent`]), or, where that finds none, taken to be the
 /// stream's end.
-/// Returns (entries, central_directory_offset, archive_length, data offsets)
+/// Returns (records, central_directory_offset, archive_length, data offsets)
 /// with offsets relative to `start`.
 #[pyfunction]
 fn read_directory_stream(
@@ -123,7 +95,7 @@ fn read_directory_stream(
     start: u64,
     avail: u64,
     name: PathBuf,
-) -> PyResult<(Vec<EntryTuple>, u64, u64, Vec<u64>)> {
+) -> PyResult<(Vec<Record>, u64, u64, Vec<u64>)> {
     let src = PyStream {
         f,
         start,
@@ -137,61 +109,8 @@ fn read_directory_stream(
         Ok((dir, offs))
     };
     let (dir, offs) = go().py_err(py)?;
-    Ok((entries(&dir), dir.cd_offset, dir.file_len, offs))
-}
-
-/// Checks that `[data_offset, +size)` of the named entry fits in the archive
-/// (used to validate offsets that a manifest states).
-#[pyfunction]
-fn check_offsets(py: Python<'_>, path: PathBuf, offsets: Vec<(String, u64)>) -> PyResult<()> {
-    let dir = py
-        .detach(|| FileSource::open(&path).and_then(|src| zip::read_directory(&src, &path)))
-        .py_err(py)?;
-    let by_name: std::collections::HashMap<&str, &zip::CdEntry> =
-        dir.entries.iter().map(|e| (e.name.as_str(), e)).collect();
-    for (name, off) in offsets {
-        let Some(e) = by_name.get(name.as_str()) else {
-            return Err(crate::errors::to_pyerr(
-                py,
-                tierstore_core::Error::MissingRecord {
-                    path: path.clone(),
-                    record: name,
-                },
-            ));
-        };
-        zip::check_data_range(e, off, &dir, &path).py_err(py)?;
-    }
-    Ok(())
-}
-
-/// `len` bytes at `offset` of `path`, read through the page cache.
-#[pyfunction]
-fn read_small<'py>(
-    py: Python<'py>,
-    path: PathBuf,
-    offset: u64,
-    len: u64,
-    what: &str,
-) -> PyResult<Bound<'py, PyBytes>> {
-    let v = py
-        .detach(|| {
-            EngineFile::open_read(&path, false).and_then(|f| f.read_small(offset, len, what))
-        })
-        .py_err(py)?;
-    Ok(PyBytes::new(py, &v))
-}
-
-/// Data offsets of every entry of `path`, from the local headers.
-#[pyfunction]
-fn data_offsets(py: Python<'_>, path: PathBuf) -> PyResult<Vec<u64>> {
-    let threads = 16;
-    py.detach(|| {
-        let f = EngineFile::open_read(&path, false)?;
-        let src = FileSource::open(&path)?;
-        let dir = zip::read_directory(&src, &path)?;
-        reader::resolve_data_offsets(&f, &dir, threads)
-    })
-    .py_err(py)
+    let records = dir.entries.iter().map(record).collect();
+    Ok((records, dir.cd_offset, dir.file_len, offs))
 }
 
 /// Reads records of `path` into new aligned buffers, one per spec
@@ -537,11 +456,7 @@ fn read_ranges_verified(
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(split_halves, m)?)?;
     m.add_function(wrap_pyfunction!(join_halves, m)?)?;
-    m.add_function(wrap_pyfunction!(read_directory, m)?)?;
     m.add_function(wrap_pyfunction!(read_directory_stream, m)?)?;
-    m.add_function(wrap_pyfunction!(check_offsets, m)?)?;
-    m.add_function(wrap_pyfunction!(read_small, m)?)?;
-    m.add_function(wrap_pyfunction!(data_offsets, m)?)?;
     m.add_function(wrap_pyfunction!(read_records, m)?)?;
     m.add_function(wrap_pyfunction!(crc32_regions, m)?)?;
     m.add_function(wrap_pyfunction!(start_read, m)?)?;

@@ -16,21 +16,38 @@ use crate::engine::PyEngine;
 use crate::errors::IntoPy;
 use crate::wait::wait_task;
 
-/// (name, header_offset, data_offset, size, crc32 or None)
-type EntryTuple = (String, u64, u64, u64, Option<u32>);
+/// One record of a container being written, where the writer put it.
+#[pyclass(module = "tierstore._core", frozen, get_all)]
+pub struct PlannedRecord {
+    /// The full name, archive folder included.
+    name: String,
+    header_offset: u64,
+    data_offset: u64,
+    size: u64,
+    /// CRC-32 of the data; None until a memory record's bytes were read.
+    crc32: Option<u32>,
+}
 
-fn plan_entries(plan: &Plan) -> Vec<EntryTuple> {
+#[pymethods]
+impl PlannedRecord {
+    fn __repr__(&self) -> String {
+        format!(
+            "PlannedRecord(name={:?}, data_offset={}, size={})",
+            self.name, self.data_offset, self.size
+        )
+    }
+}
+
+fn plan_entries(plan: &Plan) -> Vec<PlannedRecord> {
     plan.entries()
         .iter()
         .enumerate()
-        .map(|(i, e)| {
-            (
-                e.name.clone(),
-                e.header_offset,
-                e.data_offset,
-                e.size,
-                plan.crc(i),
-            )
+        .map(|(i, e)| PlannedRecord {
+            name: e.name.clone(),
+            header_offset: e.header_offset,
+            data_offset: e.data_offset,
+            size: e.size,
+            crc32: plan.crc(i),
         })
         .collect()
 }
@@ -141,13 +158,14 @@ impl Writer {
     }
 
     /// Writes the rest, makes the file durable and renames it into place.
+    /// Returns the file's length.
     #[pyo3(signature = (progress=None))]
-    fn commit(&mut self, py: Python<'_>, progress: Option<Bound<'_, PyAny>>) -> PyResult<String> {
+    fn commit(&mut self, py: Python<'_>, progress: Option<Bound<'_, PyAny>>) -> PyResult<u64> {
         let w = self.inner.take().ok_or_else(closed)?;
         let task = w.commit(TaskState::new()).py_err(py)?;
         let r = wait_task(py, task, progress.as_ref());
         self.owners.clear();
-        Ok(r?.display().to_string())
+        Ok(r?.file_len)
     }
 
     /// Abandons the write; the temporary file is removed.
@@ -160,8 +178,8 @@ impl Writer {
         self.owners.clear();
     }
 
-    /// (name, header_offset, data_offset, size, crc32 or None) per record.
-    fn entries(&self) -> PyResult<Vec<EntryTuple>> {
+    /// Every record so far, where the writer put it.
+    fn entries(&self) -> PyResult<Vec<PlannedRecord>> {
         Ok(plan_entries(self.inner.as_ref().ok_or_else(closed)?.plan()))
     }
 
@@ -267,7 +285,7 @@ impl Stream {
         py.detach(|| s.checksums())
     }
 
-    fn entries(&self) -> Vec<EntryTuple> {
+    fn entries(&self) -> Vec<PlannedRecord> {
         plan_entries(self.inner.plan())
     }
 
@@ -313,6 +331,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyGate>()?;
     m.add_class::<Writer>()?;
     m.add_class::<Stream>()?;
+    m.add_class::<PlannedRecord>()?;
     m.add_function(wrap_pyfunction!(create_writer, m)?)?;
     Ok(())
 }
