@@ -28,44 +28,50 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
 import gc
 import math
 import os
 import queue
-import re
-import shutil
-import stat
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tierstore import _core, _metadata, _paths, _threads, _tree
+from tierstore import _core, _threads, _tree
+from tierstore._ckpt_cascade import Cascade, drop_offload_pins
+from tierstore._ckpt_pool import BIG, PAGE, SMALL_ALIGN, HostPool, copy_host
+from tierstore._ckpt_restore import (
+    STEP_DIR,
+    WARNED,
+    checkpoints_itself,
+    flat_tree,
+    load_copy,
+    step_dirs,
+    warn_once,
+)
+from tierstore._ckpt_snapshot import Capture, CheckpointHandle, Item, Residency, Snapshot
 from tierstore._dist import all_gather, group_info
-from tierstore._engine import get_engine, host_buffer
-from tierstore._fs import make_dir, write_json_atomic
-from tierstore._offload_entry import OFFLOAD_KEY, is_offload_parts, offload_meta, restore_state_dict
-from tierstore.errors import InvalidArgumentError, LayoutError, TierstoreError, TornSnapshotError, WaitTimeoutError
-from tierstore.layout import Layout, layout_of
+from tierstore._engine import get_engine
+from tierstore._offload_entry import OFFLOAD_KEY
+from tierstore.errors import InvalidArgumentError, TierstoreError, TornSnapshotError
 from tierstore.layout import attach as attach_layout
+from tierstore.layout import layout_of
 from tierstore.sharded import (
     PerRank,
-    consolidate,
     is_dtensor,
-    load_sharded,
     tensor_and_layout,
-    write_sharded,
 )
-from tierstore.shardmeta import MANIFEST, read_attachment, read_manifest
+from tierstore.shardmeta import MANIFEST
 
 # The tiers live in tierstore.tiers; re-exported here, where users import them from.
 from tierstore.tiers import DiskTier, HostTier, RemoteTier, parse_size
+
+_copy_host = copy_host  # the name tests/test_checkpointer_capture.py knows
+_WARNED = WARNED  # warnings given once per process (the fuzz campaign clears it between cases)
 
 __all__ = [
     "CheckpointHandle",
@@ -78,338 +84,11 @@ __all__ = [
 ]
 
 
-STEP_DIR = re.compile(r"^step-(\d{12})$")
-META = "checkpoint.json"
-_ALIGN = 64  # small tensors in a slab
-_PAGE = 4096  # tensors of _BIG bytes or more start on a page (direct writes)
-_BIG = 64 << 10
-
-# ----------------------------------------------------------------------------------------------
-# host buffers
-
-
-class _Slab:
-    """One host buffer. Each captured tensor gets its own storage over a slice
-    of it (a storage per tensor, as a torch checkpoint needs); the views of
-    the last layout used are kept, so a repeated save reuses them."""
-
-    __slots__ = ("buf", "holder", "mem", "nbytes", "views", "views_key")
-
-    def __init__(self, buf: torch.Tensor) -> None:
-        self.buf = buf
-        # Offsets count from the first page boundary, so that page-aligned
-        # tensors are written to O_DIRECT files straight from this memory.
-        base = -buf.data_ptr() % _PAGE
-        self.mem = memoryview(buf.numpy())[base:]  # type: ignore[arg-type]
-        self.nbytes = buf.numel() - _PAGE
-        self.holder: _Snapshot | None = None
-        self.views: list[torch.Tensor] = []
-        self.views_key: list[tuple[int, int, torch.dtype, tuple[int, ...]]] = []
-
-    def views_for(self, plan: list[tuple[int, int, torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
-        if plan != self.views_key:
-            self.views = [
-                torch.frombuffer(self.mem[off : off + n], dtype=dt).view(shape) if n else torch.empty(shape, dtype=dt)
-                for off, n, dt, shape in plan
-            ]
-            self.views_key = plan
-        return self.views
-
-
-class _HostPool:
-    """Capture buffers within a byte budget, reused across saves.
-
-    A slab is *busy* while its snapshot is not yet durable on a disk tier,
-    *retained* while it holds a durable snapshot (evictable), and *free*.
-    """
-
-    def __init__(self, budget: int, pinned: bool) -> None:
-        self.budget = budget
-        self.pinned = pinned
-        self.slabs: list[_Slab] = []
-        self.cond = threading.Condition()
-        self.peak = 0
-
-    @property
-    def allocated(self) -> int:
-        return sum(s.nbytes for s in self.slabs)
-
-    def in_use(self) -> int:
-        with self.cond:
-            return sum(s.nbytes for s in self.slabs if s.holder is not None and not s.holder.evictable)
-
-    def _try(self, nbytes: int, snap: _Snapshot) -> _Slab | None:
-        def free(s: _Slab) -> bool:
-            return s.holder is None or s.holder.evictable
-
-        cands = [s for s in self.slabs if free(s) and s.nbytes >= nbytes]
-        if cands:
-            # Prefer empty slabs, then the oldest retained snapshot; smallest fit.
-            s = min(cands, key=lambda s: (s.holder is not None, s.holder.ordinal if s.holder else 0, s.nbytes))
-            self._evict(s)
-            s.holder = snap
-            return s
-        # Make room: drop free and retained slabs (oldest first) until it fits.
-        room = self.budget - self.allocated
-        victims = sorted((s for s in self.slabs if free(s)), key=lambda s: s.holder.ordinal if s.holder else -1)
-        take: list[_Slab] = []
-        for v in victims:
-            if room >= nbytes:
-                break
-            take.append(v)
-            room += v.nbytes
-        if room < nbytes:
-            return None
-        for v in take:
-            self._evict(v)
-            self.slabs.remove(v)
-        if self.pinned:
-            buf = torch.empty(nbytes + _PAGE, dtype=torch.uint8, pin_memory=True)
-        else:  # huge pages: the flush's direct writes go out in full-size requests
-            buf = host_buffer(nbytes + _PAGE)
-        s = _Slab(buf)
-        s.holder = snap
-        self.slabs.append(s)
-        self.peak = max(self.peak, self.allocated)
-        return s
-
-    @staticmethod
-    def _evict(s: _Slab) -> None:
-        if s.holder is not None:
-            s.holder.host_evicted()
-            s.holder = None
-
-    def _evict_snapshot(self, snap: _Snapshot) -> None:
-        for s in self.slabs:
-            if s.holder is snap:
-                self._evict(s)
-
-    def reserve(self, nbytes: int, snap: _Snapshot, block: bool, timeout: float | None = None) -> _Slab | None:
-        if nbytes > self.budget:
-            raise InvalidArgumentError(
-                f"a snapshot needs {nbytes / 2**20:.1f} MiB of host memory but the host tier's budget is "
-                f"{self.budget / 2**20:.1f} MiB; raise HostTier(budget=...) (or TIERSTORE_HOST_BUDGET) to at "
-                f"least the state's size, ideally twice it so that a capture overlaps the previous flush"
-            )
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self.cond:
-            while True:
-                s = self._try(nbytes, snap)
-                if s is not None or not block:
-                    return s
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return None
-                self.cond.wait(0.05 if left is None else min(left, 0.05))
-
-    def release(self, snap: _Snapshot) -> None:
-        with self.cond:
-            for s in self.slabs:
-                if s.holder is snap:
-                    s.holder = None
-            self.cond.notify_all()
-
-    def notify(self) -> None:
-        with self.cond:
-            self.cond.notify_all()
-
-
-# ----------------------------------------------------------------------------------------------
-# snapshots and handles
-
-
-class CheckpointHandle:
-    """What :meth:`Checkpointer.save` returns: the checkpoint's progress.
-
-    ``tiers`` maps each tier name to its state for this checkpoint: ``pending``,
-    ``captured`` (host), ``durable``, ``evicted`` (host copy dropped after it was
-    durable elsewhere), ``skipped`` (not destined for it), ``failed``.
-    ``state`` summarises: ``pending`` → ``captured`` → ``durable-local`` →
-    ``durable-remote``, or ``skipped`` / ``failed``. ``timings`` holds seconds:
-    ``blocked`` (training time spent in ``save`` and in the step hook),
-    ``capture``, ``to_local`` (from ``save`` until durable locally), ``flush``
-    (the local write), ``to_remote``.
-    """
-
-    def __init__(self, step: int, tiers: list[str]) -> None:
-        self.step = step
-        self.tiers: dict[str, str] = dict.fromkeys(tiers, "pending")
-        self.timings: dict[str, float] = {"blocked": 0.0}
-        self.error: BaseException | None = None
-        self.reported = False
-        self.paths: dict[str, str] = {}
-        self._cond = threading.Condition()
-
-    def __repr__(self) -> str:
-        return f"CheckpointHandle(step={self.step}, state={self.state!r}, tiers={self.tiers})"
-
-    @property
-    def state(self) -> str:
-        t = self.tiers
-        vals = set(t.values())
-        if vals <= {"skipped"} or ("failed" in vals and "durable" not in vals and "captured" not in vals):
-            return "failed" if "failed" in vals else "skipped"
-        disk = [k for k in t if k != "host"]
-        if len(disk) > 1 and t[disk[-1]] == "durable":
-            return "durable-remote"
-        if any(t[k] == "durable" for k in disk):
-            return "durable-local"
-        if t.get("host") in ("captured", "evicted"):
-            return "captured"
-        return "pending"
-
-    def _set(self, tier: str, state: str) -> None:
-        with self._cond:
-            self.tiers[tier] = state
-            self._cond.notify_all()
-
-    def settled(self, tier: str | None = None) -> bool:
-        """True when nothing more will happen on ``tier`` (all tiers: None)."""
-        names = [tier] if tier else list(self.tiers)
-        done = {"durable", "skipped", "failed", "evicted"}
-        return all(self.tiers[n] in done or (n == "host" and self.tiers[n] == "captured") for n in names)
-
-    def wait(self, tier: str | None = None, timeout: float | None = None) -> str:
-        """Waits until ``tier`` (a tier name, ``"captured"``, or None for every
-        tier) is settled; returns :attr:`state`. Raises the checkpoint's error
-        if it failed everywhere."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
-                ok = self.tiers.get("host") != "pending" if tier == "captured" else self.settled(tier)
-                if ok:
-                    break
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise WaitTimeoutError(f"checkpoint of step {self.step}: still {self.tiers} after {timeout} s")
-                self._cond.wait(0.1 if left is None else min(left, 0.1))
-        if self.state == "failed" and self.error is not None:
-            self.reported = True
-            raise self.error
-        return self.state
-
-
-@dataclass
-class _Item:
-    src: torch.Tensor
-    dst: torch.Tensor
-    version: int
-    mutable: bool  # an attached optimizer changes it (or no optimizer is attached)
-    layout: Layout | None  # attached to the copy (layouts and DTensor placements)
-
-
-class _Snapshot:
-    def __init__(self, step: int, ordinal: int, handle: CheckpointHandle) -> None:
-        self.step = step
-        self.ordinal = ordinal
-        self.handle = handle
-        self.state: dict[str, Any] = {}
-        self.tree: list[tuple[str, list[str]]] = []
-        self.items: list[_Item] = []
-        self.mutable_done = threading.Event()
-        self.captured = threading.Event()
-        self.verified = threading.Event()  # the debug check passed (set at once without debug)
-        self.error: BaseException | None = None
-        self.evictable = False
-        self.in_host = True
-        self.t_save = time.perf_counter()
-        self.event: Any = None  # CUDA event recorded on the training stream at save()
-        self.local_dir: Path | None = None
-        # Without the debug check the flush starts at once and writes each
-        # tensor as soon as its capture passes this gate (item index + 1).
-        self.gate: _core.Gate | None = None
-        self.gates: dict[int, tuple[_core.Gate, int]] = {}
-        # Offloaded optimizers' subgroup files pinned at save: (link, name in the checkpoint).
-        self.offload_pins: list[tuple[Path, str]] = []
-        self.has_offload = False  # restored from disk only (its pinned files are not kept in memory)
-        # Who copies which item (host captures): the capture thread takes items
-        # from the front; the optimizer step pre-hook takes the mutable ones
-        # still untaken and copies them itself rather than wait.
-        self.cap_lock = threading.Lock()
-        self.taken: list[bool] = []
-        self.done: list[bool] = []
-        self.cap_next = 0  # the capture thread's cursor: items before it are taken
-        self.done_prefix = 0  # items [0, done_prefix) are copied
-        self.n_mutable = 0  # items [0, n_mutable) are the ones the step changes
-        self.stolen = 0  # items the training thread copied
-
-    def release_sources(self) -> None:
-        """Drops the references to the training tensors."""
-        for it in self.items:
-            it.src = it.dst
-
-    def host_evicted(self) -> None:
-        self.in_host = False
-        self.state = {}
-        if self.handle.tiers.get("host") == "captured":
-            self.handle._set("host", "evicted")
-
-
-def _copy_host(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for the capture thread: dense host tensors go
-    through libc's memmove on this one thread, with the GIL released (ctypes
-    releases it); for large sizes it uses non-temporal stores, so the copy
-    leaves the training's working set in the caches, and it starts no OpenMP
-    team. Anything else goes through torch."""
-    n = src.numel() * src.element_size()
-    if (
-        n >= _BIG
-        and src.device.type == "cpu"
-        and src.layout == torch.strided
-        and src.dtype == dst.dtype
-        and src.shape == dst.shape
-        and src.is_contiguous()
-        and dst.is_contiguous()
-        and not src.is_quantized
-        and not src.is_conj()
-        and not src.is_neg()
-    ):
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
-    else:
-        dst.copy_(src)
-
-
-def _checkpoints_itself(obj: Any) -> bool:
-    """Whether ``obj`` takes part in checkpoints through the protocol an
-    ``OffloadedOptimizer`` implements: ``checkpoint_parts(prefix, tag,
-    file_prefix) -> (parts, pins)`` (its entry, see
-    :mod:`tierstore._offload_entry`, and files to copy) and
-    ``restore_from_checkpoint(meta, tensors, directory)``. The Checkpointer
-    needs no import of the optimizer's module."""
-    return (
-        not isinstance(obj, (torch.Tensor, Mapping))
-        and callable(getattr(obj, "checkpoint_parts", None))
-        and callable(getattr(obj, "restore_from_checkpoint", None))
-    )
-
-
 def _storage_ptr(t: torch.Tensor) -> int:
     """The address of ``t``'s storage (a DTensor's: its local shard's)."""
     if is_dtensor(t):
         t = t.to_local()
     return int(t.untyped_storage().data_ptr())
-
-
-def _flat_tree(sd: Mapping[str, Any]) -> list[tuple[str, list[Any]]]:
-    """(flat key, key path) per leaf, with the flattening rules of save_sharded."""
-    try:
-        return [(leaf.key, list(leaf.path)) for leaf in _tree.flatten(sd, where="Checkpointer.save")]
-    except ValueError as e:  # two values with one key
-        raise LayoutError(str(e)) from None
-
-
-def _unflatten(flat: Mapping[str, Any], tree: list[list[Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    placed = set()
-    for key, path in tree:
-        if key not in flat:
-            continue
-        _tree.set_path(out, path, flat[key])
-        placed.add(key)
-    for key, v in flat.items():  # global tensors saved under layouts of other names
-        if key not in placed:
-            out[key] = v
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -475,7 +154,7 @@ class Checkpointer:
             raise InvalidArgumentError(f"tier names must differ: {names}")
         self.host = hosts[0] if hosts else HostTier()
         pinned = self.host.pinned if self.host.pinned is not None else torch.cuda.is_available()
-        self.pool = _HostPool(int(self.host.budget), pinned)
+        self.pool = HostPool(int(self.host.budget), pinned)
         self.tier_names = [self.host.name] + [t.name for t in self.disks]
         self.on_busy = on_busy
         self.interval = interval
@@ -497,15 +176,12 @@ class Checkpointer:
             self._pg_ctl = dist.new_group(ranks, backend="gloo", timeout=to)
             self._pg_flush = dist.new_group(ranks, backend="gloo", timeout=to)
             self._pg_promote = dist.new_group(ranks, backend="gloo", timeout=to)
-        for t in self.disks:
-            for p in self._tier_paths(t):
-                p.mkdir(parents=True, exist_ok=True)
         self._ordinal = 0
         self._last_step: int | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._hooks: list[Any] = []
-        self._pending: list[_Snapshot] = []  # not yet captured
-        self._snaps: list[_Snapshot] = []  # every snapshot still holding host memory or in flight
+        self._pending: list[Snapshot] = []  # not yet captured
+        self._snaps: list[Snapshot] = []  # every snapshot still holding host memory or in flight
         self._handles: list[CheckpointHandle] = []
         self._lock = threading.Lock()
         self._errors: list[BaseException] = []
@@ -521,18 +197,38 @@ class Checkpointer:
         # so that they take this thread's class, not the background threads'.
         get_engine()
         self.priority_error: str | None = None  # why the threads could not be lowered, if they could not
-        self._capture_q: queue.Queue[_Snapshot | None] = queue.Queue()
-        self._flush_q: queue.Queue[_Snapshot | None] = queue.Queue()
-        self._promote_q: queue.Queue[_Snapshot | None] = queue.Queue()
+        self._capture_q: queue.Queue[Snapshot | None] = queue.Queue()
+        self._flush_q: queue.Queue[Snapshot | None] = queue.Queue()
+        self._promote_q: queue.Queue[Snapshot | None] = queue.Queue()
+        self._closed = False
+        self.cascade = Cascade(
+            path=self.path,
+            host=self.host,
+            disks=self.disks,
+            pool=self.pool,
+            rank=self.rank,
+            world=self.world,
+            pg_flush=self._pg_flush,
+            pg_promote=self._pg_promote,
+            lock=self._lock,
+            snaps=self._snaps,
+            handles=self._handles,
+            busy_dirs=self._busy_dirs,
+            promote_q=self._promote_q,
+            closed=lambda: self._closed,
+        )
+        for t in self.disks:
+            for p in self.cascade.tier_paths(t):
+                p.mkdir(parents=True, exist_ok=True)
+        run = self._run
         self._threads = [
-            threading.Thread(target=self._run, args=(self._capture_q, self._capture, "ts-capture"), name="ts-capture"),
-            threading.Thread(target=self._run, args=(self._flush_q, self._flush, "ts-flush"), name="ts-flush"),
-            threading.Thread(target=self._run, args=(self._promote_q, self._promote, "ts-promote"), name="ts-promote"),
+            threading.Thread(target=run, args=(self._capture_q, self._capture, "ts-capture"), name="ts-capture"),
+            threading.Thread(target=run, args=(self._flush_q, self.cascade.flush, "ts-flush"), name="ts-flush"),
+            threading.Thread(target=run, args=(self._promote_q, self.cascade.promote, "ts-promote"), name="ts-promote"),
         ]
         for th in self._threads:
             th.daemon = True
             th.start()
-        self._closed = False
 
     # ------------------------------------------------------------------------------------------
     # public API
@@ -575,7 +271,7 @@ class Checkpointer:
         if step < 0:
             raise InvalidArgumentError(f"step must be non-negative, got {step}")
         handle = CheckpointHandle(step, self.tier_names)
-        snap = _Snapshot(step, self._ordinal, handle)
+        snap = Snapshot(step, self._ordinal, handle)
         state, offload_buffers = self._expand_offloaded(state, snap)
         owned = self._owned_storages() if (self._optimizers and self.eager_unowned) else None
         if owned is not None and offload_buffers:
@@ -586,13 +282,13 @@ class Checkpointer:
 
         def reserve(t: torch.Tensor) -> int:
             n = t.numel() * t.element_size()
-            a = _PAGE if n >= _BIG else _ALIGN
+            a = PAGE if n >= BIG else SMALL_ALIGN
             off = -(-nbytes[0] // a) * a
             nbytes[0] = off + n
             return off
 
         state_copy = self._copy_tree(state, snap, plan, memo, reserve, owned, "")
-        snap.tree = list(_flat_tree(state_copy)) if isinstance(state_copy, Mapping) else []
+        snap.tree = list(flat_tree(state_copy)) if isinstance(state_copy, Mapping) else []
         # Room in host memory, else the backpressure policy.
         block = self.on_busy == "wait"
         slab = self.pool.reserve(nbytes[0], snap, block=False)
@@ -604,7 +300,7 @@ class Checkpointer:
         elif slab is None and block:
             slab = self.pool.reserve(nbytes[0], snap, block=True)
         if slab is None:
-            self._drop_offload_pins(snap)
+            drop_offload_pins(snap)
             for name in self.tier_names:
                 handle._set(name, "skipped")
             busy = [s.step for s in self._snaps if not s.evictable]
@@ -627,7 +323,7 @@ class Checkpointer:
                 attach_layout(item.dst, item.layout)
         snap.state = state_copy
         # Eager part: tensors no attached optimizer changes (buffers, counters).
-        lazy: list[_Item] = []
+        lazy: list[Item] = []
         for it in snap.items:
             if not it.mutable and it.src.device.type == "cpu":
                 with torch.no_grad():
@@ -656,7 +352,7 @@ class Checkpointer:
         handle.timings["blocked"] = time.perf_counter() - t0
         return handle
 
-    def _expand_offloaded(self, state: Mapping[str, Any], snap: _Snapshot) -> tuple[Mapping[str, Any], set[int]]:
+    def _expand_offloaded(self, state: Mapping[str, Any], snap: Snapshot) -> tuple[Mapping[str, Any], set[int]]:
         """Replaces each offloaded optimizer in ``state`` by its checkpoint
         parts (resident subgroups as tensors, the others as pinned files that
         the flush copies), attaching it so that its next step waits for the
@@ -665,7 +361,7 @@ class Checkpointer:
         count = [0]
 
         def walk(obj: Any) -> Any:
-            if _checkpoints_itself(obj):
+            if checkpoints_itself(obj):
                 if obj not in self._optimizers:
                     self.attach(obj)
                 prefix = f"r{self.rank:05d}-o{count[0]}-" if self.world > 1 else f"o{count[0]}-"
@@ -681,7 +377,7 @@ class Checkpointer:
                     parts[OFFLOAD_KEY] = PerRank(parts[OFFLOAD_KEY])
                 return parts
             if isinstance(obj, Mapping) and not isinstance(obj, torch.Tensor):
-                if not any(_checkpoints_itself(v) or isinstance(v, Mapping) for v in obj.values()):
+                if not any(checkpoints_itself(v) or isinstance(v, Mapping) for v in obj.values()):
                     return obj
                 out = dict(obj)
                 for k, v in obj.items():
@@ -690,23 +386,6 @@ class Checkpointer:
             return obj
 
         return walk(state), buffers
-
-    def _copy_offload_pins(self, snap: _Snapshot, d: Path) -> None:
-        """Copies the pinned subgroup files of offloaded optimizers into the
-        checkpoint directory ``d`` (reflink where the file system can)."""
-        if not snap.offload_pins:
-            return
-        d.mkdir(parents=True, exist_ok=True)
-        engine = get_engine()
-        for pin, name in snap.offload_pins:
-            _core.copy_file(engine, pin, d / name, background=True)
-
-    @staticmethod
-    def _drop_offload_pins(snap: _Snapshot) -> None:
-        for pin, _name in snap.offload_pins:
-            with contextlib.suppress(OSError):
-                pin.unlink()
-        snap.offload_pins = []
 
     def _adapt_interval(self) -> None:
         """With ``max_overhead``: sets the interval so that the blocking time of
@@ -792,14 +471,14 @@ class Checkpointer:
             ):
                 out.append({"step": s.step, "tier": self.host.name, "path": None, "rank": 0, "_snap": s})
         for ti, t in enumerate(self.disks):
-            for p in self._tier_paths(t):
-                for d in _step_dirs(p, t.name):
+            for p in self.cascade.tier_paths(t):
+                for d in step_dirs(p, t.name):
                     m = STEP_DIR.match(d.name)
                     mp = d / MANIFEST
                     if m and mp.is_file():
                         out.append({"step": int(m.group(1)), "tier": t.name, "path": str(d), "rank": ti + 1})
                     elif m and (mp.exists() or mp.is_symlink()):
-                        _warn_once(f"tierstore: {mp} on tier {t.name!r} is not a regular file; step {int(m.group(1))} "
+                        warn_once(f"tierstore: {mp} on tier {t.name!r} is not a regular file; step {int(m.group(1))} "
                                    "is skipped")  # fmt: skip
         out.sort(key=lambda c: (-c["step"], c["rank"]))
         for c in out:
@@ -836,7 +515,7 @@ class Checkpointer:
             err: BaseException | None = None
             result: Any = None
             try:
-                result = self._load_one(c, into, weights_only, per_rank_policy)
+                result = load_copy(c, into, weights_only, per_rank_policy)
             except Exception as e:  # any damage to this copy: the next one is tried
                 err = e
             ok = [err is None]
@@ -911,7 +590,7 @@ class Checkpointer:
     def _copy_tree(
         self,
         obj: Any,
-        snap: _Snapshot,
+        snap: Snapshot,
         plan: list[tuple[torch.Tensor, Any]],
         memo: dict[int, Any],
         reserve: Callable[[torch.Tensor], int],
@@ -932,7 +611,7 @@ class Checkpointer:
             src = local
             dst = torch.empty(0, dtype=src.dtype)
             mutable = owned is None or src.untyped_storage().data_ptr() in owned
-            snap.items.append(_Item(src, dst, src._version, mutable, keep_layout))
+            snap.items.append(Item(src, dst, src._version, mutable, keep_layout))
             plan.append((src, reserve(src)))
             memo[id(obj)] = dst
             return dst
@@ -955,11 +634,11 @@ class Checkpointer:
             return tuple(self._copy_tree(v, snap, plan, memo, reserve, owned, key) for v in obj)
         return copy.deepcopy(obj, memo)
 
-    def _capture(self, snap: _Snapshot) -> None:
+    def _capture(self, snap: Snapshot) -> None:
         with torch.no_grad():
             self._capture_inner(snap)
 
-    def _capture_inner(self, snap: _Snapshot) -> None:
+    def _capture_inner(self, snap: Snapshot) -> None:
         if snap.event is None:
             self._capture_host(snap)
             return
@@ -974,7 +653,7 @@ class Checkpointer:
             for i, it in enumerate(snap.items):
                 if not it.mutable and not done_mutable:
                     self._sync(snap)
-                    snap.mutable_done.set()
+                    snap.advance(Capture.MUTABLE_DONE)
                     done_mutable = True
                     if gate is not None:
                         gate.advance(i)
@@ -992,27 +671,15 @@ class Checkpointer:
             self._fail_snapshot(snap, e)
             self._capture_errors.append(e)
         finally:
-            snap.handle.timings["capture"] = time.perf_counter() - snap.t_save
-            snap.mutable_done.set()
-            snap.captured.set()
-            with self._lock:
-                if snap in self._pending:
-                    self._pending.remove(snap)
-            if not self.debug:
-                snap.release_sources()
-                snap.verified.set()
-        if snap.error is None:
-            snap.handle._set(self.host.name, "captured")
-            if snap.gate is None:
-                self._flush_q.put(snap)
+            self._finish_capture(snap)
 
-    def _capture_host(self, snap: _Snapshot) -> None:
+    def _capture_host(self, snap: Snapshot) -> None:
         """Capture of host tensors: this (low-priority) thread copies items in
         order while training runs; the step pre-hook copies whatever mutable
         items are still untaken when the step arrives (see :meth:`_steal`)."""
         try:
             if snap.n_mutable == 0:
-                snap.mutable_done.set()
+                snap.advance(Capture.MUTABLE_DONE)
             while True:
                 with snap.cap_lock:
                     i = snap.cap_next
@@ -1023,7 +690,7 @@ class Checkpointer:
                         break
                     snap.taken[i] = True
                 it = snap.items[i]
-                _copy_host(it.dst, it.src)
+                copy_host(it.dst, it.src)
                 self._copied(snap, (i,))
             # Items the training thread took are copied before their sources are released.
             while not snap.mutable_done.wait(0.1):
@@ -1035,22 +702,29 @@ class Checkpointer:
         finally:
             if snap.gate is not None and snap.error is None:
                 snap.gate.advance(len(snap.items))
-            snap.handle.timings["capture"] = time.perf_counter() - snap.t_save
-            snap.mutable_done.set()
-            snap.captured.set()
-            with self._lock:
-                if snap in self._pending:
-                    self._pending.remove(snap)
-            if not self.debug:
-                snap.release_sources()
-                snap.verified.set()
+            self._finish_capture(snap)
+
+    def _finish_capture(self, snap: Snapshot) -> None:
+        """The end of a capture, whatever its outcome: waiters are released,
+        a failed snapshot's buffers go back to the pool (nothing writes into
+        them any more), and a good one goes on to the flush."""
+        snap.handle.timings["capture"] = time.perf_counter() - snap.t_save
+        snap.advance(Capture.CAPTURED)
+        if snap.error is not None:
+            self._release_failed(snap)
+        with self._lock:
+            if snap in self._pending:
+                self._pending.remove(snap)
+        if not self.debug:
+            snap.release_sources()
+            snap.verified.set()
         if snap.error is None:
             snap.handle._set(self.host.name, "captured")
             if snap.gate is None:
                 self._flush_q.put(snap)
 
     @staticmethod
-    def _copied(snap: _Snapshot, idxs: tuple[int, ...] | list[int]) -> None:
+    def _copied(snap: Snapshot, idxs: tuple[int, ...] | list[int]) -> None:
         with snap.cap_lock:
             for i in idxs:
                 snap.done[i] = True
@@ -1060,9 +734,9 @@ class Checkpointer:
             if snap.gate is not None:
                 snap.gate.advance(snap.done_prefix)  # the flush may write these tensors now
             if snap.done_prefix >= snap.n_mutable:
-                snap.mutable_done.set()
+                snap.advance(Capture.MUTABLE_DONE)
 
-    def _steal(self, snap: _Snapshot) -> None:
+    def _steal(self, snap: Snapshot) -> None:
         """On the training thread, at the optimizer step: copies the mutable
         items the capture thread has not started (it runs at low priority and
         may not have had a core), instead of waiting for it."""
@@ -1084,18 +758,18 @@ class Checkpointer:
             snap.stolen += len(mine)
             self._copied(snap, mine)
 
-    def _fail_snapshot(self, snap: _Snapshot, e: BaseException) -> None:
-        self._drop_offload_pins(snap)
+    def _fail_snapshot(self, snap: Snapshot, e: BaseException) -> None:
+        drop_offload_pins(snap)
         if snap.gate is not None:
             snap.gate.fail()  # a flush already writing this snapshot stops
-        snap.error = e
+        snap.fail(e)
         snap.handle.error = e
         for n, st in snap.handle.tiers.items():
             if st in ("pending", "captured"):
                 snap.handle._set(n, "failed")
-        snap.evictable = True
-        snap.in_host = False
-        self.pool.release(snap)
+        if snap.copying_done:
+            self._release_failed(snap)
+        # else the capture thread gives the buffers back when it stops copying
         snap.verified.set()
         with self._lock:
             if snap in self._snaps:
@@ -1123,12 +797,12 @@ class Checkpointer:
         if torn is not None:
             raise torn
 
-    def _sync(self, snap: _Snapshot) -> None:
+    def _sync(self, snap: Snapshot) -> None:
         if snap.event is not None and self._stream is not None:
             self._stream.synchronize()
 
     @staticmethod
-    def _torn_msg(snap: _Snapshot, it: _Item) -> str:
+    def _torn_msg(snap: Snapshot, it: Item) -> str:
         return (
             f"checkpoint of step {snap.step}: a tensor of shape {tuple(it.src.shape)} ({it.src.dtype}) was modified "
             f"before its capture finished (version {it.version} -> {it.src._version}); call wait_capture() or "
@@ -1165,7 +839,7 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------
     # flush and promotion
 
-    def _run(self, q: queue.Queue[_Snapshot | None], fn: Callable[[_Snapshot], None], name: str) -> None:
+    def _run(self, q: queue.Queue[Snapshot | None], fn: Callable[[Snapshot], None], name: str) -> None:
         _threads.set_name(name)
         why = _threads.lower_priority(self.priority)
         if why is not None:
@@ -1185,403 +859,23 @@ class Checkpointer:
                     )
                     wrapped.__cause__ = e
                     e = wrapped
-                self._drop_offload_pins(snap)
+                drop_offload_pins(snap)
                 snap.handle.error = e
                 self._errors.append(e)
                 for name, st in snap.handle.tiers.items():
                     if st == "pending":
                         snap.handle._set(name, "failed")
-                snap.evictable = True
+                self._wait_copied(snap)
+                snap.release_host(Residency.EVICTABLE)
                 self.pool.release(snap)
 
-    def _tier_paths(self, t: DiskTier) -> list[Path]:
-        return [self.path / p for p in t.paths]  # type: ignore[union-attr]
+    def _release_failed(self, snap: Snapshot) -> None:
+        """A failed snapshot's host copy is no restore point: its buffers go
+        back to the pool (once its capture no longer writes into them)."""
+        snap.release_host(Residency.EVICTED)
+        self.pool.release(snap)
 
-    def _dir_for(self, t: DiskTier, snap: _Snapshot) -> Path:
-        ps = self._tier_paths(t)
-        return ps[snap.ordinal % len(ps)] / f"step-{snap.step:012d}"
-
-    def _selected(self, t: DiskTier, snap: _Snapshot) -> bool:
-        return snap.ordinal % t.every == 0
-
-    def _write_meta(self, d: Path, snap: _Snapshot) -> None:
-        if self.rank == 0:
-            d.mkdir(parents=True, exist_ok=True)
-            meta = {"step": snap.step, "world_size": self.world, "tree": snap.tree, "created_unix": time.time()}
-            write_json_atomic(d / META, meta)
-
-    def _flush(self, snap: _Snapshot) -> None:
-        h = snap.handle
-        # Debug mode: the training thread checks the snapshot at its next
-        # synchronisation point (step hook, wait_capture, save, wait).
-        while not snap.verified.wait(0.1):
-            if self._closed:
-                return
-        if snap.error is not None:
-            return
-        local = self.disks[0]
-        t0 = time.perf_counter()
-        written: Path | None = None
-        if self._selected(local, snap):
-            d = self._dir_for(local, snap)
-            with self._lock:
-                self._busy_dirs.add(d)
-            try:
-                self._write_meta(d, snap)
-                self._copy_offload_pins(snap, d)
-                write_sharded(
-                    snap.state,
-                    d,
-                    process_group=self._pg_flush,
-                    background=True,
-                    gates=snap.gates,
-                    attachments=(META,),
-                )
-                snap.captured.wait()
-                if snap.error is not None:
-                    raise TierstoreError(f"the capture failed: {snap.error}")
-                written = d
-                h.paths[local.name] = str(d)
-                h.timings["flush"] = time.perf_counter() - t0
-                h.timings["to_local"] = time.perf_counter() - snap.t_save
-                h._set(local.name, "durable")
-            except (OSError, TierstoreError) as e:
-                with self._lock:
-                    self._busy_dirs.discard(d)
-                with contextlib.suppress(OSError):
-                    shutil.rmtree(d)
-                snap.captured.wait()
-                if snap.error is not None:  # the capture failed: the handle says so already
-                    return
-                h._set(local.name, "failed")
-                farther = [t.name for t in self.disks[1:]]
-                warnings.warn(
-                    f"tierstore: checkpoint of step {snap.step} could not be written to the {local.name!r} tier "
-                    f"({e}); " + (f"writing it to {farther[0]!r} instead" if farther else "it is lost"),
-                    stacklevel=1,
-                )
-                if not farther:
-                    h.error = e
-        else:
-            h._set(local.name, "skipped")
-        if written is not None:
-            snap.local_dir = written
-            snap.evictable = True  # durable: the host copy may be dropped when room is needed
-            self._trim_host()
-            self._gc(local)
-        self._promote_q.put(snap)
-
-    def _trim_host(self) -> None:
-        """Keeps ``HostTier.keep_last`` durable snapshots in memory; the
-        buffers of older ones become free for the next captures."""
-        with self._lock:
-            retained = [s for s in self._snaps if s.evictable and s.in_host and s.error is None]
-        retained.sort(key=lambda s: s.ordinal)
-        for s in retained[: max(0, len(retained) - self.host.keep_last)]:
-            with self.pool.cond:
-                self.pool._evict_snapshot(s)
-        self.pool.notify()
-
-    def _promote(self, snap: _Snapshot) -> None:
-        h = snap.handle
-        try:
-            for t in self.disks[1:]:
-                if not self._selected(t, snap) and snap.local_dir is not None:
-                    h._set(t.name, "skipped")
-                    continue
-                t0 = time.perf_counter()
-                d = self._dir_for(t, snap)
-                with self._lock:
-                    self._busy_dirs.add(d)
-                try:
-                    if snap.local_dir is not None:
-                        self._copy_dir(snap.local_dir, d)
-                    else:  # the local tier failed: write from host memory
-                        snap.captured.wait()
-                        if snap.error is not None:
-                            return
-                        self._write_meta(d, snap)
-                        self._copy_offload_pins(snap, d)
-                        write_sharded(
-                            snap.state, d, process_group=self._pg_promote, background=True, attachments=(META,)
-                        )
-                        snap.local_dir = d
-                    h.paths[t.name] = str(d)
-                    h.timings["to_remote"] = time.perf_counter() - snap.t_save
-                    h.timings["promote"] = time.perf_counter() - t0
-                    if t is self.disks[-1]:
-                        self._drop_offload_pins(snap)  # before wait() can return
-                    h._set(t.name, "durable")
-                    self._gc(t)
-                except (OSError, TierstoreError) as e:
-                    h._set(t.name, "failed")
-                    h.error = e
-                    warnings.warn(
-                        f"tierstore: checkpoint of step {snap.step} could not be copied to the {t.name!r} tier: {e}",
-                        stacklevel=1,
-                    )
-                finally:
-                    with self._lock:
-                        self._busy_dirs.discard(d)
-        finally:
-            self._drop_offload_pins(snap)
-            if self.disks[0].name in h.paths:
-                with self._lock:
-                    self._busy_dirs.discard(Path(h.paths[self.disks[0].name]))
-            snap.evictable = True
-            if h.state in ("failed", "skipped", "captured"):
-                self.pool.release(snap)  # nothing durable: the host copy is no restore point
-                snap.in_host = False
-            self.pool.notify()
-            with self._lock:
-                self._snaps = [s for s in self._snaps if s.in_host or not s.evictable]
-                if len(self._handles) > 256:  # keep the recent and the unsettled ones
-                    old, recent = self._handles[:-128], self._handles[-128:]
-                    self._handles = [x for x in old if not x.settled()] + recent
-
-    def _copy_dir(self, src: Path, dst: Path) -> None:
-        """Copies this rank's files of the committed checkpoint ``src`` to
-        ``dst``; rank 0 commits ``dst`` with its manifest once every rank's
-        files are durable there."""
-        m = read_manifest(src)
-        sid = m["save_id"]
-        # The step directory's entry (and any tier directory made here) made
-        # durable in their parents before the manifest commits the copy.
-        make_dir(dst, durable=True)
-        engine = get_engine()
-        mine = [
-            f
-            for f in sorted(os.listdir(src))
-            if (f".{sid}." in f and f.startswith((f"rank-{self.rank:05d}.", f"objects-{self.rank:05d}.")))
-            or f.startswith(f"offload-{self.rank:05d}.")
-        ]
-        if self.rank == 0 and (src / META).exists():
-            mine.append(META)
-        err: BaseException | None = None
-        try:
-            for f in mine:
-                _core.copy_file(engine, src / f, dst / f, background=True)
-        except (OSError, TierstoreError) as e:
-            err = e
-        oks = all_gather(err is None, self.world, self._pg_promote)
-        if err is not None:
-            raise err
-        if not all(oks):
-            raise TierstoreError(f"{dst}: another rank failed to copy its files; not committed")
-        if self.rank == 0:
-            _core.copy_file(engine, src / MANIFEST, dst / MANIFEST, background=True)
-        if self.world > 1:
-            all_gather(True, self.world, self._pg_promote)
-
-    def _gc(self, t: DiskTier) -> None:
-        """Retention on tier ``t`` (rank 0 only): keeps the newest ``keep_last``
-        complete checkpoints, multiples of ``keep_every`` and anything in use;
-        removes older incomplete directories left by crashes."""
-        if self.rank != 0:
-            return
-        complete: list[tuple[int, Path]] = []
-        incomplete: list[tuple[int, Path]] = []
-        for p in self._tier_paths(t):
-            for d in _step_dirs(p, t.name):
-                m = STEP_DIR.match(d.name)
-                if m:
-                    (complete if (d / MANIFEST).exists() else incomplete).append((int(m.group(1)), d))
-        if not complete:
-            return
-        complete.sort(reverse=True)
-        newest = complete[0][0]
-        keep = {d for _s, d in complete[: t.keep_last]} if t.keep_last is not None else {d for _s, d in complete}
-        keep.add(complete[0][1])
-        if t.keep_every:
-            keep |= {d for s, d in complete if s % t.keep_every == 0}
-        with self._lock:
-            busy = set(self._busy_dirs)
-        for _s, d in complete:
-            if d not in keep and d not in busy:
-                shutil.rmtree(d, ignore_errors=True)
-        for s, d in incomplete:
-            if s < newest and d not in busy:
-                shutil.rmtree(d, ignore_errors=True)
-
-    # ------------------------------------------------------------------------------------------
-    # restore
-
-    def _load_one(self, c: dict[str, Any], into: Any, weights_only: bool, per_rank_policy: Any) -> Any:
-        snap: _Snapshot | None = c.get("_snap")
-        if c["path"] is None:
-            if snap is None or not snap.in_host:
-                raise TierstoreError("the host copy was dropped")
-            if into is not None:
-                raise TierstoreError("host copies restore only without `into`")
-            return _clone_tree(snap.state)
-        d = Path(c["path"])
-        tree = _read_meta(d, c["step"])
-        if into is not None:
-            return self._load_into(d, into, weights_only, per_rank_policy)
-        flat = consolidate(d, weights_only=weights_only, per_rank_policy=per_rank_policy)
-        if tree is None:
-            return _offload_state_dicts(flat, d)
-        return _offload_state_dicts(_unflatten(flat, tree), d)
-
-    def _load_into(self, d: Path, into: Any, weights_only: bool, per_rank_policy: Any) -> Any:
-        """``load_sharded`` into ``into``, where offloaded optimizers get their
-        saved subgroups back as they are (no per-parameter work)."""
-        found: list[tuple[MutableMapping[str, Any], str, Any]] = []
-
-        def walk(obj: Any) -> Any:
-            if isinstance(obj, Mapping) and not isinstance(obj, torch.Tensor):
-                out = dict(obj)
-                for k, v in obj.items():
-                    if _checkpoints_itself(v):
-                        out[k] = {OFFLOAD_KEY: None}
-                        found.append((out, k, v))
-                    else:
-                        out[k] = walk(v)
-                return out
-            return obj
-
-        template = walk(into) if isinstance(into, Mapping) else into
-        if not found:
-            return load_sharded(d, into, process_group=None, per_rank_policy=per_rank_policy, weights_only=weights_only)
-        # The offload entries' metadata first (small), then every tensor in one load.
-        probe = _only_offload_meta(template)
-        load_sharded(d, probe, process_group=None, per_rank_policy=per_rank_policy, weights_only=weights_only)
-        metas = [offload_meta(m[OFFLOAD_KEY], str(d)) for m in _offload_entries(probe)]
-        for (parent, k, _opt), meta in zip(found, metas, strict=True):
-            entry: dict[str, Any] = {OFFLOAD_KEY: None}
-            for e in meta["subgroups"]:
-                if "tensor" in e:
-                    entry[e["tensor"]] = torch.empty(e["nbytes"], dtype=torch.uint8)
-            parent[k] = entry
-        load_sharded(d, template, process_group=None, per_rank_policy=per_rank_policy, weights_only=weights_only)
-        for (parent, k, opt), meta in zip(found, metas, strict=True):
-            tensors = {n: t for n, t in parent[k].items() if isinstance(t, torch.Tensor)}
-            opt.restore_from_checkpoint(meta, tensors, d)
-        _copy_back(into, template)
-        return into
-
-
-def _step_dirs(p: Path, tier: str) -> list[Path]:
-    """The step directories of tier path ``p``: real directories inside it.
-    A symlink (to another job's run, or to another step) is never taken for
-    a checkpoint of this tier; it is reported once and skipped."""
-    out: list[Path] = []
-    try:
-        entries = list(p.iterdir()) if p.is_dir() else []
-    except OSError:
-        return out
-    for d in entries:
-        if not STEP_DIR.match(d.name):
-            continue
-        try:
-            st = d.lstat()
-        except FileNotFoundError:
-            continue  # removed since the listing (retention on another thread): not a stray entry
-        if not stat.S_ISDIR(st.st_mode) or not _paths.inside(p, d):
-            _warn_once(f"tierstore: {d} on tier {tier!r} is not a step directory of this tier (a symlink or not a "
-                       "directory); it is skipped")  # fmt: skip
-            continue
-        out.append(d)
-    return out
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        warnings.warn(msg, stacklevel=3)
-
-
-def _read_meta(d: Path, step: int) -> list[list[Any]] | None:
-    """The key tree of step directory ``d``'s ``checkpoint.json``, checked:
-    against the size and CRC-32 its manifest recorded (checkpoints written
-    since the manifest records it: then a missing file is damage), its own
-    checksum, its step, and the shape of every tree entry."""
-    m = read_manifest(d)
-    where = str(d / META)
-    data = read_attachment(d, m, META)
-    if data is None:
-        if m.get("format_version", 1) >= 2 and "attachments" in m:
-            return None  # written by save_sharded directly: no key tree
-        if not (d / META).exists():
-            return None  # an older checkpoint without one
-        data = _paths.read_regular(_paths.member(d, META, source=str(d), field=META), 1 << 30, META)
-    meta, _had = _metadata.loads(data, where, required=False)
-    f = _metadata.Fields(where)
-    if f.uint(f.get(meta, "step", "step"), "step") != step:
-        f.fail("step", f"{step} (the step of its directory)", meta["step"])
-    f.uint(f.get(meta, "world_size", "world_size"), "world_size", most=1 << 24)
-    tree = f.array(f.get(meta, "tree", "tree"), "tree")
-    for i, entry in enumerate(tree):
-        fld = f"tree[{i}]"
-        f.array(entry, fld, length=2)
-        key = f.string(entry[0], f"{fld}[0]", most=1 << 16)
-        if _tree.check_path(f.array(entry[1], f"{fld}[1]"), key) is None:
-            f.fail(f"{fld}[1]", f"the key path of {key!r} (its parts joined by '.' give the key)", entry[1])
-    return tree
-
-
-def _only_offload_meta(tree: Mapping[str, Any]) -> dict[str, Any]:
-    """The part of a load template that holds offload metadata entries."""
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, Mapping) and OFFLOAD_KEY in v:
-            out[k] = {OFFLOAD_KEY: None}
-        elif isinstance(v, Mapping):
-            sub = _only_offload_meta(v)
-            if sub:
-                out[k] = sub
-    return out
-
-
-def _offload_entries(tree: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
-    for v in tree.values():
-        if isinstance(v, Mapping) and OFFLOAD_KEY in v:
-            yield v
-        elif isinstance(v, Mapping):
-            yield from _offload_entries(v)
-
-
-def _copy_back(into: Any, template: Any) -> None:
-    """Puts what ``load_sharded`` filled into a template back into ``into``
-    (offloaded optimizers stay in place: they restored themselves)."""
-    if not isinstance(into, MutableMapping):
-        return
-    for k, v in into.items():
-        t = template.get(k)
-        if _checkpoints_itself(v):
-            continue
-        if isinstance(v, Mapping) and not isinstance(v, torch.Tensor):
-            _copy_back(v, t)
-        elif not isinstance(v, torch.Tensor):
-            into[k] = t  # non-tensor values are replaced by the saved ones
-
-
-def _offload_state_dicts(obj: Any, d: Path) -> Any:
-    """Turns offloaded optimizers' checkpoint entries into the wrapped
-    optimizer's ordinary state dict."""
-    if is_offload_parts(obj):
-        tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
-        return restore_state_dict(offload_meta(obj[OFFLOAD_KEY], str(d)), tensors, d)
-    if isinstance(obj, dict):
-        return {k: _offload_state_dicts(v, d) for k, v in obj.items()}
-    return obj
-
-
-def _clone_tree(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, PerRank):
-        return _clone_tree(obj.value)
-    if isinstance(obj, Mapping):
-        out = copy.copy(obj)
-        for k, v in obj.items():
-            out[k] = _clone_tree(v)  # type: ignore[index]
-        return out
-    if isinstance(obj, list):
-        return [_clone_tree(v) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_clone_tree(v) for v in obj)
-    return copy.deepcopy(obj)
+    def _wait_copied(self, snap: Snapshot) -> None:
+        """Until the capture no longer writes into the snapshot's buffers
+        (it always ends: its thread sets ``captured`` in a ``finally``)."""
+        snap.captured.wait()

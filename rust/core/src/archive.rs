@@ -90,24 +90,10 @@ impl Archive {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::zip::{local_header, LayoutBuilder};
 
     fn write(dir: &Path, records: &[(&str, &[u8])]) -> PathBuf {
-        let mut lb = LayoutBuilder::new(64).unwrap();
-        for (n, d) in records {
-            lb.push(n, d.len() as u64).unwrap();
-        }
-        let end = lb.end();
-        let mut file = vec![0u8; end as usize];
-        for (e, (_, d)) in lb.entries_mut().iter_mut().zip(records) {
-            e.crc = crc32fast::hash(d);
-            let h = local_header(e);
-            file[e.header_offset as usize..e.data_offset as usize].copy_from_slice(&h);
-            file[e.data_offset as usize..e.data_end() as usize].copy_from_slice(d);
-        }
-        file.extend(zip::central_directory(lb.entries(), end));
         let p = dir.join("a.zip");
-        std::fs::write(&p, file).unwrap();
+        std::fs::write(&p, crate::zip::tests::build(records, 64)).unwrap();
         p
     }
 

@@ -153,14 +153,7 @@ impl EngineFile {
     /// FIFO would otherwise wait for a writer forever) and refused when the
     /// descriptor is anything else.
     pub fn open_read(path: &Path, want_direct: bool) -> Result<Self> {
-        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, "open", e))?;
-        if meta.is_dir() {
-            return Err(Error::io(
-                path,
-                "open",
-                io::Error::from_raw_os_error(libc::EISDIR),
-            ));
-        }
+        refuse_directory(path)?;
         let (file, direct, reason) = open_maybe_direct(
             path,
             libc::O_RDONLY | libc::O_NONBLOCK,
@@ -413,6 +406,20 @@ pub fn remove_stale_temps(final_path: &Path) {
     }
 }
 
+/// `EISDIR` for a directory given where a file is to be read (and the
+/// error of `stat` for a path that cannot be examined).
+fn refuse_directory(path: &Path) -> Result<()> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, "open", e))?;
+    if meta.is_dir() {
+        return Err(Error::io(
+            path,
+            "open",
+            io::Error::from_raw_os_error(libc::EISDIR),
+        ));
+    }
+    Ok(())
+}
+
 /// A file as a [`crate::zip::ReadAt`] source (buffered positioned reads).
 pub struct FileSource {
     file: File,
@@ -421,14 +428,7 @@ pub struct FileSource {
 
 impl FileSource {
     pub fn open(path: &Path) -> Result<Self> {
-        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, "open", e))?;
-        if meta.is_dir() {
-            return Err(Error::io(
-                path,
-                "open",
-                io::Error::from_raw_os_error(libc::EISDIR),
-            ));
-        }
+        refuse_directory(path)?;
         let file = open_raw(path, libc::O_RDONLY | libc::O_NONBLOCK, 0)
             .map_err(|e| Error::io(path, "open", e))?;
         let len = regular_len(&file, path)?;

@@ -1022,10 +1022,11 @@ pub fn check_data_range(e: &CdEntry, data_offset: u64, dir: &Directory, path: &P
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn build(records: &[(&str, &[u8])], align: u64) -> Vec<u8> {
+    /// The bytes of an archive holding `records`, as the writer lays it out.
+    pub(crate) fn build(records: &[(&str, &[u8])], align: u64) -> Vec<u8> {
         let mut lb = LayoutBuilder::new(align).unwrap();
         for (n, d) in records {
             lb.push(n, d.len() as u64).unwrap();

@@ -15,6 +15,7 @@ mod archive;
 mod buffer;
 mod engine;
 mod errors;
+mod fastpath;
 mod pickler;
 mod reader;
 mod unpickle;

@@ -21,30 +21,13 @@ use std::collections::HashMap;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
+use crate::fastpath::{GiveUp, Stop};
+
 const MARK: u8 = b'(';
 const BATCH: usize = 1000;
 const MAX_DEPTH: usize = 500;
 
-struct GiveUp;
-
 type Step = Result<(), Stop>;
-
-enum Stop {
-    GiveUp,
-    Py(PyErr),
-}
-
-impl From<GiveUp> for Stop {
-    fn from(_: GiveUp) -> Self {
-        Stop::GiveUp
-    }
-}
-
-impl From<PyErr> for Stop {
-    fn from(e: PyErr) -> Self {
-        Stop::Py(e)
-    }
-}
 
 struct Pickler<'py> {
     out: Vec<u8>,

@@ -25,6 +25,8 @@ use std::collections::HashMap;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
+use crate::fastpath::{GiveUp, Stop};
+
 /// Objects the VM compares against, fetched once per load by the caller.
 pub struct Known<'py> {
     pub allowed: Bound<'py, PyDict>,
@@ -36,10 +38,6 @@ pub struct Known<'py> {
     /// classes); the fast path leaves those files to torch.
     pub deferred_callables: Vec<Bound<'py, PyAny>>,
 }
-
-/// Why the fast path stopped; the caller falls back to torch's unpickler.
-#[derive(Debug)]
-pub struct GiveUp;
 
 type Step<T> = Result<T, GiveUp>;
 
@@ -97,19 +95,6 @@ pub fn load<'py>(
         Ok(v) => Ok(Some(v)),
         Err(Stop::GiveUp) => Ok(None),
         Err(Stop::Py(e)) => Err(e),
-    }
-}
-
-enum Stop {
-    GiveUp,
-    /// An error raised by a callable the file legitimately called (e.g. the
-    /// persistent loader reporting a missing record): propagated as is.
-    Py(PyErr),
-}
-
-impl From<GiveUp> for Stop {
-    fn from(_: GiveUp) -> Self {
-        Stop::GiveUp
     }
 }
 

@@ -1,0 +1,299 @@
+"""The Checkpointer's cascade: a captured snapshot is flushed to the local
+disk tier as a sharded checkpoint, promoted to the farther tiers, and old
+steps are removed by each tier's retention; the host pool keeps the durable
+snapshots ``HostTier.keep_last`` asks for.
+
+The cascade runs on the flush and promotion threads. It shares with the
+Checkpointer, by reference and under ``lock``, the list of live snapshots,
+the handles, and the set of step directories being written (retention never
+removes those); it never rebinds them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tierstore import _core
+from tierstore._ckpt_pool import HostPool
+from tierstore._ckpt_restore import META, STEP_DIR, step_dirs
+from tierstore._ckpt_snapshot import CheckpointHandle, Residency, Snapshot
+from tierstore._dist import all_gather
+from tierstore._engine import get_engine
+from tierstore._fs import make_dir, write_json_atomic
+from tierstore.errors import TierstoreError
+from tierstore.sharded import write_sharded
+from tierstore.shardmeta import MANIFEST, read_manifest
+from tierstore.tiers import DiskTier, HostTier
+
+
+def copy_offload_pins(snap: Snapshot, d: Path) -> None:
+    """Copies the pinned subgroup files of offloaded optimizers into the
+    checkpoint directory ``d`` (reflink where the file system can)."""
+    if not snap.offload_pins:
+        return
+    d.mkdir(parents=True, exist_ok=True)
+    engine = get_engine()
+    for pin, name in snap.offload_pins:
+        _core.copy_file(engine, pin, d / name, background=True)
+
+
+def drop_offload_pins(snap: Snapshot) -> None:
+    for pin, _name in snap.offload_pins:
+        with contextlib.suppress(OSError):
+            pin.unlink()
+    snap.offload_pins = []
+
+
+class Cascade:
+    """Flush, promotion and retention of one Checkpointer's snapshots."""
+
+    def __init__(
+        self,
+        *,
+        path: Path,
+        host: HostTier,
+        disks: list[DiskTier],
+        pool: HostPool,
+        rank: int,
+        world: int,
+        pg_flush: Any,
+        pg_promote: Any,
+        lock: threading.Lock,
+        snaps: list[Snapshot],
+        handles: list[CheckpointHandle],
+        busy_dirs: set[Path],
+        promote_q: queue.Queue[Snapshot | None],
+        closed: Callable[[], bool],
+    ) -> None:
+        self.path, self.host, self.disks, self.pool = path, host, disks, pool
+        self.rank, self.world = rank, world
+        self._pg_flush, self._pg_promote = pg_flush, pg_promote
+        self._lock, self._snaps, self._handles, self._busy_dirs = lock, snaps, handles, busy_dirs
+        self._promote_q = promote_q
+        self._is_closed = closed
+
+    @property
+    def _closed(self) -> bool:
+        return self._is_closed()
+
+    def tier_paths(self, t: DiskTier) -> list[Path]:
+        return [self.path / p for p in t.paths]  # type: ignore[union-attr]
+
+    def dir_for(self, t: DiskTier, snap: Snapshot) -> Path:
+        ps = self.tier_paths(t)
+        return ps[snap.ordinal % len(ps)] / f"step-{snap.step:012d}"
+
+    def selected(self, t: DiskTier, snap: Snapshot) -> bool:
+        return snap.ordinal % t.every == 0
+
+    def write_meta(self, d: Path, snap: Snapshot) -> None:
+        if self.rank == 0:
+            d.mkdir(parents=True, exist_ok=True)
+            meta = {"step": snap.step, "world_size": self.world, "tree": snap.tree, "created_unix": time.time()}
+            write_json_atomic(d / META, meta)
+
+    def flush(self, snap: Snapshot) -> None:
+        h = snap.handle
+        # Debug mode: the training thread checks the snapshot at its next
+        # synchronisation point (step hook, wait_capture, save, wait).
+        while not snap.verified.wait(0.1):
+            if self._closed:
+                return
+        if snap.error is not None:
+            return
+        local = self.disks[0]
+        t0 = time.perf_counter()
+        written: Path | None = None
+        if self.selected(local, snap):
+            d = self.dir_for(local, snap)
+            with self._lock:
+                self._busy_dirs.add(d)
+            try:
+                self.write_meta(d, snap)
+                copy_offload_pins(snap, d)
+                write_sharded(
+                    snap.state,
+                    d,
+                    process_group=self._pg_flush,
+                    background=True,
+                    gates=snap.gates,
+                    attachments=(META,),
+                )
+                snap.captured.wait()
+                if snap.error is not None:
+                    raise TierstoreError(f"the capture failed: {snap.error}")
+                written = d
+                h.paths[local.name] = str(d)
+                h.timings["flush"] = time.perf_counter() - t0
+                h.timings["to_local"] = time.perf_counter() - snap.t_save
+                h._set(local.name, "durable")
+            except (OSError, TierstoreError) as e:
+                with self._lock:
+                    self._busy_dirs.discard(d)
+                with contextlib.suppress(OSError):
+                    shutil.rmtree(d)
+                snap.captured.wait()
+                if snap.error is not None:  # the capture failed: the handle says so already
+                    return
+                h._set(local.name, "failed")
+                farther = [t.name for t in self.disks[1:]]
+                warnings.warn(
+                    f"tierstore: checkpoint of step {snap.step} could not be written to the {local.name!r} tier "
+                    f"({e}); " + (f"writing it to {farther[0]!r} instead" if farther else "it is lost"),
+                    stacklevel=1,
+                )
+                if not farther:
+                    h.error = e
+        else:
+            h._set(local.name, "skipped")
+        if written is not None:
+            snap.local_dir = written
+            snap.release_host(Residency.EVICTABLE)  # durable: the host copy may be dropped when room is needed
+            self.trim_host()
+            self.gc(local)
+        self._promote_q.put(snap)
+
+    def trim_host(self) -> None:
+        """Keeps ``HostTier.keep_last`` durable snapshots in memory; the
+        buffers of older ones become free for the next captures."""
+        with self._lock:
+            retained = [s for s in self._snaps if s.evictable and s.in_host and s.error is None]
+        retained.sort(key=lambda s: s.ordinal)
+        for s in retained[: max(0, len(retained) - self.host.keep_last)]:
+            with self.pool.cond:
+                self.pool._evict_snapshot(s)
+        self.pool.notify()
+
+    def promote(self, snap: Snapshot) -> None:
+        h = snap.handle
+        try:
+            for t in self.disks[1:]:
+                if not self.selected(t, snap) and snap.local_dir is not None:
+                    h._set(t.name, "skipped")
+                    continue
+                t0 = time.perf_counter()
+                d = self.dir_for(t, snap)
+                with self._lock:
+                    self._busy_dirs.add(d)
+                try:
+                    if snap.local_dir is not None:
+                        self.copy_dir(snap.local_dir, d)
+                    else:  # the local tier failed: write from host memory
+                        snap.captured.wait()
+                        if snap.error is not None:
+                            return
+                        self.write_meta(d, snap)
+                        copy_offload_pins(snap, d)
+                        write_sharded(
+                            snap.state, d, process_group=self._pg_promote, background=True, attachments=(META,)
+                        )
+                        snap.local_dir = d
+                    h.paths[t.name] = str(d)
+                    h.timings["to_remote"] = time.perf_counter() - snap.t_save
+                    h.timings["promote"] = time.perf_counter() - t0
+                    if t is self.disks[-1]:
+                        drop_offload_pins(snap)  # before wait() can return
+                    h._set(t.name, "durable")
+                    self.gc(t)
+                except (OSError, TierstoreError) as e:
+                    h._set(t.name, "failed")
+                    h.error = e
+                    warnings.warn(
+                        f"tierstore: checkpoint of step {snap.step} could not be copied to the {t.name!r} tier: {e}",
+                        stacklevel=1,
+                    )
+                finally:
+                    with self._lock:
+                        self._busy_dirs.discard(d)
+        finally:
+            drop_offload_pins(snap)
+            if self.disks[0].name in h.paths:
+                with self._lock:
+                    self._busy_dirs.discard(Path(h.paths[self.disks[0].name]))
+            snap.captured.wait()  # the capture no longer writes into the buffers
+            snap.release_host(Residency.EVICTABLE)
+            if h.state in ("failed", "skipped", "captured"):
+                snap.release_host(Residency.EVICTED)  # nothing durable: the host copy is no restore point
+                self.pool.release(snap)
+            self.pool.notify()
+            with self._lock:
+                self._snaps[:] = [s for s in self._snaps if s.in_host or not s.evictable]
+                if len(self._handles) > 256:  # keep the recent and the unsettled ones
+                    old, recent = self._handles[:-128], self._handles[-128:]
+                    self._handles[:] = [x for x in old if not x.settled()] + recent
+
+    def copy_dir(self, src: Path, dst: Path) -> None:
+        """Copies this rank's files of the committed checkpoint ``src`` to
+        ``dst``; rank 0 commits ``dst`` with its manifest once every rank's
+        files are durable there."""
+        m = read_manifest(src)
+        sid = m["save_id"]
+        # The step directory's entry (and any tier directory made here) made
+        # durable in their parents before the manifest commits the copy.
+        make_dir(dst, durable=True)
+        engine = get_engine()
+        mine = [
+            f
+            for f in sorted(os.listdir(src))
+            if (f".{sid}." in f and f.startswith((f"rank-{self.rank:05d}.", f"objects-{self.rank:05d}.")))
+            or f.startswith(f"offload-{self.rank:05d}.")
+        ]
+        if self.rank == 0 and (src / META).exists():
+            mine.append(META)
+        err: BaseException | None = None
+        try:
+            for f in mine:
+                _core.copy_file(engine, src / f, dst / f, background=True)
+        except (OSError, TierstoreError) as e:
+            err = e
+        oks = all_gather(err is None, self.world, self._pg_promote)
+        if err is not None:
+            raise err
+        if not all(oks):
+            raise TierstoreError(f"{dst}: another rank failed to copy its files; not committed")
+        if self.rank == 0:
+            _core.copy_file(engine, src / MANIFEST, dst / MANIFEST, background=True)
+        if self.world > 1:
+            all_gather(True, self.world, self._pg_promote)
+
+    def gc(self, t: DiskTier) -> None:
+        """Retention on tier ``t`` (rank 0 only): keeps the newest ``keep_last``
+        complete checkpoints, multiples of ``keep_every`` and anything in use;
+        removes older incomplete directories left by crashes."""
+        if self.rank != 0:
+            return
+        complete: list[tuple[int, Path]] = []
+        incomplete: list[tuple[int, Path]] = []
+        for p in self.tier_paths(t):
+            for d in step_dirs(p, t.name):
+                m = STEP_DIR.match(d.name)
+                if m:
+                    (complete if (d / MANIFEST).exists() else incomplete).append((int(m.group(1)), d))
+        if not complete:
+            return
+        complete.sort(reverse=True)
+        newest = complete[0][0]
+        keep = {d for _s, d in complete[: t.keep_last]} if t.keep_last is not None else {d for _s, d in complete}
+        keep.add(complete[0][1])
+        if t.keep_every:
+            keep |= {d for s, d in complete if s % t.keep_every == 0}
+        with self._lock:
+            busy = set(self._busy_dirs)
+        for _s, d in complete:
+            if d not in keep and d not in busy:
+                shutil.rmtree(d, ignore_errors=True)
+        for s, d in incomplete:
+            if s < newest and d not in busy:
+                shutil.rmtree(d, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------------
+    # restore

@@ -1,0 +1,247 @@
+"""Restoring Checkpointer checkpoints: finding the step directories of a
+tier, reading and checking a step's ``checkpoint.json`` (the key tree), and
+loading one copy, from host memory or disk, as the saved nested state or into
+a target (offloaded optimizers get their subgroups back as they are)."""
+
+from __future__ import annotations
+
+import copy
+import re
+import stat
+import warnings
+from collections.abc import Iterator, Mapping, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierstore import _metadata, _paths, _tree
+from tierstore._ckpt_snapshot import Snapshot
+from tierstore._offload_entry import OFFLOAD_KEY, is_offload_parts, offload_meta, restore_state_dict
+from tierstore.errors import LayoutError, TierstoreError
+from tierstore.sharded import PerRank, consolidate, load_sharded
+from tierstore.shardmeta import read_attachment, read_manifest
+
+STEP_DIR = re.compile(r"^step-(\d{12})$")
+META = "checkpoint.json"
+
+
+def checkpoints_itself(obj: Any) -> bool:
+    """Whether ``obj`` takes part in checkpoints through the protocol an
+    ``OffloadedOptimizer`` implements: ``checkpoint_parts(prefix, tag,
+    file_prefix) -> (parts, pins)`` (its entry, see
+    :mod:`tierstore._offload_entry`, and files to copy) and
+    ``restore_from_checkpoint(meta, tensors, directory)``. The Checkpointer
+    needs no import of the optimizer's module."""
+    return (
+        not isinstance(obj, (torch.Tensor, Mapping))
+        and callable(getattr(obj, "checkpoint_parts", None))
+        and callable(getattr(obj, "restore_from_checkpoint", None))
+    )
+
+
+def flat_tree(sd: Mapping[str, Any]) -> list[tuple[str, list[Any]]]:
+    """(flat key, key path) per leaf, with the flattening rules of save_sharded."""
+    try:
+        return [(leaf.key, list(leaf.path)) for leaf in _tree.flatten(sd, where="Checkpointer.save")]
+    except ValueError as e:  # two values with one key
+        raise LayoutError(str(e)) from None
+
+
+def unflatten(flat: Mapping[str, Any], tree: list[list[Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    placed = set()
+    for key, path in tree:
+        if key not in flat:
+            continue
+        _tree.set_path(out, path, flat[key])
+        placed.add(key)
+    for key, v in flat.items():  # global tensors saved under layouts of other names
+        if key not in placed:
+            out[key] = v
+    return out
+
+
+def load_copy(c: dict[str, Any], into: Any, weights_only: bool, per_rank_policy: Any) -> Any:
+    """Loads one candidate copy (an entry of ``Checkpointer.checkpoints()``):
+    a snapshot still in host memory, or a step directory, into ``into`` or as
+    the saved nested state."""
+    snap: Snapshot | None = c.get("_snap")
+    if c["path"] is None:
+        if snap is None or not snap.in_host:
+            raise TierstoreError("the host copy was dropped")
+        if into is not None:
+            raise TierstoreError("host copies restore only without `into`")
+        return clone_tree(snap.state)
+    d = Path(c["path"])
+    tree = read_meta(d, c["step"])
+    if into is not None:
+        return load_into(d, into, weights_only, per_rank_policy)
+    flat = consolidate(d, weights_only=weights_only, per_rank_policy=per_rank_policy)
+    if tree is None:
+        return _offload_state_dicts(flat, d)
+    return _offload_state_dicts(unflatten(flat, tree), d)
+
+
+def load_into(d: Path, into: Any, weights_only: bool, per_rank_policy: Any) -> Any:
+    """``load_sharded`` into ``into``, where offloaded optimizers get their
+    saved subgroups back as they are (no per-parameter work)."""
+    found: list[tuple[MutableMapping[str, Any], str, Any]] = []
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, Mapping) and not isinstance(obj, torch.Tensor):
+            out = dict(obj)
+            for k, v in obj.items():
+                if checkpoints_itself(v):
+                    out[k] = {OFFLOAD_KEY: None}
+                    found.append((out, k, v))
+                else:
+                    out[k] = walk(v)
+            return out
+        return obj
+
+    template = walk(into) if isinstance(into, Mapping) else into
+    if not found:
+        return load_sharded(d, into, process_group=None, per_rank_policy=per_rank_policy, weights_only=weights_only)
+    # The offload entries' metadata first (small), then every tensor in one load.
+    probe = _only_offload_meta(template)
+    load_sharded(d, probe, process_group=None, per_rank_policy=per_rank_policy, weights_only=weights_only)
+    metas = [offload_meta(m[OFFLOAD_KEY], str(d)) for m in _offload_entries(probe)]
+    for (parent, k, _opt), meta in zip(found, metas, strict=True):
+        entry: dict[str, Any] = {OFFLOAD_KEY: None}
+        for e in meta["subgroups"]:
+            if "tensor" in e:
+                entry[e["tensor"]] = torch.empty(e["nbytes"], dtype=torch.uint8)
+        parent[k] = entry
+    load_sharded(d, template, process_group=None, per_rank_policy=per_rank_policy, weights_only=weights_only)
+    for (parent, k, opt), meta in zip(found, metas, strict=True):
+        tensors = {n: t for n, t in parent[k].items() if isinstance(t, torch.Tensor)}
+        opt.restore_from_checkpoint(meta, tensors, d)
+    _copy_back(into, template)
+    return into
+
+
+def step_dirs(p: Path, tier: str) -> list[Path]:
+    """The step directories of tier path ``p``: real directories inside it.
+    A symlink (to another job's run, or to another step) is never taken for
+    a checkpoint of this tier; it is reported once and skipped."""
+    out: list[Path] = []
+    try:
+        entries = list(p.iterdir()) if p.is_dir() else []
+    except OSError:
+        return out
+    for d in entries:
+        if not STEP_DIR.match(d.name):
+            continue
+        try:
+            st = d.lstat()
+        except FileNotFoundError:
+            continue  # removed since the listing (retention on another thread): not a stray entry
+        if not stat.S_ISDIR(st.st_mode) or not _paths.inside(p, d):
+            warn_once(f"tierstore: {d} on tier {tier!r} is not a step directory of this tier (a symlink or not a "
+                       "directory); it is skipped")  # fmt: skip
+            continue
+        out.append(d)
+    return out
+
+
+WARNED: set[str] = set()
+
+
+def warn_once(msg: str) -> None:
+    if msg not in WARNED:
+        WARNED.add(msg)
+        warnings.warn(msg, stacklevel=3)
+
+
+def read_meta(d: Path, step: int) -> list[list[Any]] | None:
+    """The key tree of step directory ``d``'s ``checkpoint.json``, checked:
+    against the size and CRC-32 its manifest recorded (checkpoints written
+    since the manifest records it: then a missing file is damage), its own
+    checksum, its step, and the shape of every tree entry."""
+    m = read_manifest(d)
+    where = str(d / META)
+    data = read_attachment(d, m, META)
+    if data is None:
+        if m.get("format_version", 1) >= 2 and "attachments" in m:
+            return None  # written by save_sharded directly: no key tree
+        if not (d / META).exists():
+            return None  # an older checkpoint without one
+        data = _paths.read_regular(_paths.member(d, META, source=str(d), field=META), 1 << 30, META)
+    meta, _had = _metadata.loads(data, where, required=False)
+    f = _metadata.Fields(where)
+    if f.uint(f.get(meta, "step", "step"), "step") != step:
+        f.fail("step", f"{step} (the step of its directory)", meta["step"])
+    f.uint(f.get(meta, "world_size", "world_size"), "world_size", most=1 << 24)
+    tree = f.array(f.get(meta, "tree", "tree"), "tree")
+    for i, entry in enumerate(tree):
+        fld = f"tree[{i}]"
+        f.array(entry, fld, length=2)
+        key = f.string(entry[0], f"{fld}[0]", most=1 << 16)
+        if _tree.check_path(f.array(entry[1], f"{fld}[1]"), key) is None:
+            f.fail(f"{fld}[1]", f"the key path of {key!r} (its parts joined by '.' give the key)", entry[1])
+    return tree
+
+
+def _only_offload_meta(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a load template that holds offload metadata entries."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping) and OFFLOAD_KEY in v:
+            out[k] = {OFFLOAD_KEY: None}
+        elif isinstance(v, Mapping):
+            sub = _only_offload_meta(v)
+            if sub:
+                out[k] = sub
+    return out
+
+
+def _offload_entries(tree: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    for v in tree.values():
+        if isinstance(v, Mapping) and OFFLOAD_KEY in v:
+            yield v
+        elif isinstance(v, Mapping):
+            yield from _offload_entries(v)
+
+
+def _copy_back(into: Any, template: Any) -> None:
+    """Puts what ``load_sharded`` filled into a template back into ``into``
+    (offloaded optimizers stay in place: they restored themselves)."""
+    if not isinstance(into, MutableMapping):
+        return
+    for k, v in into.items():
+        t = template.get(k)
+        if checkpoints_itself(v):
+            continue
+        if isinstance(v, Mapping) and not isinstance(v, torch.Tensor):
+            _copy_back(v, t)
+        elif not isinstance(v, torch.Tensor):
+            into[k] = t  # non-tensor values are replaced by the saved ones
+
+
+def _offload_state_dicts(obj: Any, d: Path) -> Any:
+    """Turns offloaded optimizers' checkpoint entries into the wrapped
+    optimizer's ordinary state dict."""
+    if is_offload_parts(obj):
+        tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+        return restore_state_dict(offload_meta(obj[OFFLOAD_KEY], str(d)), tensors, d)
+    if isinstance(obj, dict):
+        return {k: _offload_state_dicts(v, d) for k, v in obj.items()}
+    return obj
+
+
+def clone_tree(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, PerRank):
+        return clone_tree(obj.value)
+    if isinstance(obj, Mapping):
+        out = copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = clone_tree(v)  # type: ignore[index]
+        return out
+    if isinstance(obj, list):
+        return [clone_tree(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(clone_tree(v) for v in obj)
+    return copy.deepcopy(obj)
