@@ -47,17 +47,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import heapq
-import itertools
 import os
 import secrets
 import shutil
-import statistics
 import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -76,6 +73,8 @@ from tierstore._offload_entry import (
     state_dtype,
     subgroup_bytes,
 )
+from tierstore._offload_io import SESSION, DeviceTurns, StoragePath, lock_dir, remove_dead_sessions
+from tierstore._offload_subgroup import Entry, Subgroup
 from tierstore.errors import ChecksumError, InvalidArgumentError, TierstoreError
 from tierstore.tiers import DiskTier, HostTier, parse_size
 
@@ -92,8 +91,6 @@ __all__ = [
 ]
 
 _PAGE = 4096
-_SESSION = "session-"
-_ALPHA = 0.3  # weight of a new bandwidth sample in the estimate
 _RELAYOUT = 0.05  # change of a path's share that makes a new layout
 
 
@@ -102,278 +99,7 @@ def _default_tiers() -> list[HostTier | DiskTier]:
     return [HostTier(os.environ.get("TIERSTORE_OFFLOAD_HOST", "1GiB")), DiskTier(scratch)]
 
 
-def _lock_dir() -> Path:
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-
-
-# ----------------------------------------------------------------------------------------------
-# concurrency control
-
-
-class _Lane:
-    """Turns in one direction (reads or writes) at one device (one
-    ``st_dev``), for the transfers of this process and, with ``exclusive``,
-    of every process on the machine.
-
-    In the process: at most ``slots`` transfers at a time, granted by ticket
-    (first come, first served). Across processes: each granted transfer also
-    holds one of ``shared`` lock files (flock), so that several processes
-    offloading to one device take turns instead of thrashing it. A process
-    that dies releases its locks with its descriptors."""
-
-    def __init__(self, dev: int, what: str, slots: int, exclusive: bool, shared: int | None = None) -> None:
-        self.slots = max(1, slots)
-        self.cond = threading.Condition()
-        self.busy = 0
-        self.waiting: list[tuple[int, int]] = []  # heap of (priority, ticket) of the transfers here now
-        self.fds: list[int] = []
-        self.lock_wait_s = 0.0  # time spent waiting for other processes
-        if exclusive:
-            base = _lock_dir()
-            for i in range(max(self.slots, shared or 0)):
-                f = base / f"tierstore-io-{dev:x}-{what[0]}{i}.lock"
-                self.fds.append(os.open(f, os.O_RDWR | os.O_CREAT, 0o666))
-        self.free_fds = list(self.fds)
-
-    @contextlib.contextmanager
-    def turn(self, ticket: tuple[int, int]) -> Iterator[None]:
-        with self.cond:
-            heapq.heappush(self.waiting, ticket)
-            # (no free lock file: another transfer of ours is choosing one)
-            while self.busy >= self.slots or self.waiting[0] != ticket or (self.fds and not self.free_fds):
-                self.cond.wait()
-            heapq.heappop(self.waiting)
-            self.busy += 1
-            mine = list(self.free_fds)  # the slots no transfer of this process holds
-            self.free_fds.clear()
-            self.cond.notify_all()
-        fd = -1
-        try:
-            if mine:
-                try:
-                    fd = self._lock_any(mine)
-                finally:
-                    with self.cond:
-                        self.free_fds.extend(x for x in mine if x != fd)
-                        self.cond.notify_all()
-            yield
-        finally:
-            if fd >= 0:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            with self.cond:
-                self.busy -= 1
-                if fd >= 0:
-                    self.free_fds.append(fd)
-                self.cond.notify_all()
-
-    def _lock_any(self, fds: list[int]) -> int:
-        """Takes whichever of ``fds`` no other process holds, waiting while
-        all are held: blocked in the kernel on a single one (woken the moment
-        it is let go: the device is not left idle between two processes'
-        transfers), polled 0.2 to 2 ms apart on several."""
-        t0 = time.perf_counter()
-        if len(fds) == 1:
-            try:
-                fcntl.flock(fds[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                fcntl.flock(fds[0], fcntl.LOCK_EX)  # releases the GIL while it waits
-                self.lock_wait_s += time.perf_counter() - t0
-            return fds[0]
-        pause = 0.0002
-        while True:
-            for fd in fds:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
-                self.lock_wait_s += time.perf_counter() - t0
-                return fd
-            time.sleep(pause)
-            pause = min(2 * pause, 0.002)
-
-    def close(self) -> None:
-        for fd in self.fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.fds = []
-        self.free_fds = []
-
-
-class _Device:
-    """The turns at one device, and how its two directions share it.
-
-    *Duplex*: a read lane and a write lane, a read and a write at once (a
-    device that serves both directions in parallel: most NVMe drives, and
-    devices throttled per direction). *Simplex*: one lane for both (a device
-    whose throughput drops when reads and writes interleave). With
-    ``duplex=None`` the mode is measured: a step each way, then the faster
-    (bytes per second of the device's busy time), with a step of the other
-    mode every 50 steps in case the device changed; the measure is bytes per
-    second of the training loop's time. Tickets are taken in one
-    order for both lanes, when a transfer is queued."""
-
-    EXPLORE_EVERY = 50
-
-    def __init__(self, dev: int, slots: int, exclusive: bool, duplex: bool | None, shared: int | None = None) -> None:
-        self.dev = dev
-        self.lanes = {w: _Lane(dev, w, slots, exclusive, shared) for w in ("read", "write")}
-        self.adaptive = duplex is None
-        self.duplex = True if duplex is None else duplex
-        self.tickets = itertools.count()
-        self.acct = threading.Lock()
-        self.bytes = 0  # moved since the last step began
-        self.period_start = time.perf_counter()
-        self.period = 0
-        self.rates: dict[bool, list[float]] = {True: [], False: []}
-
-    def ticket(self) -> tuple[int, int]:
-        """A place in line, taken when a transfer is queued."""
-        return (1, next(self.tickets))
-
-    @contextlib.contextmanager
-    def turn(self, what: str, nbytes: int, ticket: tuple[int, int] | None = None) -> Iterator[None]:
-        lane = self.lanes[what if self.duplex else "read"]
-        with lane.turn(ticket if ticket is not None else self.ticket()):
-            try:
-                yield
-            finally:
-                with self.acct:
-                    self.bytes += nbytes
-
-    def end_period(self) -> None:
-        """At each step: the rate of the mode used since the last step (bytes
-        moved at this device per second of the training loop's time, so that
-        what counts is what the loop waits for), and the mode for the next."""
-        now = time.perf_counter()
-        with self.acct:
-            nbytes, self.bytes = self.bytes, 0
-        elapsed, self.period_start = now - self.period_start, now
-        if self.period > 1 and nbytes >= (64 << 20) and elapsed > 0:  # the first step creates the state
-            self.rates[self.duplex].append(nbytes / elapsed)
-            del self.rates[self.duplex][:-3]
-        self.period += 1
-        if not self.adaptive:
-            return
-        if not self.rates[True] or self.period <= 2:
-            self.duplex = True
-        elif not self.rates[False] or self.period <= 3:
-            self.duplex = False
-        else:
-            best = statistics.median(self.rates[True]) >= statistics.median(self.rates[False])
-            self.duplex = best if self.period % self.EXPLORE_EVERY else not best
-
-    @property
-    def lock_wait_s(self) -> float:
-        return sum(lane.lock_wait_s for lane in self.lanes.values())
-
-    def close(self) -> None:
-        for lane in self.lanes.values():
-            lane.close()
-
-
-# ----------------------------------------------------------------------------------------------
-# paths
-
-
-class _Path:
-    """One directory of a disk tier: its session directory, its device's
-    turns, its bandwidth estimate and the bytes of state stored on it."""
-
-    def __init__(self, root: Path, session: str, device: _Device, pools: dict[str, ThreadPoolExecutor]) -> None:
-        self.root = root
-        self.dir = root / session
-        self.device = device
-        self.pools = pools  # a worker pool per direction: reads never wait behind writes for a thread
-        self.rate = {"read": 0.0, "write": 0.0}  # bytes per second
-        self.stored = 0  # bytes of the subgroups whose home this is (written or being written)
-        self.full = False
-        self.moved = {"read": 0, "write": 0}
-
-    def observe(self, what: str, nbytes: int, seconds: float) -> None:
-        self.moved[what] += nbytes
-        if seconds <= 0 or nbytes < (1 << 20):
-            return
-        bw = nbytes / seconds
-        old = self.rate[what]
-        self.rate[what] = bw if old == 0 else (1 - _ALPHA) * old + _ALPHA * bw
-
-    def speed(self) -> float:
-        """Bytes per second of a subgroup that is read and written back once:
-        both directions share the device."""
-        r, w = self.rate["read"], self.rate["write"]
-        if r <= 0 or w <= 0:
-            return max(r, w, 1.0)
-        return 1.0 / (1.0 / r + 1.0 / w)
-
-
-def _remove_dead_sessions(root: Path) -> None:
-    """Removes session directories whose process is gone (its lock file is
-    no longer held): nothing a killed process left is ever read."""
-    if not root.is_dir():
-        return
-    for d in root.iterdir():
-        if not d.name.startswith(_SESSION) or not d.is_dir():
-            continue
-        lock = d / ".alive"
-        try:
-            fd = os.open(lock, os.O_RDWR)
-        except FileNotFoundError:
-            # Created and killed before it took its lock, or not ours: only
-            # remove it when it is old enough not to be starting right now.
-            with contextlib.suppress(OSError):
-                if time.time() - d.stat().st_mtime > 60:
-                    shutil.rmtree(d, ignore_errors=True)
-            continue
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue  # its process is alive
-        shutil.rmtree(d, ignore_errors=True)
-        os.close(fd)
-
-
-# ----------------------------------------------------------------------------------------------
-# subgroups
-
-# layout entry: (index of the parameter in the subgroup, state key or None for
-# the master, byte offset, byte length, dtype, shape)
-_Entry = tuple[int, str | None, int, int, torch.dtype, tuple[int, ...]]
-
-
-class _Subgroup:
-    def __init__(self, index: int, group: int, params: list[torch.Tensor], first: int) -> None:
-        self.index = index
-        self.group = group
-        self.params = params
-        self.first = first  # index of its first parameter among all parameters
-        self.masters: list[torch.Tensor] = []
-        self.inner: torch.optim.Optimizer | None = None
-        self.buf: torch.Tensor | None = None  # resident flat bytes
-        self.layout: list[_Entry] = []
-        self.nbytes = 0
-        self.path: _Path | None = None
-        self.file: Path | None = None
-        self.home: _Path | None = None  # where it is written back (counted in that path's `stored`)
-        self.home_bytes = 0
-        self.crc = 0
-        self.dirty = True  # resident and changed since its file was written
-        self.reading: Future[None] | None = None
-        self.writing: Future[None] | None = None
-        self.pinned = False  # its file is linked by a checkpoint: rewrite elsewhere
-        self.wanted = False  # stays resident after its write-back in flight
-        self.generation = 0
-        self.numel = sum(p.numel() for p in params)
-        # Split masters: the layout's master entries hold only the low 16 bits
-        # of each fp32 master; the high 16 bits are the bf16 parameter itself.
-        self.split = False
-
-    @property
-    def resident(self) -> bool:
-        return self.buf is not None
+_lock_dir = lock_dir  # the name tests/test_offload.py knows
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
@@ -440,11 +166,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         super().__init__(params, dict(probe.defaults))
         del probe
         # --- paths
-        self.session = f"{_SESSION}{os.getpid()}-{secrets.token_hex(4)}"
-        self.paths: list[_Path] = []
-        self._layout_map: dict[int, _Path] = {}
-        self._layout_shares: dict[_Path, float] = {}
-        devices: dict[int, _Device] = {}
+        self.session = f"{SESSION}{os.getpid()}-{secrets.token_hex(4)}"
+        self.paths: list[StoragePath] = []
+        self._layout_map: dict[int, StoragePath] = {}
+        self._layout_shares: dict[StoragePath, float] = {}
+        devices: dict[int, DeviceTurns] = {}
         self._alive_fds: list[int] = []
         roots: list[Path] = []
         for t in disks:
@@ -455,7 +181,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 roots.append(root)
         for root in roots:
             root.mkdir(parents=True, exist_ok=True)
-            _remove_dead_sessions(root)
+            remove_dead_sessions(root)
             (root / self.session).mkdir()
             fd = os.open(root / self.session / ".alive", os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -463,14 +189,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             dev = os.stat(root).st_dev
             if dev not in devices:
                 shared = max(io_slots, 2) if device_slots is None else device_slots
-                devices[dev] = _Device(dev, io_slots, exclusive_io, duplex, shared)
+                devices[dev] = DeviceTurns(dev, io_slots, exclusive_io, duplex, shared)
             # Per direction, one worker more than the device's slots: one
             # checksums while the others transfer.
             pools = {
                 w: ThreadPoolExecutor(io_slots + 1, thread_name_prefix=f"tierstore-offload-{len(self.paths)}{w[0]}")
                 for w in ("read", "write")
             }
-            self.paths.append(_Path(root, self.session, devices[dev], pools))
+            self.paths.append(StoragePath(root, self.session, devices[dev], pools))
         self.devices = list(devices.values())
         # --- host memory
         self._mem = threading.Condition()
@@ -495,7 +221,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             "alloc_bytes": 0,
         }
         # --- subgroups, masters packed; what does not fit goes to the paths
-        self.subgroups: list[_Subgroup] = []
+        self.subgroups: list[Subgroup] = []
         first = 0
         for gi, g in enumerate(self.param_groups):
             cur: list[torch.Tensor] = []
@@ -503,13 +229,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for p in g["params"]:
                 need = 12 * p.numel()  # master + two state tensors of fp32, for sizing
                 if cur and size + need > self.subgroup_bytes:
-                    self.subgroups.append(_Subgroup(len(self.subgroups), gi, cur, first))
+                    self.subgroups.append(Subgroup(len(self.subgroups), gi, cur, first))
                     first += len(cur)
                     cur, size = [], 0
                 cur.append(p)
                 size += need
             if cur:
-                self.subgroups.append(_Subgroup(len(self.subgroups), gi, cur, first))
+                self.subgroups.append(Subgroup(len(self.subgroups), gi, cur, first))
                 first += len(cur)
         self._probe_paths()
         resident = 0
@@ -587,7 +313,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     # -------------------------------------------------------------------------------------------
     # layout of a subgroup's flat buffer
 
-    def _tensors(self, sg: _Subgroup) -> list[tuple[int, str | None, torch.Tensor]]:
+    def _tensors(self, sg: Subgroup) -> list[tuple[int, str | None, torch.Tensor]]:
         out: list[tuple[int, str | None, torch.Tensor]] = []
         for i, m in enumerate(sg.masters):
             out.append((i, None, m))
@@ -598,10 +324,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                         out.append((i, k, st[k]))
         return out
 
-    def _pack(self, sg: _Subgroup) -> None:
+    def _pack(self, sg: Subgroup) -> None:
         """Moves the subgroup's tensors into one flat buffer (a new layout)."""
         items = self._tensors(sg)
-        layout: list[_Entry] = []
+        layout: list[Entry] = []
         off = 0
         for i, k, t in items:
             dt = torch.int16 if k is None and sg.split else t.dtype  # low halves of the masters
@@ -625,7 +351,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._release(old)
         sg.dirty = True
 
-    def _attach(self, sg: _Subgroup, buf: torch.Tensor) -> None:
+    def _attach(self, sg: Subgroup, buf: torch.Tensor) -> None:
         """Points masters and state tensors at views of ``buf``."""
         sg.buf = buf
         for i, k, o, n, dt, shape in sg.layout:
@@ -637,7 +363,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 assert sg.inner is not None
                 sg.inner.state[sg.masters[i]][k] = v
 
-    def _detach(self, sg: _Subgroup) -> None:
+    def _detach(self, sg: Subgroup) -> None:
         empty = torch.empty(0)
         for i, k, *_ in sg.layout:
             if k is None:
@@ -652,11 +378,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     # -------------------------------------------------------------------------------------------
     # split masters: the low halves in the layout, the high halves in the bf16 parameters
 
-    def _splits(self, sg: _Subgroup) -> bool:
+    def _splits(self, sg: Subgroup) -> bool:
         """Whether the subgroup's masters are to be stored split (all its parameters bf16)."""
         return self.split_masters and all(p.dtype == torch.bfloat16 for p in sg.params)
 
-    def _low_halves(self, sg: _Subgroup) -> list[torch.Tensor]:
+    def _low_halves(self, sg: Subgroup) -> list[torch.Tensor]:
         """Views of the stored low halves of the split subgroup's masters, in parameter order."""
         assert sg.buf is not None
         buf = sg.buf
@@ -682,13 +408,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         _core.join_halves(hi.data_ptr(), lo.data_ptr(), out.data_ptr(), out.numel(), self._threads)
 
     @staticmethod
-    def _drop_masters(sg: _Subgroup) -> None:
+    def _drop_masters(sg: Subgroup) -> None:
         """Lets go of a split subgroup's fp32 masters (rebuilt for each update)."""
         empty = torch.empty(0)
         for m in sg.masters:
             m.data = empty
 
-    def _rebuild_masters(self, sg: _Subgroup, into: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def _rebuild_masters(self, sg: Subgroup, into: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The split subgroup's fp32 masters, rebuilt into views of ``into``
         (default: new tensors)."""
         out: list[torch.Tensor] = []
@@ -738,14 +464,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         while self._pending_warnings:
             warnings.warn(self._pending_warnings.pop(0), stacklevel=3)
 
-    def _targets(self) -> dict[_Path, float]:
+    def _targets(self) -> dict[StoragePath, float]:
         live = [p for p in self.paths if not p.full]
         if self.balance == "even":
             return {p: 1.0 / len(live) for p in live}
         total = sum(p.speed() for p in live)
         return {p: p.speed() / total for p in live}
 
-    def _layout(self) -> dict[int, _Path]:
+    def _layout(self) -> dict[int, StoragePath]:
         """The path of each subgroup: interleaved over the subgroups' order in
         proportion to the paths' shares (smooth weighted round robin), so that
         any run of consecutive subgroups, the reads and write-backs in flight
@@ -763,7 +489,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             return self._layout_map
         acc = dict.fromkeys(targets, 0.0)
         seen = 0
-        layout: dict[int, _Path] = {}
+        layout: dict[int, StoragePath] = {}
         for sg in self.subgroups:
             seen += sg.nbytes
             p = max(targets, key=lambda q: targets[q] * seen - acc[q])
@@ -772,7 +498,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._layout_map, self._layout_shares = layout, targets
         return layout
 
-    def _choose_path(self, sg: _Subgroup) -> _Path:
+    def _choose_path(self, sg: Subgroup) -> StoragePath:
         """Where ``sg`` is written back (see :meth:`_layout`), counted there
         from now on."""
         with self._mem:
@@ -783,7 +509,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             sg.home, sg.home_bytes = p, sg.nbytes
             return p
 
-    def _write(self, sg: _Subgroup, p: _Path | None = None, ticket: tuple[int, int] | None = None) -> None:
+    def _write(self, sg: Subgroup, p: StoragePath | None = None, ticket: tuple[int, int] | None = None) -> None:
         """Writes the resident subgroup to path ``p`` (default: the one
         :meth:`_choose_path` picks) on a path worker or the training thread;
         its buffer stays attached."""
@@ -826,7 +552,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         sg.path, sg.file, sg.crc, sg.pinned = p, f, crc, False
         sg.dirty = False
 
-    def _read(self, sg: _Subgroup, buf: torch.Tensor, ticket: tuple[int, int] | None = None) -> None:
+    def _read(self, sg: Subgroup, buf: torch.Tensor, ticket: tuple[int, int] | None = None) -> None:
         """Reads the subgroup's file into ``buf`` and checks it."""
         assert sg.file is not None and sg.path is not None
         p = sg.path
@@ -847,11 +573,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 record=f"subgroup {sg.index}",
             )
 
-    def _write_sync(self, sg: _Subgroup) -> None:
+    def _write_sync(self, sg: Subgroup) -> None:
         self._write(sg)
         self._detach(sg)
 
-    def _load_sync(self, sg: _Subgroup) -> None:
+    def _load_sync(self, sg: Subgroup) -> None:
         """Makes ``sg`` resident now (waiting for its I/O in flight)."""
         self._settle(sg)
         if sg.resident:
@@ -866,7 +592,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._attach(sg, buf)
         sg.dirty = False
 
-    def _start_read(self, sg: _Subgroup) -> None:
+    def _start_read(self, sg: Subgroup) -> None:
         assert sg.path is not None and sg.reading is None
         buf = self._alloc(sg.nbytes)
         ticket = sg.path.device.ticket()
@@ -882,7 +608,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
         sg.reading = self._submit(sg.path, "read", job)
 
-    def _start_write(self, sg: _Subgroup) -> None:
+    def _start_write(self, sg: Subgroup) -> None:
         """Writes ``sg`` back and frees its buffer when done (unless the step
         has asked for it meanwhile: see :meth:`_want`)."""
         assert sg.writing is None
@@ -903,7 +629,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._writes_in_flight += 1
         sg.writing = self._submit(p, "write", job)
 
-    def _want(self, sg: _Subgroup) -> bool:
+    def _want(self, sg: Subgroup) -> bool:
         """Asks a subgroup whose write-back is in flight to stay resident
         after it (the step is about to use it again); whether it will."""
         with self._mem:
@@ -911,7 +637,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 sg.wanted = True
             return sg.resident
 
-    def _submit(self, p: _Path, what: str, job: Callable[[], None]) -> Future[None]:
+    def _submit(self, p: StoragePath, what: str, job: Callable[[], None]) -> Future[None]:
         def run() -> None:
             try:
                 job()
@@ -921,7 +647,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
         return p.pools[what].submit(run)
 
-    def _settle(self, sg: _Subgroup) -> None:
+    def _settle(self, sg: Subgroup) -> None:
         """Waits for the subgroup's read or write in flight; raises its error."""
         for attr in ("reading", "writing"):
             f = getattr(sg, attr)
@@ -959,7 +685,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.steps += 1
         return loss
 
-    def _step_pipelined(self, order: list[_Subgroup]) -> None:
+    def _step_pipelined(self, order: list[Subgroup]) -> None:
         # What stays resident for the next step (the last subgroups of this
         # order, the first of the next one).
         keep: set[int] = set()
@@ -1003,7 +729,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._check_errors(order[: pos + 1])
         # The write-backs finish during the next forward and backward.
 
-    def _read_ahead(self, order: list[_Subgroup], nxt: int) -> int:
+    def _read_ahead(self, order: list[Subgroup], nxt: int) -> int:
         """Starts reads of ``order[nxt:]`` while the budget has room; returns
         the first position not started."""
         while nxt < len(order):
@@ -1021,13 +747,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             nxt += 1
         return nxt
 
-    def _check_errors(self, done: list[_Subgroup]) -> None:
+    def _check_errors(self, done: list[Subgroup]) -> None:
         for sg in done:
             f = sg.writing
             if f is not None and f.done() and f.exception() is not None:
                 self._settle(sg)
 
-    def _sync_hyper(self, sg: _Subgroup) -> None:
+    def _sync_hyper(self, sg: Subgroup) -> None:
         assert sg.inner is not None
         for k, v in self.param_groups[sg.group].items():
             if k != "params":
@@ -1038,7 +764,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._grad32 = torch.empty(numel, dtype=torch.float32)
         return self._grad32[:numel]
 
-    def _update(self, sg: _Subgroup) -> None:
+    def _update(self, sg: Subgroup) -> None:
         """The wrapped optimizer's step on the resident subgroup; the updated
         masters are copied into the model parameters."""
         t0 = time.perf_counter()
@@ -1282,7 +1008,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         parts[OFFLOAD_KEY] = (OFFLOAD_FORMAT, meta)
         return parts, pins
 
-    def _objects(self, sg: _Subgroup) -> dict[str, dict[str, Any]]:
+    def _objects(self, sg: Subgroup) -> dict[str, dict[str, Any]]:
         """Non-tensor state values (kept in memory), by parameter index in the subgroup."""
         out: dict[str, dict[str, Any]] = {}
         if sg.inner is None:
