@@ -506,9 +506,11 @@ def load(
         encoding_given=encoding_given,
         pickle_load_args=pickle_load_args,
     )
-    if _skip_data():
+    if _skip_data() or not _pickle.no_fake_mode():
         # torch.serialization.skip_data(): storages are made, not read (fake
-        # tensors with materialize_fake_tensors); torch's loader does that.
+        # tensors with materialize_fake_tensors); under a FakeTensorMode,
+        # storages become fake ones on their saved device: torch's loader
+        # does both.
         return _hand_to_torch(f, opts, bool(mmap))
     if isinstance(f, (str, os.PathLike)):
         return _load_path(os.fspath(f), bool(mmap), verify, progress, opts)

@@ -300,6 +300,10 @@ fn run(
         1
     };
     let populated = AtomicUsize::new(0);
+    // The driver sleeps on this while nothing is in flight and nothing new is
+    // populated (spinning there took a core from the populating helper and
+    // from the caller's thread on small machines).
+    let populate_signal = (std::sync::Mutex::new(()), std::sync::Condvar::new());
     let stop_populate = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|sc| -> Result<()> {
         // Helper verifiers (the driver below verifies too).
@@ -322,15 +326,27 @@ fn run(
             let ptrs = &ptrs;
             let populated = &populated;
             let stop_populate = &stop_populate;
+            let signal = &populate_signal;
             sc.spawn(move || {
+                let publish = |n: usize| {
+                    populated.store(n, Ordering::Release);
+                    // Taking the lock orders the store before a waiter's check.
+                    drop(
+                        signal
+                            .0
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner),
+                    );
+                    signal.1.notify_one();
+                };
                 for (i, &(ai, off, len, _)) in work.iter().enumerate() {
                     if stop_populate.load(Ordering::Relaxed) {
                         break;
                     }
                     populate(ptrs[ai].0.wrapping_add(off), len);
-                    populated.store(i + 1, Ordering::Release);
+                    publish(i + 1);
                 }
-                populated.store(work.len(), Ordering::Release);
+                publish(work.len());
             });
         }
         let handle = |p: Piece, pieces: &mut Vec<CrcPiece>| {
@@ -383,8 +399,14 @@ fn run(
         while completed < work.len() {
             let ready = populated.load(Ordering::Acquire);
             if submitted == completed && submitted < work.len() && submitted >= ready {
-                // Nothing in flight and nothing populated yet: let the helper run.
-                std::thread::yield_now();
+                // Nothing in flight and nothing populated yet: wait for the helper.
+                let g = populate_signal
+                    .0
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if populated.load(Ordering::Acquire) <= submitted {
+                    let _ = populate_signal.1.wait_timeout(g, Duration::from_millis(2));
+                }
                 continue;
             }
             while submitted < work.len().min(ready)
