@@ -197,6 +197,7 @@ def fast_weights_only_load(
     counter: type,
     deferred_callables: list[Any],
     persistent_load: Callable[[Any], Any],
+    substitute: tuple[Any, Any] | None = None,
 ) -> Any: ...
 def fast_dumps(
     obj: object, tensor_type: type, ordered_dict: type, tensor_args: Callable[[Any], tuple[Any, ...] | None]

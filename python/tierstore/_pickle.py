@@ -301,21 +301,21 @@ def fast_weights_only(data: bytes, persistent_load: Any) -> Any:
     from tierstore import _core
 
     deferred = [c for c in getattr(torch, "_tensor_classes", ()) if "sparse" in getattr(c, "__module__", "")]
-    if allowed.get(_REBUILD_V2) is torch._utils._rebuild_tensor_v2 and no_fake_mode():
-        allowed[_REBUILD_V2] = rebuild_tensor_v2
+    # Calls of torch's rebuild go to the stand-in (the function itself, loaded
+    # as a value, stays torch's); the fake-mode check is made here, once.
+    substitute = (torch._utils._rebuild_tensor_v2, rebuild_tensor_v2) if no_fake_mode() else None
     # Building many small objects triggers the cyclic collector again and
     # again (a sixth of a 20,000-tensor load); the graph the fast path builds
     # runs no code of the file's, and what it makes is collected afterwards.
     gc_on = gc.isenabled()
     gc.disable()
     try:
-        return _core.fast_weights_only_load(data, allowed, blocked, OrderedDict, Counter, deferred, persistent_load)
+        return _core.fast_weights_only_load(
+            data, allowed, blocked, OrderedDict, Counter, deferred, persistent_load, substitute
+        )
     finally:
         if gc_on:
             gc.enable()
-
-
-_REBUILD_V2 = "torch._utils._rebuild_tensor_v2"
 
 
 def no_fake_mode() -> bool:

@@ -37,6 +37,10 @@ pub struct Known<'py> {
     /// Callables whose results torch validates after loading (sparse tensor
     /// classes); the fast path leaves those files to torch.
     pub deferred_callables: Vec<Bound<'py, PyAny>>,
+    /// `(callable, stand-in)`: a REDUCE of `callable` calls `stand-in` instead
+    /// (the same function without a per-call lookup). Only calls: the
+    /// callable itself, as a value, stays what the file names.
+    pub substitute: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
 }
 
 type Step<T> = Result<T, GiveUp>;
@@ -316,7 +320,11 @@ fn run<'py>(
                     return Err(Stop::GiveUp);
                 }
                 let args = args.cast_exact::<PyTuple>().map_err(|_| GiveUp)?;
-                let result = func.call1(args).map_err(call_err)?;
+                let result = match &known.substitute {
+                    Some((orig, stand_in)) if func.is(orig) => stand_in.call1(args),
+                    _ => func.call1(args),
+                }
+                .map_err(call_err)?;
                 let last = stack.len() - 1;
                 stack[last] = result;
             }
@@ -353,9 +361,11 @@ fn run<'py>(
 }
 
 /// `fast_weights_only_load(data, allowed, blocked_modules, ordered_dict,
-/// counter, deferred_callables, persistent_load)`: the object, or `None` when
-/// the caller must use torch's unpickler instead.
+/// counter, deferred_callables, persistent_load, substitute=None)`: the
+/// object, or `None` when the caller must use torch's unpickler instead.
+/// `substitute`: `(callable, stand-in)`, see [`Known::substitute`].
 #[pyfunction]
+#[pyo3(signature = (data, allowed, blocked_modules, ordered_dict, counter, deferred_callables, persistent_load, substitute=None))]
 #[allow(clippy::too_many_arguments)]
 fn fast_weights_only_load<'py>(
     py: Python<'py>,
@@ -366,6 +376,7 @@ fn fast_weights_only_load<'py>(
     counter: Bound<'py, PyAny>,
     deferred_callables: Vec<Bound<'py, PyAny>>,
     persistent_load: Bound<'py, PyAny>,
+    substitute: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
 ) -> PyResult<Option<Bound<'py, PyAny>>> {
     let allowed_values = allowed.values().iter().collect();
     let known = Known {
@@ -375,6 +386,7 @@ fn fast_weights_only_load<'py>(
         ordered_dict,
         counter,
         deferred_callables,
+        substitute,
     };
     load(py, data, &known, &persistent_load)
 }
