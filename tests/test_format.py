@@ -15,7 +15,7 @@ import torch
 from conftest import tensors_equal
 
 import tierstore
-from tierstore import manifest
+from tierstore import _archive, manifest
 
 DATA = pathlib.Path(__file__).parent / "data"
 
@@ -103,3 +103,31 @@ def test_zip64_for_records_over_4_gib(tmp_path: pathlib.Path) -> None:
     assert back["after"].tolist() == [0, 1, 2]
     mine = tierstore.load(p, mmap=True, verify=False)
     assert mine["big"][-1].item() == 7 and mine["after"].tolist() == [0, 1, 2]
+
+
+def test_a_damaged_zip64_end_record_is_refused_by_every_reader(tmp_path: pathlib.Path) -> None:
+    """torch writes a zip64 end record into every archive, beside the plain
+    one; where they disagree (a flipped bit in the zip64 record's directory
+    offset), a path load, a stream load and ``tierstore verify`` refuse the
+    file alike (the stream reader used to, the path reader took the plain
+    record's word and verify passed)."""
+    import io
+    import struct
+
+    p = tmp_path / "t.pt"
+    torch.save({"w": torch.arange(10)}, p)
+    raw = bytearray(p.read_bytes())
+    z64 = raw.rfind(b"PK\x06\x06")
+    assert z64 > 0, "torch wrote no zip64 end record"
+    (cd_off,) = struct.unpack_from("<Q", raw, z64 + 48)
+    assert tierstore.load(p)["w"].tolist() == list(range(10))
+    raw[z64 + 54] ^= 0x08  # the directory offset's 7th byte
+    p.write_bytes(bytes(raw))
+    for load in (
+        lambda: tierstore.load(p),
+        lambda: tierstore.load(io.BytesIO(bytes(raw))),
+        lambda: _archive.verify(str(p)),
+    ):
+        with pytest.raises(tierstore.CorruptFileError, match=r"zip64|directory"):
+            load()
+    assert cd_off < len(raw)

@@ -466,24 +466,33 @@ fn find_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<(u64, u64
     let mut cd_size = u64::from(u32_at(e, 12));
     let mut cd_offset = u64::from(u32_at(e, 16));
     let mut cd_end_limit = eocd_off;
-    if n_entries == U16_MAX || cd_size == U32_MAX || cd_offset == U32_MAX {
-        if eocd_off < ZIP64_LOCATOR_LEN {
-            return Err(Error::corrupt(path, None, "zip64 locator missing"));
-        }
-        let loc = read_at(
+    let saturated = n_entries == U16_MAX || cd_size == U32_MAX || cd_offset == U32_MAX;
+    let loc = if eocd_off >= ZIP64_LOCATOR_LEN {
+        Some(read_at(
             src,
             path,
             eocd_off - ZIP64_LOCATOR_LEN,
             ZIP64_LOCATOR_LEN,
             "zip64 locator",
-        )?;
-        if u32_at(&loc, 0) != ZIP64_LOCATOR_SIG {
-            return Err(Error::corrupt(
-                path,
-                None,
-                "zip64 locator missing or damaged",
-            ));
-        }
+        )?)
+    } else {
+        None
+    };
+    let has_locator = loc
+        .as_ref()
+        .is_some_and(|l| u32_at(l, 0) == ZIP64_LOCATOR_SIG);
+    if saturated && !has_locator {
+        return Err(Error::corrupt(
+            path,
+            None,
+            "zip64 locator missing or damaged",
+        ));
+    }
+    if let (true, Some(loc)) = (has_locator, loc) {
+        // A zip64 end record (torch writes one into every archive): used
+        // where the end record's fields are saturated, and otherwise required
+        // to agree with them, so that no reader (ours on a stream, Python's
+        // zipfile) takes another directory from the file than this one does.
         let z64_off = u64_at(&loc, 8);
         if z64_off
             .checked_add(ZIP64_EOCD_LEN)
@@ -499,9 +508,18 @@ fn find_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<(u64, u64
         if u32_at(&z, 0) != ZIP64_EOCD_SIG {
             return Err(Error::corrupt(path, None, "zip64 end record damaged"));
         }
-        n_entries = u64_at(&z, 32);
-        cd_size = u64_at(&z, 40);
-        cd_offset = u64_at(&z, 48);
+        let (zn, zsize, zoff) = (u64_at(&z, 32), u64_at(&z, 40), u64_at(&z, 48));
+        if !saturated && (zn, zsize, zoff) != (n_entries, cd_size, cd_offset) {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!(
+                    "the zip64 end record ({zn} records, directory of {zsize} bytes at {zoff}) disagrees \
+                     with the end record ({n_entries} records, {cd_size} bytes at {cd_offset})"
+                ),
+            ));
+        }
+        (n_entries, cd_size, cd_offset) = (zn, zsize, zoff);
         cd_end_limit = z64_off;
     }
     let cd_end = cd_offset
