@@ -507,6 +507,34 @@ def zip64_end_record(path: Path, rng: random.Random) -> str:
     return f"zip64 end record: {count} entries, directory of {cd_size} bytes at {cd_off}"
 
 
+def zip64_disagrees(path: Path, rng: random.Random) -> str:
+    """A zip64 end record (as torch writes into every archive) beside a plain,
+    unsaturated end record, disagreeing with it in one field: every reader
+    must refuse the file alike (the path reader once took the plain record's
+    word while the stream reader refused, and verify passed)."""
+    data = path.read_bytes()
+    zm = zip_map(data)
+    if zm is None or len(zm.entries) >= 0xFFFF or zm.cd_off + zm.cd_size >= 0xFFFFFFFF:
+        return flip_bits(path, rng)
+    count, cd_size, cd_off = len(zm.entries), zm.cd_size, zm.cd_off
+    field = rng.choice(["count", "size", "offset"])
+    if field == "count":
+        count += rng.choice([1, 2, 1 << 40])
+    elif field == "size":
+        cd_size += rng.choice([-46, 46, 1 << 40]) if cd_size > 46 else 46
+    else:
+        cd_off = rng.choice([cd_off ^ (1 << rng.randrange(0, 63)), max(0, cd_off - 1)])
+    cd_end = zm.cd_off + zm.cd_size
+    z64_off = cd_end
+    z64 = struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, cd_off)
+    loc = struct.pack("<IIQI", 0x07064B50, 0, z64_off, 1)
+    n = len(zm.entries)
+    eocd = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, zm.cd_size, zm.cd_off, 0)
+    path.write_bytes(data[:cd_end] + z64 + loc + eocd)
+    plain = f"{n}, {zm.cd_size} at {zm.cd_off}"
+    return f"zip64 end record disagrees in {field}: {count} entries, {cd_size} bytes at {cd_off} (plain: {plain})"
+
+
 # ----------------------------------------------------------------------------------------------
 # hand-made pickles
 
@@ -1271,6 +1299,7 @@ def single_mutate(ctx: Ctx, path: Path, tier_file: bool) -> None:
         ("zip_field", 6, m_field),
         ("zip64_huge_record", 3, lambda: zip64_huge_record(path, rng)),
         ("zip64_end_record", 2, lambda: zip64_end_record(path, rng)),
+        ("zip64_disagrees", 2, lambda: zip64_disagrees(path, rng)),
         ("crc_fixed", 3 if tier_file else 0, m_crc_fixed),
         ("inner_manifest_digit", 4 if tier_file else 0, m_inner_manifest),
         ("rename_record", 2, m_rename),
