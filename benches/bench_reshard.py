@@ -243,7 +243,7 @@ def planning_simulation(n_tensors: int = 10_000, ranks: int = 64) -> tuple[float
     metadata alone (no file is read)."""
     from tierstore.layout import Box, Layout, Piece
     from tierstore.reshard import GlobalIndex, Source, prove_tiling_arrays
-    from tierstore.sharded import _Target, expand_plan, make_plan
+    from tierstore._sharded_read import Target, expand_plan, make_plan
 
     class Fake:
         def __init__(self) -> None:
@@ -268,7 +268,7 @@ def planning_simulation(n_tensors: int = 10_000, ranks: int = 64) -> tuple[float
         ck.index[name] = GlobalIndex.build(shape, sources)
         rows, cols = shape[0] // a, shape[1] // a
         lay = Layout.block(name, shape, (3 * rows, 5 * cols), (rows, cols))
-        targets.append(_Target(name, torch.empty(0), torch.empty(0), lay))
+        targets.append(Target(name, torch.empty(0), torch.empty(0), lay))
     t0 = time.perf_counter()
     plan = make_plan(ck, targets)  # type: ignore[arg-type]
     t1 = time.perf_counter()

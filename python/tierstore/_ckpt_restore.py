@@ -17,10 +17,11 @@ import torch
 
 from tierstore import _metadata, _paths, _tree
 from tierstore._ckpt_snapshot import Snapshot
+from tierstore._dist import all_gather
 from tierstore._offload_entry import OFFLOAD_KEY, is_offload_parts, offload_meta, restore_state_dict
 from tierstore.errors import LayoutError, TierstoreError
 from tierstore.sharded import PerRank, consolidate, load_sharded
-from tierstore.shardmeta import read_attachment, read_manifest
+from tierstore.shardmeta import MANIFEST, read_attachment, read_manifest
 
 STEP_DIR = re.compile(r"^step-(\d{12})$")
 META = "checkpoint.json"
@@ -245,3 +246,73 @@ def clone_tree(obj: Any) -> Any:
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(clone_tree(v) for v in obj)
     return copy.deepcopy(obj)
+
+
+def list_checkpoints(
+    snaps: list[Snapshot], host_name: str, tiers: list[tuple[str, list[Path]]]
+) -> list[dict[str, Any]]:
+    """Complete checkpoints: ``[{"step", "tier", "path"}]``, newest first,
+    nearest tier first: the snapshots complete in host memory (``path``
+    None, ``"_snap"`` the snapshot), then each disk tier's committed step
+    directories (``tiers``: name and directories, nearest first)."""
+    out: list[dict[str, Any]] = []
+    for s in snaps:
+        if (
+            s.in_host
+            and not s.has_offload
+            and s.captured.is_set()
+            and s.error is None
+            and s.handle.tiers.get("host") == "captured"
+        ):
+            out.append({"step": s.step, "tier": host_name, "path": None, "rank": 0, "_snap": s})
+    for ti, (name, paths) in enumerate(tiers):
+        for p in paths:
+            for d in step_dirs(p, name):
+                m = STEP_DIR.match(d.name)
+                mp = d / MANIFEST
+                if m and mp.is_file():
+                    out.append({"step": int(m.group(1)), "tier": name, "path": str(d), "rank": ti + 1})
+                elif m and (mp.exists() or mp.is_symlink()):
+                    warn_once(
+                        f"tierstore: {mp} on tier {name!r} is not a regular file; step {int(m.group(1))} is skipped"
+                    )
+    out.sort(key=lambda c: (-c["step"], c["rank"]))
+    for c in out:
+        c.pop("rank")
+    return out
+
+
+def load_first_usable(
+    cands: list[dict[str, Any]], into: Any, weights_only: bool, per_rank_policy: Any, world: int, pg: Any
+) -> tuple[Any, dict[str, Any] | None]:
+    """Loads the first candidate every rank can read (a damaged copy is
+    reported with a warning and the next one tried); returns the state and
+    which copy it was, or ``(None, None)``. With ``into``, no usable copy
+    among some that exist raises: a copy that failed may have written part
+    of its bytes into ``into`` before its damage was found, which must never
+    pass for "no checkpoint" (the caller would train on from those tensors)."""
+    failures: list[str] = []
+    for c in cands:
+        err: BaseException | None = None
+        result: Any = None
+        try:
+            result = load_copy(c, into, weights_only, per_rank_policy)
+        except Exception as e:  # any damage to this copy: the next one is tried
+            err = e
+        ok = all_gather(err is None, world, pg) if world > 1 else [err is None]
+        if all(ok):
+            return result, {"step": c["step"], "tier": c["tier"], "path": c["path"]}
+        where = c["path"] or "host memory"
+        why = err if err is not None else "another rank could not read it"
+        warnings.warn(
+            f"tierstore: checkpoint of step {c['step']} on tier {c['tier']!r} ({where}) cannot be used: "
+            f"{why}; trying the next copy",
+            stacklevel=3,
+        )
+        failures.append(f"step {c['step']} on tier {c['tier']!r}: {why}")
+    if into is not None and failures:
+        raise TierstoreError(
+            f"no usable checkpoint among {len(failures)} copies; the tensors of `into` may have been partly "
+            "overwritten by a copy that then failed its checks: " + "; ".join(failures)
+        )
+    return None, None

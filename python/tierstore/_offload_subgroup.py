@@ -2,25 +2,64 @@
 whose fp32 masters and optimizer state live in one flat, page-padded buffer
 (resident in host memory, or in a file on one of the disk paths).
 
-Its lifecycle: *on disk* (``buf`` None, ``file`` set) → *reading* (``reading``
-a future) → *resident* (``buf`` set; ``dirty`` once the step changed it) →
-*writing back* (``writing`` a future; ``wanted`` keeps it resident after the
-write) → on disk again. A file linked by a checkpoint (``pinned``) is never
-rewritten in place: the next write-back goes to a new ``generation``.
+Its lifecycle (:class:`Residence`, derived from what it holds so that it can
+never disagree with it): ``ON_DISK`` (no buffer, a file) → ``READING`` (a read
+in flight into a buffer not yet attached) → ``RESIDENT`` (a buffer; ``dirty``
+once the step changed it) → ``WRITING`` (a write-back in flight; ``wanted``
+keeps it resident after the write) → ``ON_DISK`` again, or ``RESIDENT`` when
+wanted. A transfer starts only from the state it leaves (:meth:`Subgroup.expect`).
+A file linked by a checkpoint (``pinned``) is never rewritten in place: the
+next write-back goes to a new ``generation``.
 """
 
 from __future__ import annotations
 
+import enum
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from tierstore import _core
 from tierstore._offload_io import StoragePath
+from tierstore.errors import InternalError
+
+PAGE = 4096
+ALIGN = 64  # of each tensor in the flat buffer
 
 # layout entry: (index of the parameter in the subgroup, state key or None for
 # the master, byte offset, byte length, dtype, shape)
 Entry = tuple[int, str | None, int, int, torch.dtype, tuple[int, ...]]
+
+
+class Residence(enum.Enum):
+    NEW = "new"  # packed neither in memory nor on disk yet
+    ON_DISK = "on disk"
+    READING = "reading"
+    RESIDENT = "resident"
+    WRITING = "writing back"
+
+
+def split_master(p: torch.Tensor, master: torch.Tensor, lo: torch.Tensor, threads: int) -> None:
+    """Stores fp32 ``master``: its low halves into ``lo``, its rounded high
+    halves into the bf16 parameter ``p``."""
+    n = master.numel()
+    src = master.detach().contiguous()
+    direct = p.device.type == "cpu" and p.dtype == torch.bfloat16 and p.is_contiguous()
+    hi = p.detach() if direct else torch.empty(n, dtype=torch.bfloat16)
+    _core.split_halves(src.data_ptr(), hi.data_ptr(), lo.data_ptr(), n, threads)
+    if not direct:
+        p.detach().copy_(hi.view(p.shape))
+
+
+def join_master(p: torch.Tensor, lo: torch.Tensor, out: torch.Tensor, threads: int) -> None:
+    """Rebuilds the fp32 master into ``out`` from the parameter's high halves
+    and the stored low halves."""
+    hi = p.detach()
+    if hi.device.type != "cpu" or hi.dtype != torch.bfloat16 or not hi.is_contiguous():
+        hi = hi.to("cpu", torch.bfloat16).contiguous()
+    _core.join_halves(hi.data_ptr(), lo.data_ptr(), out.data_ptr(), out.numel(), threads)
 
 
 class Subgroup:
@@ -53,3 +92,130 @@ class Subgroup:
     @property
     def resident(self) -> bool:
         return self.buf is not None
+
+    @property
+    def state(self) -> Residence:
+        if self.writing is not None:
+            return Residence.WRITING
+        if self.reading is not None:
+            return Residence.READING
+        if self.buf is not None:
+            return Residence.RESIDENT
+        return Residence.ON_DISK if self.file is not None else Residence.NEW
+
+    def expect(self, *states: Residence) -> None:
+        """Refuses a move that does not start from one of ``states``."""
+        if self.state not in states:
+            raise InternalError(
+                f"offload subgroup {self.index} is {self.state.value}, expected " + " or ".join(s.value for s in states)
+            )
+
+    # --- the flat buffer's layout
+
+    def tensors(self) -> list[tuple[int, str | None, torch.Tensor]]:
+        """(parameter index, state key or None for the master, tensor), in layout order."""
+        out: list[tuple[int, str | None, torch.Tensor]] = []
+        for i, m in enumerate(self.masters):
+            out.append((i, None, m))
+            if self.inner is not None:
+                st = self.inner.state.get(m, {})
+                for k in sorted(st):
+                    if isinstance(st[k], torch.Tensor):
+                        out.append((i, k, st[k]))
+        return out
+
+    def plan(self, items: list[tuple[int, str | None, torch.Tensor]]) -> tuple[list[Entry], int]:
+        """The layout of ``items`` in one buffer and its page-padded size."""
+        layout: list[Entry] = []
+        off = 0
+        for i, k, t in items:
+            dt = torch.int16 if k is None and self.split else t.dtype  # low halves of the masters
+            n = t.numel() * dt.itemsize
+            off = -(-off // ALIGN) * ALIGN
+            layout.append((i, k, off, n, dt, tuple(t.shape)))
+            off += n
+        return layout, -(-max(off, 1) // PAGE) * PAGE
+
+    def fill(
+        self, buf: torch.Tensor, layout: list[Entry], items: list[tuple[int, str | None, torch.Tensor]], threads: int
+    ) -> None:
+        """Copies ``items`` into ``buf`` as ``layout`` places them."""
+        for (i, k, o, n, dt, shape), (_i, _k, t) in zip(layout, items, strict=True):
+            if k is None and self.split:
+                split_master(self.params[i], t, buf[o : o + n].view(dt), threads)
+            else:
+                buf[o : o + n].view(dt).view(shape).copy_(t)
+
+    def attach(self, buf: torch.Tensor) -> None:
+        """Points masters and state tensors at views of ``buf``."""
+        self.buf = buf
+        for i, k, o, n, dt, shape in self.layout:
+            v = buf[o : o + n].view(dt).view(shape)
+            if k is None:
+                if not self.split:  # split masters are rebuilt for each update
+                    self.masters[i].data = v
+            else:
+                assert self.inner is not None
+                self.inner.state[self.masters[i]][k] = v
+
+    def detach(self) -> torch.Tensor | None:
+        """Lets go of the views of the buffer; returns the buffer (for reuse)."""
+        empty = torch.empty(0)
+        for i, k, *_ in self.layout:
+            if k is None:
+                self.masters[i].data = empty
+            else:
+                assert self.inner is not None
+                self.inner.state[self.masters[i]][k] = empty
+        buf, self.buf = self.buf, None
+        return buf
+
+    # --- split masters: the low halves in the layout, the high halves in the bf16 parameters
+
+    def low_halves(self) -> list[torch.Tensor]:
+        """Views of the stored low halves of the split subgroup's masters, in parameter order."""
+        assert self.buf is not None
+        buf = self.buf
+        return [buf[o : o + n].view(torch.int16) for _i, k, o, n, _dt, _shape in self.layout if k is None]
+
+    def drop_masters(self) -> None:
+        """Lets go of a split subgroup's fp32 masters (rebuilt for each update)."""
+        empty = torch.empty(0)
+        for m in self.masters:
+            m.data = empty
+
+    def rebuild_masters(self, threads: int, into: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The split subgroup's fp32 masters, rebuilt into views of ``into``
+        (default: new tensors)."""
+        out: list[torch.Tensor] = []
+        off = 0
+        for p, lo in zip(self.params, self.low_halves(), strict=True):
+            m = torch.empty(p.shape) if into is None else into[off : off + p.numel()].view(p.shape)
+            join_master(p, lo, m, threads)
+            out.append(m)
+            off += p.numel()
+        return out
+
+    def store_split(self, threads: int) -> None:
+        """Stores the updated fp32 masters split: low halves into the layout,
+        high halves into the parameters."""
+        for p, m, lo in zip(self.params, self.masters, self.low_halves(), strict=True):
+            split_master(p, m, lo, threads)
+
+    # --- the wrapped optimizer on this subgroup
+
+    def ensure_inner(self, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], hyper: dict[str, Any]) -> None:
+        if self.inner is None:
+            self.inner = cls([{"params": self.masters, **hyper}], **kwargs)
+
+    def objects(self) -> dict[str, dict[str, Any]]:
+        """Non-tensor state values (kept in memory), by parameter index in the subgroup."""
+        out: dict[str, dict[str, Any]] = {}
+        if self.inner is None:
+            return out
+        for i, m in enumerate(self.masters):
+            st = self.inner.state.get(m, {})
+            o = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
+            if o:
+                out[str(i)] = o
+        return out

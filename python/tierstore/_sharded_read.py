@@ -1,0 +1,562 @@
+"""The load side of sharded checkpoints: planning which saved bytes each
+target piece needs (from the manifest alone), reading exactly those ranges
+with their chunks verified, consolidation into whole tensors, and the
+non-tensor state. ``tierstore.sharded`` re-exports its public names."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tierstore import _core, _dist, _limits, _tree
+from tierstore._engine import get_engine
+from tierstore._leaves import flatten, is_dtensor, tensor_and_layout
+from tierstore.errors import FormatError, InvalidArgumentError, LayoutError, MissingRecordError, NotFoundError
+from tierstore.layout import Box, Layout, Piece, layout_of
+from tierstore.reshard import CoverageError, Source, merge_runs, prove_coverage, runs_for
+from tierstore.shardmeta import (
+    MANIFEST,
+    Checkpoint,
+    ChunkTable,
+    dtype_of,
+)
+
+# What a load verifies: every chunk its reads touch (default), every chunk
+# of every record it reads from, or nothing.
+VERIFY_MODES = ("touched", "full", False)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return dtype_of(name)
+
+
+@dataclass
+class Target:
+    key: str
+    dest: torch.Tensor  # where the bytes land (contiguous; may be a temporary)
+    final: torch.Tensor  # the user's tensor
+    layout: Layout
+
+
+@dataclass
+class Plan:
+    """Which saved pieces each target piece reads, with the intersections
+    (global boxes): the result of planning, from metadata alone."""
+
+    # (target index, target piece, [(source, intersection), ...])
+    steps: list[tuple[int, Piece, list[tuple[Source, Box]]]]
+    needed: dict[str, int]
+
+
+def make_plan(ck: Checkpoint, targets: list[Target]) -> Plan:
+    """Intersects every target piece with the saved pieces of its global
+    tensor and proves coverage. No file is read, no collective is used."""
+    steps: list[tuple[int, Piece, list[tuple[Source, Box]]]] = []
+    needed: dict[str, int] = {}
+    for ti, t in enumerate(targets):
+        inters_all: list[list[Box]] = []
+        item = t.dest.element_size()
+        for piece in t.layout.pieces:
+            idx = ck.index.get(piece.tensor)
+            if idx is None:
+                raise CoverageError(f"tensor {t.key!r}: global tensor {piece.tensor!r} is not in the checkpoint")
+            if tuple(idx.shape) != tuple(t.layout.global_shapes[piece.tensor]):
+                raise CoverageError(
+                    f"tensor {t.key!r}: global tensor {piece.tensor!r} has shape {idx.shape} in the checkpoint, "
+                    f"but the target layout says {t.layout.global_shapes[piece.tensor]}"
+                )
+            ck.check_tensor(piece.tensor)
+            hits = idx.overlapping(piece.box)
+            for src, _b in hits:
+                if src.itemsize != item:
+                    raise CoverageError(f"tensor {t.key!r}: element sizes differ between checkpoint and target")
+            inters_all.append([b for _s, b in hits])
+            steps.append((ti, piece, hits))
+        prove_coverage(t.key, t.layout, inters_all)
+        needed[t.key] = sum(p.box.numel for p in t.layout.pieces) * item
+    return Plan(steps, needed)
+
+
+def expand_plan(plan: Plan, targets: list[Target]) -> dict[int, tuple[list[int], list[int], list[int]]]:
+    """Turns a plan into byte ranges per file: (file offsets, lengths,
+    destination addresses), merged where contiguous on both sides."""
+    from tierstore.reshard import affine_map
+
+    # Per file: flat Python lists for small results, NumPy arrays for large ones.
+    per_file: dict[int, tuple[list[int], list[int], list[int], list[Any]]] = {}
+    src_aff: dict[int, tuple[int, list[int]]] = {}
+    for ti, piece, hits in plan.steps:
+        t = targets[ti]
+        item = t.dest.element_size()
+        base = t.dest.data_ptr()
+        nd = len(piece.box.offsets)
+        daff = affine_map(piece, t.layout.local_shape, nd)
+        for src, inter in hits:
+            saff = src_aff.get(id(src))
+            if saff is None:
+                saff = src_aff[id(src)] = affine_map(src.piece, src.local_shape, nd)
+            s_el, d_el, n_el = runs_for(inter, src, piece, t.layout.local_shape, saff, daff)
+            acc = per_file.setdefault(src.file, ([], [], [], []))
+            if isinstance(s_el, list):
+                so = src.offset
+                acc[0].extend([so + x * item for x in s_el])
+                acc[1].extend([base + x * item for x in d_el])
+                acc[2].extend([x * item for x in n_el])
+            else:
+                acc[3].append((src.offset + s_el * item, base + d_el * item, n_el * item))
+    out: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    for f, (ps, pd, pl, arrays) in per_file.items():
+        ss = [np.array(ps, dtype=np.int64)] + [a[0] for a in arrays]
+        ds = [np.array(pd, dtype=np.int64)] + [a[1] for a in arrays]
+        ls = [np.array(pl, dtype=np.int64)] + [a[2] for a in arrays]
+        r = merge_runs(np.concatenate(ss), np.concatenate(ds), np.concatenate(ls))
+        out[f] = (r.src.tolist(), r.length.tolist(), r.dst.tolist())
+    return out
+
+
+@dataclass
+class _Wanted:
+    """A non-tensor value to load (or a plain tensor saved inside an object)."""
+
+    key: str
+    parent: Any
+    slot: Any
+    path: tuple[Any, ...]
+    like: torch.Tensor | None
+
+
+def _target(ck: Checkpoint, key: str, v: torch.Tensor, world: int) -> Target:
+    local, lay = tensor_and_layout(key, v, world if is_dtensor(v) or layout_of(v) else 1)
+    if tuple(local.shape) != lay.local_shape:
+        raise LayoutError(f"{key}: local tensor of shape {tuple(local.shape)} but layout for {lay.local_shape}")
+    src_dtype = None
+    for p in lay.pieces:
+        if p.tensor in ck.manifest["tensors"]:
+            src_dtype = ck.dtype_of(p.tensor)
+            break
+    dest = local
+    if not local.is_contiguous() or (src_dtype is not None and src_dtype != local.dtype):
+        dest = torch.empty(local.shape, dtype=src_dtype or local.dtype)
+    elif local.device.type != "cpu":
+        dest = torch.empty(local.shape, dtype=local.dtype)
+    if sum(p.box.numel for p in lay.pieces) < local.numel():
+        dest.zero_()  # padding is recreated as zeros
+    return Target(key, dest, local, lay)
+
+
+def _stored_path(m: Mapping[str, Any], key: str) -> tuple[Any, ...]:
+    return tuple(m.get("paths", {}).get(key) or _tree.split_key(key))
+
+
+def _object_prefix(m: Mapping[str, Any], key: str) -> str | None:
+    """The longest key saved as one object that ``key`` lies inside (``a.b``
+    for ``a.b.0.c``), if any."""
+    parts = key.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        k = ".".join(parts[:n])
+        if k in m["objects"] or k in m["per_rank_objects"]:
+            return k
+    return None
+
+
+def _subtree(
+    ck: Checkpoint, key: str, path: tuple[Any, ...]
+) -> tuple[Any, dict[str, tuple[Any, Any]], dict[str, tuple[Any, Any, tuple[Any, ...]]]] | None:
+    """For a target value (an empty dict, None) whose key the checkpoint holds
+    only as the prefix of others (``optim.state`` of ``optim.state.0.exp_avg``):
+    the saved structure rebuilt, with full empty tensors and the places of the
+    objects to fill; None when it holds no key under it."""
+    m = ck.manifest
+    pre = key + "."
+    names = [n for n in m["tensors"] if n.startswith(pre)]
+    objs = [n for n in (*m["objects"], *m["per_rank_objects"]) if n.startswith(pre)]
+    if not names and not objs:
+        return None
+    total = sum(math.prod(m["tensors"][n]["shape"]) * _dtype(m["tensors"][n]["dtype"]).itemsize for n in names)
+    _limits.check_allocation(total, f"the {len(names)} tensors under {key!r} of {ck.dir}", str(ck.dir))
+    root: dict[str, Any] = {}
+    tensors: dict[str, tuple[Any, Any]] = {}
+    places: dict[str, tuple[Any, Any, tuple[Any, ...]]] = {}
+    order = {k: i for i, k in enumerate(m.get("paths", {}))}
+    for n in sorted([*names, *objs], key=lambda n: (order.get(n, len(order)), n.split("."))):
+        sp = _stored_path(m, n)
+        cut = next((i for i in range(1, len(sp) + 1) if _tree.key_of(sp[:i]) == key), None)
+        if cut is None or cut == len(sp):
+            continue  # a name under the prefix by its text only ("a.b" of a key "a.b.c" with a dotted part)
+        rel = ("_", *sp[cut:])
+        try:
+            if n in m["tensors"]:
+                g = m["tensors"][n]
+                tensors[n] = _tree.set_path(root, rel, torch.empty(g["shape"], dtype=_dtype(g["dtype"])))
+            else:
+                holder, slot = _tree.set_path(root, rel, None)
+                places[n] = (holder, slot, (*path, *sp[cut:]))
+        except (ValueError, TypeError, AttributeError) as e:
+            raise FormatError(f"{ck.dir / MANIFEST}: paths[{n[:100]!r}] does not fit the others ({e})",
+                              path=str(ck.dir / MANIFEST), record=f"paths[{n[:100]!r}]") from None  # fmt: skip
+    if "_" not in root:
+        return None
+    return root["_"], tensors, places
+
+
+def load_sharded(
+    path: str | os.PathLike[str],
+    state_dict: MutableMapping[str, Any],
+    *,
+    process_group: Any = None,
+    per_rank_policy: str | Callable[[dict[int, Any]], Any] | None = None,
+    weights_only: bool = True,
+    stats: dict[str, Any] | None = None,
+    verify: str | bool = "touched",
+) -> MutableMapping[str, Any]:
+    """Fills ``state_dict`` in place from the checkpoint at ``path``.
+
+    Tensors receive exactly their local pieces (any layout: attached
+    :class:`Layout`, DTensor placements, or plain tensors standing for the
+    whole logical tensor); only the bytes each needs are read. Non-tensor
+    values are replaced by the saved ones. Per-rank objects saved by a
+    different number of ranks need ``per_rank_policy``: ``"rank0"`` (take rank
+    0's) or a function of ``{rank: value}``.
+
+    ``verify`` says which checksums are checked: ``"touched"`` (default)
+    every 4 KiB chunk a read touches, reading the rest of a chunk it touches
+    in part; ``"full"`` every chunk of every record read from; ``False``
+    none (the metadata is still checked). ``stats``, if given, receives the
+    bytes read, verified and needed. Returns ``state_dict``.
+    """
+    return read_sharded(
+        path,
+        state_dict,
+        process_group=process_group,
+        per_rank_policy=per_rank_policy,
+        weights_only=weights_only,
+        stats=stats,
+        verify=verify,
+    )
+
+
+def read_sharded(
+    path: str | os.PathLike[str],
+    state_dict: MutableMapping[str, Any],
+    *,
+    process_group: Any = None,
+    per_rank_policy: str | Callable[[dict[int, Any]], Any] | None = None,
+    weights_only: bool = True,
+    stats: dict[str, Any] | None = None,
+    verify: str | bool = "touched",
+    checkpoint: Checkpoint | None = None,
+) -> MutableMapping[str, Any]:
+    """:func:`load_sharded`, given the checkpoint's metadata already read
+    and checked (``checkpoint``) where the caller has it."""
+    if verify is True:
+        verify = "touched"
+    if verify not in VERIFY_MODES:
+        raise InvalidArgumentError(f"verify must be 'touched', 'full' or False, not {verify!r}")
+    rank, world, _pg = _dist.group_info(process_group)
+    from tierstore import dcp
+
+    if not (Path(path) / MANIFEST).exists() and dcp.is_dcp(path):
+        return _load_from_dcp(path, state_dict, world, weights_only, stats, verify)
+    ck = checkpoint if checkpoint is not None else Checkpoint(path)
+    m = ck.manifest
+    targets: list[Target] = []
+    objects_wanted: list[_Wanted] = []
+    for leaf in flatten(state_dict, f"load_sharded({path})"):
+        key, v = leaf.key, leaf.value
+        if isinstance(v, torch.Tensor):
+            plain = not is_dtensor(v) and layout_of(v) is None
+            if plain and key not in m["tensors"] and _object_prefix(m, key) is not None:
+                # Saved inside an object (by an older tierstore that kept lists and integer-keyed dicts whole).
+                objects_wanted.append(_Wanted(key, leaf.parent, leaf.slot, leaf.path, v))
+                continue
+            targets.append(_target(ck, key, v, world))
+        elif key in m["objects"] or key in m["per_rank_objects"]:
+            objects_wanted.append(_Wanted(key, leaf.parent, leaf.slot, leaf.path, None))
+        else:
+            sub = _subtree(ck, key, leaf.path)
+            if sub is None:
+                objects_wanted.append(_Wanted(key, leaf.parent, leaf.slot, leaf.path, None))
+                continue
+            tree, tensors, objs = sub
+            leaf.parent[leaf.slot] = tree
+            for name, (holder, slot) in tensors.items():
+                t = holder[slot]
+                targets.append(Target(name, t, t, Layout.full(name, tuple(t.shape))))
+            for name, (holder, slot, pth) in objs.items():
+                objects_wanted.append(_Wanted(name, holder, slot, pth, None))
+    t_plan = time.perf_counter()
+    the_plan = make_plan(ck, targets)
+    plan_seconds = time.perf_counter() - t_plan
+    plan = expand_plan(the_plan, targets)
+    needed = the_plan.needed
+    read, checked, blocks = read_plan(ck, plan, verify)
+    for t in targets:
+        if t.dest is not t.final:
+            t.final.copy_(t.dest)
+    _load_objects(ck, objects_wanted, rank, world, per_rank_policy, weights_only)
+    if stats is not None:
+        stats["bytes_read"] = read
+        stats["bytes_verified"] = checked
+        stats["bytes_needed"] = sum(needed.values())
+        stats["bytes_needed_blocks"] = blocks
+        stats["manifest_bytes"] = (ck.dir / MANIFEST).stat().st_size
+        stats["plan_seconds"] = plan_seconds
+    return state_dict
+
+
+def _blocks(offs: np.ndarray, lens: np.ndarray, block: int = 4096) -> int:
+    """Bytes of the ``block``-byte blocks the ranges touch (each block once)."""
+    keep = lens > 0
+    if not keep.any():
+        return 0
+    lo = offs[keep] // block
+    hi = -(-(offs[keep] + lens[keep]) // block)
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], hi[order]
+    reach = np.maximum.accumulate(hi)
+    # A block run starts where a range begins past everything before it.
+    start = np.concatenate(([True], lo[1:] >= reach[:-1]))
+    group = np.cumsum(start) - 1
+    first = lo[start]
+    last = np.zeros(len(first), dtype=np.int64)
+    np.maximum.at(last, group, hi)
+    return int((last - first).sum()) * block
+
+
+def read_plan(
+    ck: Checkpoint, plan: dict[int, tuple[list[int], list[int], list[int]]], verify: str | bool
+) -> tuple[int, int, int]:
+    """Reads every file's ranges, each file checked against the manifest
+    first and every touched chunk verified (per ``verify``). Returns the
+    bytes read, verified, and those of the 4 KiB blocks the ranges touch."""
+    engine = get_engine()
+    read = checked = blocks = 0
+    for f, (offs, lens, dests) in plan.items():
+        fp = ck.files[f]
+        tables = ck.check_file(f)
+        o = np.asarray(offs, dtype=np.int64)
+        n = np.asarray(lens, dtype=np.int64)
+        blocks += _blocks(o, n)
+        if verify is False:
+            read += _core.read_ranges(engine, str(fp), offs, lens, dests)
+            continue
+        tl: list[ChunkTable] = sorted(tables.values(), key=lambda t: t.data_offset)
+        starts = np.array([t.data_offset for t in tl], dtype=np.int64)
+        ids = np.searchsorted(starts, o, side="right") - 1
+        if len(ids) and int(ids.min()) < 0:
+            raise CoverageError(f"{fp}: a read lies before the first stored record; the manifest is damaged")
+        used, local = np.unique(ids, return_inverse=True)
+        r, c = _core.read_ranges_verified(
+            engine,
+            str(fp),
+            offs,
+            lens,
+            dests,
+            local.tolist(),
+            [tl[i].as_tuple() for i in used.tolist()],
+            full=verify == "full",
+        )
+        read += r
+        checked += c
+    return read, checked, blocks
+
+
+def _load_from_dcp(
+    path: str | os.PathLike[str],
+    state_dict: MutableMapping[str, Any],
+    world: int,
+    weights_only: bool,
+    stats: dict[str, Any] | None,
+    verify: str | bool = "touched",
+) -> MutableMapping[str, Any]:
+    from tierstore import dcp
+
+    targets = []
+    objects = []
+    for leaf in flatten(state_dict, f"load_sharded({path})", dcp=True):
+        key, v = leaf.key, leaf.value
+        if isinstance(v, torch.Tensor):
+            local, lay = tensor_and_layout(key, v, world if is_dtensor(v) or layout_of(v) else 1)
+            if sum(p.box.numel for p in lay.pieces) < local.numel():
+                local.zero_()
+            targets.append((key, local, lay))
+        else:
+            objects.append((key, leaf.parent, leaf.slot))
+    # DCP's rules skip an empty dict: say so when the checkpoint holds values under one.
+    empties = [leaf.key for leaf in flatten(state_dict) if isinstance(leaf.value, Mapping) and not leaf.value]
+    dcp.load_dcp_into(path, targets, objects, weights_only, stats, verify, empties=empties)
+    return state_dict
+
+
+def consolidate(
+    path: str | os.PathLike[str],
+    *,
+    weights_only: bool = True,
+    per_rank_policy: str | Callable[[dict[int, Any]], Any] | None = None,
+) -> dict[str, Any]:
+    """The whole checkpoint as one flat dict ``{global name: full tensor}``,
+    plus its replicated objects (for inference or upload), plus its per-rank
+    objects where a value can be chosen: this rank's when the saving world
+    had this rank and size, else by ``per_rank_policy`` (as for
+    :func:`load_sharded`); without one they are left out."""
+    from tierstore import dcp
+
+    if not (Path(path) / MANIFEST).exists() and dcp.is_dcp(path):
+        return dcp.to_state_dict(path, weights_only, nested=True)
+    ck = Checkpoint(path)
+    m = ck.manifest
+    _check_consolidated_size(Path(path), m)
+    ck.check_all_files()  # the global shapes it allocates, against what each file holds
+    sd: dict[str, Any] = {name: torch.empty(g["shape"], dtype=_dtype(g["dtype"])) for name, g in m["tensors"].items()}
+    for key in m["objects"]:
+        sd[key] = None
+    rank, world, _pg = _dist.group_info(None)
+    left_out = []
+    for key, holders in m.get("per_rank_objects", {}).items():
+        if per_rank_policy is not None or (int(m["world_size"]) == world and str(rank) in holders):
+            sd[key] = None
+        else:
+            left_out.append(key)
+    if left_out:
+        warnings.warn(
+            f"{path}: per-rank objects {', '.join(sorted(left_out))} were saved by {m['world_size']} ranks and "
+            f"are left out (this is rank {rank} of {world}); pass per_rank_policy='rank0' or a function of "
+            "{rank: value} to get them",
+            stacklevel=2,
+        )
+    flat_sd: dict[str, Any] = {}
+    # load_sharded flattens nested dicts; global names are already flat keys.
+    read_sharded(path, sd, weights_only=weights_only, per_rank_policy=per_rank_policy, checkpoint=ck)
+    flat_sd.update(sd)
+    return flat_sd
+
+
+def _check_consolidated_size(d: Path, m: dict[str, Any]) -> None:
+    """Refuses to allocate the full tensors of a manifest before their sizes
+    are checked against what its pieces and files hold, and against the
+    memory there is."""
+    where = str(d / MANIFEST)
+    total = 0
+    for name, g in m["tensors"].items():
+        numel = math.prod(g["shape"])
+        held = sum(math.prod(p[1][1]) for p in g["pieces"])
+        if held != numel:
+            raise CoverageError(
+                f"{where}: global tensor {name!r} of shape {tuple(g['shape'])} has {numel} elements but its pieces "
+                f"hold {held}; the manifest is damaged"
+            )
+        total += numel * torch.empty((), dtype=_dtype(g["dtype"])).element_size()
+    on_disk = 0
+    for i, fe in enumerate(m["files"]):
+        p = d / fe["name"]
+        try:
+            on_disk += p.stat().st_size
+        except FileNotFoundError:
+            raise NotFoundError(f"{p}: shard file of the checkpoint is missing (files[{i}])", path=str(p)) from None
+    if total > on_disk:
+        raise CoverageError(
+            f"{where}: the global tensors add up to {total} bytes but the shard files hold only {on_disk}; "
+            "the manifest is damaged"
+        )
+    _limits.check_allocation(total, f"the {len(m['tensors'])} full tensors of {d}", str(d))
+
+
+def _load_objects(
+    ck: Checkpoint,
+    wanted: list[_Wanted],
+    rank: int,
+    world: int,
+    policy: str | Callable[[dict[int, Any]], Any] | None,
+    weights_only: bool,
+) -> None:
+    if not wanted:
+        return
+    from tierstore.api import load as ts_load
+
+    cache: dict[str, dict[str, Any]] = {}
+
+    def objects_in(name: str) -> dict[str, Any]:
+        if name not in cache:
+            p = ck.check_objects_file(name)
+            got = ts_load(p, weights_only=weights_only)
+            if not isinstance(got, dict) or not isinstance(got.get("objects"), dict):
+                raise FormatError(f"{p}: not an objects file of a sharded checkpoint", path=str(p))
+            cache[name] = got["objects"]
+        return cache[name]
+
+    def value(name: str, key: str) -> Any:
+        objs = objects_in(name)
+        if key not in objs:
+            raise FormatError(f"{ck.dir / name}: holds no value for {key!r} (the manifest says it does)",
+                              path=str(ck.dir / name))  # fmt: skip
+        return objs[key]
+
+    m = ck.manifest
+    saved_world = int(m["world_size"])
+
+    def saved(key: str) -> Any:
+        if key in m["objects"]:
+            return value(m["objects"][key], key)
+        holders = {int(r): f for r, f in m["per_rank_objects"][key].items()}
+        if saved_world == world and rank in holders:
+            return value(holders[rank], key)
+        if policy == "rank0":
+            return value(holders[min(holders)], key)
+        if callable(policy):
+            return policy({r: value(f, key) for r, f in holders.items()})
+        raise FormatError(
+            f"{ck.dir}: per-rank object {key!r} was saved by {saved_world} ranks and is loaded by {world}; "
+            "pass per_rank_policy='rank0' or a function of {rank: value} to choose"
+        )
+
+    for w in wanted:
+        if w.key in m["objects"] or w.key in m["per_rank_objects"]:
+            got = saved(w.key)
+        else:
+            pre = _object_prefix(m, w.key)
+            cut = None
+            if pre is not None:
+                cut = next((i for i in range(1, len(w.path)) if _tree.key_of(w.path[:i]) == pre), None)
+            if pre is None or cut is None:
+                raise MissingRecordError(f"{ck.dir}: the checkpoint has no value for {w.key!r}", path=str(ck.dir))
+            got = _index(saved(pre), w.path[cut:], f"{ck.dir}: the checkpoint has no value for {w.key!r} "
+                         f"(its object {pre!r} holds none there)")  # fmt: skip
+        if w.like is None:
+            w.parent[w.slot] = got
+        elif not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(w.like.shape):
+            what = f"a tensor of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+            raise LayoutError(f"{ck.dir}: {w.key!r} is {what} in the checkpoint; the target is a tensor of shape "
+                              f"{tuple(w.like.shape)}")  # fmt: skip
+        else:
+            with torch.no_grad():
+                w.like.copy_(got)
+
+
+def _index(obj: Any, rest: Sequence[Any], missing: str) -> Any:
+    """``obj`` indexed by the path items ``rest`` (string keys that were
+    integers, list indices), as an older checkpoint's whole object holds them."""
+    for item in rest:
+        k = item["int"] if isinstance(item, dict) else item
+        if isinstance(obj, Mapping):
+            if k in obj:
+                obj = obj[k]
+                continue
+            if isinstance(k, str) and k.lstrip("-").isdigit() and int(k) in obj:
+                obj = obj[int(k)]
+                continue
+        elif isinstance(obj, (list, tuple)) and (isinstance(k, int) or (isinstance(k, str) and k.isdigit())):
+            i = int(k)
+            if i < len(obj):
+                obj = obj[i]
+                continue
+        raise MissingRecordError(missing)
+    return obj
