@@ -241,9 +241,9 @@ def planning_simulation(n_tensors: int = 10_000, ranks: int = 64) -> tuple[float
     """Plans one rank's load of a 2-D (8x8) sharded target from a checkpoint
     whose every tensor was saved as Shard(0) over ``ranks`` ranks, from
     metadata alone (no file is read)."""
+    from tierstore._sharded_read import Target, expand_plan, make_plan
     from tierstore.layout import Box, Layout, Piece
     from tierstore.reshard import GlobalIndex, Source, prove_tiling_arrays
-    from tierstore._sharded_read import Target, expand_plan, make_plan
 
     class Fake:
         def __init__(self) -> None:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -192,3 +193,120 @@ def test_argument_errors_are_tierstore_errors_and_builtins(tmp_path: Path) -> No
     assert isinstance(te.value, TypeError)
     with pytest.raises(InvalidArgumentError, match="verify"):
         tierstore.load_sharded(tmp_path, {}, verify="sometimes")  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------
+# One I/O scheduler
+
+
+_HOLD = (
+    "import fcntl, os, sys\n"
+    "fds = [os.open(f, os.O_RDWR | os.O_CREAT, 0o666) for f in sys.argv[1:]]\n"
+    "for fd in fds:\n"
+    "    fcntl.flock(fd, fcntl.LOCK_EX)\n"
+    "print('held', flush=True)\n"
+    "sys.stdin.readline()\n"
+)
+
+
+def _lock(d: Path, what: str, i: int) -> str:
+    from tierstore._offload_io import lock_dir
+
+    return str(lock_dir() / f"tierstore-io-{d.stat().st_dev:x}-{what}{i}.lock")
+
+
+def _blocked_while_held(locks: list[str], job: Any, patience: float = 1.0) -> tuple[bool, float]:
+    """Runs ``job`` in a thread while another process holds ``locks``:
+    whether it was still running after ``patience`` seconds, and how long it
+    took in all (it must finish once they are let go)."""
+    import threading
+    import time
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, *locks], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            job()
+        except BaseException as e:
+            err.append(e)
+
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.perf_counter()
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(patience)
+        blocked = t.is_alive()
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        holder.stdout.close()
+    t.join(60)
+    assert not t.is_alive(), "hung after the other process let go"
+    if err:
+        raise err[0]
+    return blocked, time.perf_counter() - t0
+
+
+def test_saves_and_loads_take_the_engine_turns_of_a_device_with_offload(tmp_path: Path) -> None:
+    """The machine-wide device turns are the engine's: while an offloaded
+    optimizer of this process has turns at a device, a plain save and a load
+    at that device wait while another process holds every turn in their
+    direction, and go at once when the turns in the other direction are the
+    ones held. With no turns registered, neither waits."""
+    data = tmp_path / "data"
+    data.mkdir()
+    state = {"w": torch.randn(1 << 16)}
+    f = data / "a.pt"
+    tierstore.save(state, f)
+    writes = [_lock(data, "w", i) for i in range(2)]
+    reads = [_lock(data, "r", i) for i in range(2)]
+
+    # No optimizer, no turns: nothing waits for the lock files.
+    blocked, _ = _blocked_while_held(writes, lambda: tierstore.save(state, data / "b.pt"))
+    assert not blocked
+
+    opt = tierstore.offload(
+        torch.optim.AdamW,
+        [torch.nn.Parameter(torch.randn(64))],
+        tiers=[tierstore.HostTier(0), tierstore.DiskTier(str(tmp_path / "off"))],
+    )
+    try:
+        blocked, _ = _blocked_while_held(writes, lambda: tierstore.save(state, data / "c.pt"))
+        assert blocked, "a save ran while another process held every write turn at the device"
+        blocked, _ = _blocked_while_held(reads, lambda: tierstore.save(state, data / "d.pt"))
+        assert not blocked, "a save waited for read turns"
+        got: dict[str, Any] = {}
+        blocked, _ = _blocked_while_held(reads, lambda: got.update(tierstore.load(f)))
+        assert blocked, "a load ran while another process held every read turn at the device"
+        assert torch.equal(got["w"], state["w"])
+        assert sum(d.lock_wait_s for d in opt.devices) > 0.5  # counted at the device's turns, whoever waited
+    finally:
+        opt.close()
+    # Closed: the turns are gone with it.
+    blocked, _ = _blocked_while_held(writes, lambda: tierstore.save(state, data / "e.pt"))
+    assert not blocked
+    for n in "bcde":
+        assert torch.equal(tierstore.load(data / f"{n}.pt")["w"], state["w"])
+
+
+def test_device_turns_live_in_the_engine_only() -> None:
+    """No Python module takes turns (flock on the device lock files) itself."""
+    src = (PKG / "_offload_io.py").read_text()
+    assert "class Lane" not in src and "heapq" not in src
+    for p in PKG.glob("*.py"):
+        assert "tierstore-io-" not in p.read_text(), p.name
+    turns = _core.DeviceTurns(
+        tierstore.get_engine(), 12345, slots=1, exclusive=False, shared=1, lock_dir=str(PKG), duplex=False
+    )
+    assert turns.duplex is False and turns.take_bytes() == 0
+    a, b = turns.ticket(), turns.ticket(background=True)
+    assert a[0] < b[0], "foreground goes first"
+    turns.close()
+    with pytest.raises(RuntimeError):
+        turns.ticket()

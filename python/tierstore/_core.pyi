@@ -7,6 +7,7 @@ from typing import Any, final
 __all__ = [
     "Buffer",
     "Container",
+    "DeviceTurns",
     "Engine",
     "Gate",
     "PendingRead",
@@ -211,6 +212,8 @@ def read_ranges(
     *,
     background: bool = False,
     direct: bool = False,
+    turns: DeviceTurns | None = None,
+    ticket: tuple[int, int] | None = None,
 ) -> int: ...
 def write_ranges(
     engine: Engine,
@@ -222,7 +225,35 @@ def write_ranges(
     size: int = 0,
     background: bool = False,
     direct: bool = False,
+    turns: DeviceTurns | None = None,
+    ticket: tuple[int, int] | None = None,
 ) -> int: ...
+
+@final
+class DeviceTurns:
+    def __new__(
+        cls,
+        engine: Engine,
+        dev: int,
+        *,
+        slots: int,
+        exclusive: bool,
+        shared: int,
+        lock_dir: _Path,
+        duplex: bool | None = None,
+    ) -> DeviceTurns: ...
+    def ticket(self, background: bool = False) -> tuple[int, int]: ...
+    @property
+    def dev(self) -> int: ...
+    @property
+    def duplex(self) -> bool: ...
+    @duplex.setter
+    def duplex(self, value: bool) -> None: ...
+    def take_bytes(self) -> int: ...
+    @property
+    def lock_wait_s(self) -> float: ...
+    def close(self) -> None: ...
+
 def crc32_regions(regions: list[tuple[int, int]], threads: int = 2) -> list[int]: ...
 def chunk_checksums(engine: Engine, regions: list[tuple[int, int]], chunk: int, algo: str = "crc32c") -> bytes: ...
 def read_ranges_verified(

@@ -1,10 +1,11 @@
 """The offloaded optimizer's I/O turns and storage paths.
 
-A :class:`DeviceTurns` is the turns at one device (one ``st_dev``): a read
-and a write :class:`Lane` (duplex) or one lane for both (simplex, or measured
-with ``duplex=None``), each granting at most ``slots`` transfers at a time by
-ticket and, with ``exclusive``, one of a set of machine-wide lock files, so
-that several processes offloading to one device take turns. A
+A :class:`DeviceTurns` holds the engine's turns at one device (one
+``st_dev``): a read and a write lane (duplex) or one lane for both (simplex,
+or measured with ``duplex=None``), each granting at most ``slots`` transfers
+at a time by ticket and, with ``exclusive``, one of a set of machine-wide lock
+files, so that several processes using one device take turns; the engine
+schedules every transfer at that device through them. A
 :class:`StoragePath` is one directory of a disk tier: its session directory,
 its device's turns and its bandwidth estimate. Session directories whose
 process died are removed (:func:`remove_dead_sessions`).
@@ -14,17 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import heapq
-import itertools
 import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from tierstore import _core
 
 SESSION = "session-"
 ALPHA = 0.3  # weight of a new bandwidth sample in the estimate
@@ -35,97 +34,15 @@ def lock_dir() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-class Lane:
-    """Turns in one direction (reads or writes) at one device (one
-    ``st_dev``), for the transfers of this process and, with ``exclusive``,
-    of every process on the machine.
-
-    In the process: at most ``slots`` transfers at a time, granted by ticket
-    (first come, first served). Across processes: each granted transfer also
-    holds one of ``shared`` lock files (flock), so that several processes
-    offloading to one device take turns instead of thrashing it. A process
-    that dies releases its locks with its descriptors."""
-
-    def __init__(self, dev: int, what: str, slots: int, exclusive: bool, shared: int | None = None) -> None:
-        self.slots = max(1, slots)
-        self.cond = threading.Condition()
-        self.busy = 0
-        self.waiting: list[tuple[int, int]] = []  # heap of (priority, ticket) of the transfers here now
-        self.fds: list[int] = []
-        self.lock_wait_s = 0.0  # time spent waiting for other processes
-        if exclusive:
-            base = lock_dir()
-            for i in range(max(self.slots, shared or 0)):
-                f = base / f"tierstore-io-{dev:x}-{what[0]}{i}.lock"
-                self.fds.append(os.open(f, os.O_RDWR | os.O_CREAT, 0o666))
-        self.free_fds = list(self.fds)
-
-    @contextlib.contextmanager
-    def turn(self, ticket: tuple[int, int]) -> Iterator[None]:
-        with self.cond:
-            heapq.heappush(self.waiting, ticket)
-            # (no free lock file: another transfer of ours is choosing one)
-            while self.busy >= self.slots or self.waiting[0] != ticket or (self.fds and not self.free_fds):
-                self.cond.wait()
-            heapq.heappop(self.waiting)
-            self.busy += 1
-            mine = list(self.free_fds)  # the slots no transfer of this process holds
-            self.free_fds.clear()
-            self.cond.notify_all()
-        fd = -1
-        try:
-            if mine:
-                try:
-                    fd = self._lock_any(mine)
-                finally:
-                    with self.cond:
-                        self.free_fds.extend(x for x in mine if x != fd)
-                        self.cond.notify_all()
-            yield
-        finally:
-            if fd >= 0:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            with self.cond:
-                self.busy -= 1
-                if fd >= 0:
-                    self.free_fds.append(fd)
-                self.cond.notify_all()
-
-    def _lock_any(self, fds: list[int]) -> int:
-        """Takes whichever of ``fds`` no other process holds, waiting while
-        all are held: blocked in the kernel on a single one (woken the moment
-        it is let go: the device is not left idle between two processes'
-        transfers), polled 0.2 to 2 ms apart on several."""
-        t0 = time.perf_counter()
-        if len(fds) == 1:
-            try:
-                fcntl.flock(fds[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                fcntl.flock(fds[0], fcntl.LOCK_EX)  # releases the GIL while it waits
-                self.lock_wait_s += time.perf_counter() - t0
-            return fds[0]
-        pause = 0.0002
-        while True:
-            for fd in fds:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
-                self.lock_wait_s += time.perf_counter() - t0
-                return fd
-            time.sleep(pause)
-            pause = min(2 * pause, 0.002)
-
-    def close(self) -> None:
-        for fd in self.fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.fds = []
-        self.free_fds = []
-
-
 class DeviceTurns:
     """The turns at one device, and how its two directions share it.
+
+    The turns themselves are the engine's (``_core.DeviceTurns``: a lane per
+    direction granting at most ``slots`` transfers of this process at a
+    time, in ticket order, and with ``exclusive`` one of ``shared``
+    machine-wide lock files per transfer); registered there, they are taken
+    by every transfer the engine runs at this device, from any caller. This
+    object holds them and chooses the mode.
 
     *Duplex*: a read lane and a write lane, a read and a write at once (a
     device that serves both directions in parallel: most NVMe drives, and
@@ -134,48 +51,62 @@ class DeviceTurns:
     ``duplex=None`` the mode is measured: a step each way, then the faster
     (bytes per second of the device's busy time), with a step of the other
     mode every 50 steps in case the device changed; the measure is bytes per
-    second of the training loop's time. Tickets are taken in one
-    order for both lanes, when a transfer is queued."""
+    second of the training loop's time."""
 
     EXPLORE_EVERY = 50
 
-    def __init__(self, dev: int, slots: int, exclusive: bool, duplex: bool | None, shared: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: _core.Engine,
+        dev: int,
+        slots: int,
+        exclusive: bool,
+        duplex: bool | None,
+        shared: int | None = None,
+    ) -> None:
         self.dev = dev
-        self.lanes = {w: Lane(dev, w, slots, exclusive, shared) for w in ("read", "write")}
+        self.native: _core.DeviceTurns | None = _core.DeviceTurns(
+            engine,
+            dev,
+            slots=max(1, slots),
+            exclusive=exclusive,
+            shared=shared or 0,
+            lock_dir=lock_dir(),
+            duplex=duplex,
+        )
         self.adaptive = duplex is None
-        self.duplex = True if duplex is None else duplex
-        self.tickets = itertools.count()
-        self.acct = threading.Lock()
-        self.bytes = 0  # moved since the last step began
         self.period_start = time.perf_counter()
         self.period = 0
         self.rates: dict[bool, list[float]] = {True: [], False: []}
+        self._lock_wait_s = 0.0
+
+    @property
+    def duplex(self) -> bool:
+        return self.native.duplex if self.native is not None else False
+
+    @duplex.setter
+    def duplex(self, value: bool) -> None:
+        if self.native is not None:
+            self.native.duplex = value
 
     def ticket(self) -> tuple[int, int]:
         """A place in line, taken when a transfer is queued."""
-        return (1, next(self.tickets))
-
-    @contextlib.contextmanager
-    def turn(self, what: str, nbytes: int, ticket: tuple[int, int] | None = None) -> Iterator[None]:
-        lane = self.lanes[what if self.duplex else "read"]
-        with lane.turn(ticket if ticket is not None else self.ticket()):
-            try:
-                yield
-            finally:
-                with self.acct:
-                    self.bytes += nbytes
+        assert self.native is not None
+        return self.native.ticket()
 
     def end_period(self) -> None:
         """At each step: the rate of the mode used since the last step (bytes
         moved at this device per second of the training loop's time, so that
         what counts is what the loop waits for), and the mode for the next."""
+        if self.native is None:
+            return
         now = time.perf_counter()
-        with self.acct:
-            nbytes, self.bytes = self.bytes, 0
+        nbytes = self.native.take_bytes()
         elapsed, self.period_start = now - self.period_start, now
+        mode = self.duplex
         if self.period > 1 and nbytes >= (64 << 20) and elapsed > 0:  # the first step creates the state
-            self.rates[self.duplex].append(nbytes / elapsed)
-            del self.rates[self.duplex][:-3]
+            self.rates[mode].append(nbytes / elapsed)
+            del self.rates[mode][:-3]
         self.period += 1
         if not self.adaptive:
             return
@@ -189,11 +120,14 @@ class DeviceTurns:
 
     @property
     def lock_wait_s(self) -> float:
-        return sum(lane.lock_wait_s for lane in self.lanes.values())
+        """Seconds spent waiting for other processes' turns."""
+        return self.native.lock_wait_s if self.native is not None else self._lock_wait_s
 
     def close(self) -> None:
-        for lane in self.lanes.values():
-            lane.close()
+        if self.native is not None:
+            self._lock_wait_s = self.native.lock_wait_s
+            self.native.close()
+            self.native = None
 
 
 class StoragePath:

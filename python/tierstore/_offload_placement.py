@@ -38,6 +38,7 @@ class Placement:
         self,
         roots: list[Path],
         session: str,
+        engine: _core.Engine,
         *,
         io_slots: int,
         device_slots: int | None,
@@ -63,7 +64,7 @@ class Placement:
             dev = os.stat(root).st_dev
             if dev not in devices:
                 shared = max(io_slots, 2) if device_slots is None else device_slots
-                devices[dev] = DeviceTurns(dev, io_slots, exclusive_io, duplex, shared)
+                devices[dev] = DeviceTurns(engine, dev, io_slots, exclusive_io, duplex, shared)
             # Per direction, one worker more than the device's slots: one
             # checksums while the others transfer.
             pools = {
@@ -87,10 +88,9 @@ class Placement:
             try:
                 for what in ("write", "read"):
                     fn = _core.write_ranges if what == "write" else _core.read_ranges
-                    with p.device.turn(what, n):
-                        t0 = time.perf_counter()
-                        fn(engine, f, [0], [n], [probe.data_ptr()], direct=True)
-                        p.observe(what, n, time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    fn(engine, f, [0], [n], [probe.data_ptr()], direct=True, turns=p.device.native)
+                    p.observe(what, n, time.perf_counter() - t0)
             except OSError as e:
                 if e.errno != errno.ENOSPC:
                     raise

@@ -84,8 +84,10 @@ def _kind(mode: int) -> str:
     return "not a file"
 
 
-def read_regular(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
-    """The whole of the regular file ``path``, refused beyond ``limit`` bytes.
+def read_regular(path: str | os.PathLike[str], limit: int, what: str, *, at: tuple[int, int] | None = None) -> bytes:
+    """The whole of the regular file ``path``, refused beyond ``limit`` bytes;
+    with ``at=(offset, length)``, only those bytes, refused where they end
+    past the end of the file.
 
     Opens without blocking (a FIFO does not wait for a writer) and checks the
     open descriptor, so nothing but a regular file of bounded size is read.
@@ -101,22 +103,28 @@ def read_regular(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{p}: {what} is not a regular file ({_kind(st.st_mode)})", path=p)
-        if st.st_size > limit:
+        offset, length = at if at is not None else (0, st.st_size)
+        if at is None and st.st_size > limit:
             raise CorruptFileError(
                 f"{p}: {what} is {st.st_size} bytes, more than the {limit} any tierstore {what} holds", path=p
             )
+        if at is not None and (offset < 0 or length < 0 or offset + length > st.st_size):
+            raise TruncatedFileError(
+                f"{p}: {what}: bytes {offset}..{offset + length} end past the end of the file ({st.st_size} bytes); "
+                "the file is cut short",
+                path=p,
+            )
         chunks = []
-        left = st.st_size
-        while left > 0:
-            b = os.read(fd, min(left, 16 << 20))
+        done = 0
+        while done < length:
+            b = os.pread(fd, min(length - done, 16 << 20), offset + done)
             if not b:
                 break
             chunks.append(b)
-            left -= len(b)
-        data = b"".join(chunks)
-        if len(data) != st.st_size:
+            done += len(b)
+        if done != length:
             raise TruncatedFileError(f"{p}: {what} was cut short while it was read", path=p)
-        return data
+        return b"".join(chunks)
     except OSError as e:
         raise os_error(e, p, f"read {what}") from None
     finally:

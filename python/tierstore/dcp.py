@@ -43,7 +43,6 @@ import io
 import itertools
 import math
 import os
-import stat
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
@@ -70,7 +69,6 @@ from tierstore.errors import (
     NotFoundError,
     TierstoreError,
     TruncatedFileError,
-    UnsafePathError,
     os_error,
 )
 from tierstore.layout import Box, Layout
@@ -350,7 +348,12 @@ class DcpCheckpoint:
         p = known[0] if known is not None else None
         if p is None:
             p = _paths.member(self.dir, rel, source=self.metadata_path, field=f"{what}: relative_path")
-        return _read_range(str(p), int(info.offset), int(info.length), what), str(p)
+        return (
+            _paths.read_regular(
+                p, 0, f"data file of the DCP checkpoint ({what})", at=(int(info.offset), int(info.length))
+            ),
+            str(p),
+        )
 
     def _load_blob(self, blob: bytes, file: str, what: str, weights_only: bool, verify: bool, **kw: Any) -> Any:
         from tierstore import api
@@ -402,41 +405,6 @@ def _same_width_int(dtype: torch.dtype) -> torch.dtype:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return max(1, int(dtype.itemsize))
-
-
-def _read_range(path: str, offset: int, length: int, what: str) -> bytes:
-    """``length`` bytes at ``offset`` of the regular file ``path``; opened
-    without blocking, the range checked against the open file's size."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise NotFoundError(f"{path}: data file of the DCP checkpoint is missing ({what})", path=path) from None
-    except OSError as e:
-        raise os_error(e, path, f"open ({what})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(f"{path}: {what}: the data file is not a regular file", path=path)
-        if offset + length > st.st_size:
-            raise TruncatedFileError(
-                f"{path}: {what}: ends past the end of the file ({st.st_size} bytes); the file is cut short",
-                path=path,
-            )
-        parts = []
-        done = 0
-        while done < length:
-            b = os.pread(fd, min(length - done, 64 << 20), offset + done)
-            if not b:
-                break
-            parts.append(b)
-            done += len(b)
-        if done != length:
-            raise TruncatedFileError(f"{path}: {what}: the file was cut short while it was read", path=path)
-        return b"".join(parts)
-    except OSError as e:
-        raise os_error(e, path, f"read ({what})") from None
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------

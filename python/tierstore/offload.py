@@ -168,6 +168,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._placement = Placement(
             roots,
             self.session,
+            self.engine,
             io_slots=io_slots,
             device_slots=device_slots,
             exclusive_io=exclusive_io,

@@ -233,7 +233,7 @@ pub struct TableRange {
 const DIRECT_BATCH: usize = 8 << 20;
 
 /// A read-only shared mapping of a whole file, unmapped on drop.
-struct Mapping {
+pub(crate) struct Mapping {
     base: *const u8,
     len: usize,
 }
@@ -244,7 +244,7 @@ unsafe impl Sync for Mapping {}
 unsafe impl Send for Mapping {}
 
 impl Mapping {
-    fn new(file: &EngineFile) -> Result<Self> {
+    pub(crate) fn new(file: &EngineFile) -> Result<Self> {
         let len = file.len as usize;
         if len == 0 {
             return Ok(Mapping {
@@ -281,7 +281,7 @@ impl Mapping {
     /// # Panics
     ///
     /// When the range lies outside the file (callers check tables first).
-    fn slice(&self, offset: u64, len: u64) -> &[u8] {
+    pub(crate) fn slice(&self, offset: u64, len: u64) -> &[u8] {
         let (o, n) = (offset as usize, len as usize);
         assert!(
             o.checked_add(n).is_some_and(|e| e <= self.len),
@@ -557,7 +557,7 @@ pub unsafe fn read_ranges_verified(
     let start = |b: Vec<IoRange>| {
         // SAFETY: the destinations are the caller's (contract above); every
         // task started here is joined before this function returns.
-        unsafe { reader::read_ranges(engine, Arc::clone(file), b, class, TaskState::new()) }
+        unsafe { reader::read_ranges(engine, Arc::clone(file), b, class, TaskState::new(), None) }
     };
     let verify_direct = |chunks: std::ops::Range<usize>| {
         par_each(&direct_chunks[chunks], threads, 256, |&(ti, i, mem)| {

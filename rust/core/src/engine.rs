@@ -5,11 +5,12 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 
 use crate::buf::BufferPool;
 use crate::error::{Error, Result};
+use crate::io::turns::{DeviceTurns, TurnsConfig};
 use crate::io::{self, Dispatcher, PathSlot, Request};
 use crate::probe;
 
@@ -108,6 +109,8 @@ pub struct Engine {
     workers: Mutex<Vec<JoinHandle<()>>>,
     pool: Arc<BufferPool>,
     paths: Mutex<HashMap<u64, Arc<PathSlot>>>,
+    /// The machine-wide turns of each device that has them (held by their users).
+    turns: Mutex<HashMap<u64, Weak<DeviceTurns>>>,
 }
 
 impl Engine {
@@ -150,6 +153,7 @@ impl Engine {
             workers: Mutex::new(Vec::new()),
             pool,
             paths: Mutex::new(HashMap::new()),
+            turns: Mutex::new(HashMap::new()),
             config,
         });
         engine.spawn_workers()?;
@@ -223,6 +227,29 @@ impl Engine {
             m.entry(dev)
                 .or_insert_with(|| PathSlot::new(dev, self.config.path_limit)),
         )
+    }
+
+    /// Turns at device `dev` from now on: every transfer the engine runs on
+    /// it takes one (see [`crate::io::turns`]) while a holder of the returned
+    /// handle lives. A holder of turns with the same settings shares them;
+    /// other settings make new turns, which later transfers use.
+    pub fn register_turns(&self, dev: u64, config: TurnsConfig) -> Result<Arc<DeviceTurns>> {
+        let mut m = self.turns.lock().expect("engine lock");
+        if let Some(t) = m.get(&dev).and_then(Weak::upgrade) {
+            if t.config == config {
+                return Ok(t);
+            }
+        }
+        let t = Arc::new(DeviceTurns::new(dev, config)?);
+        m.retain(|_, w| w.strong_count() > 0);
+        m.insert(dev, Arc::downgrade(&t));
+        Ok(t)
+    }
+
+    /// The turns of device `dev`, if it has any.
+    pub fn turns(&self, dev: u64) -> Option<Arc<DeviceTurns>> {
+        let m = self.turns.lock().expect("engine lock");
+        m.get(&dev).and_then(Weak::upgrade)
     }
 
     /// Limits the background class to `bytes_per_sec` (0: unlimited).

@@ -17,6 +17,7 @@ use crate::buf::{align_down, align_up, AlignedBuf};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::file::{EngineFile, FileSource};
+use crate::io::turns::{DeviceTurns, Ticket};
 use crate::io::{Class, Op, Request};
 use crate::plan::CrcPiece;
 use crate::task::{Task, TaskState};
@@ -255,8 +256,12 @@ fn run(
             o += n;
         }
     }
-    st.bytes_total
-        .fetch_add(specs.iter().map(|s| s.size).sum(), Ordering::Relaxed);
+    let total: u64 = specs.iter().map(|s| s.size).sum();
+    st.bytes_total.fetch_add(total, Ordering::Relaxed);
+    let turn = turns_for(engine, file.dev, class, None);
+    let _turn = turn
+        .as_ref()
+        .map(|t| t.turns.take(Op::Read, total, t.ticket));
     let ptrs: Vec<SendPtr> = plan.bufs.iter().map(|b| SendPtr(b.io_ptr())).collect();
     let slot = engine.path_slot(file.dev);
     let (tx, rx) = crossbeam_channel::unbounded::<Piece>();
@@ -616,10 +621,11 @@ pub unsafe fn read_ranges(
     ranges: Vec<IoRange>,
     class: Class,
     state: Arc<TaskState>,
+    turn: Option<Ticketed>,
 ) -> Result<Task<u64>> {
     check_ranges(&file, &ranges)?;
     // SAFETY: forwarded contract.
-    unsafe { transfer_ranges(engine, file, ranges, Op::Read, class, state) }
+    unsafe { transfer_ranges(engine, file, ranges, Op::Read, class, state, turn) }
 }
 
 /// Writes caller memory into byte ranges of `file` in place (a file opened
@@ -637,14 +643,39 @@ pub unsafe fn write_ranges(
     ranges: Vec<IoRange>,
     class: Class,
     state: Arc<TaskState>,
+    turn: Option<Ticketed>,
 ) -> Result<Task<u64>> {
     check_ranges(&file, &ranges)?;
     // SAFETY: forwarded contract.
-    unsafe { transfer_ranges(engine, file, ranges, Op::Write, class, state) }
+    unsafe { transfer_ranges(engine, file, ranges, Op::Write, class, state, turn) }
+}
+
+/// Turns at a device with the place in line a transfer took when it was
+/// queued (see [`crate::io::turns`]).
+pub struct Ticketed {
+    pub turns: Arc<DeviceTurns>,
+    pub ticket: Ticket,
+}
+
+/// The turns a transfer on `dev` takes: the given ones, else the device's
+/// (if it has any) with a place in line taken now.
+pub(crate) fn turns_for(
+    engine: &Engine,
+    dev: u64,
+    class: Class,
+    given: Option<Ticketed>,
+) -> Option<Ticketed> {
+    given.or_else(|| {
+        engine.turns(dev).map(|turns| Ticketed {
+            ticket: turns.ticket(class),
+            turns,
+        })
+    })
 }
 
 /// The request loop shared by [`read_ranges`] and [`write_ranges`]: long
-/// ranges are split into chunks so that many requests are in flight.
+/// ranges are split into chunks so that many requests are in flight. The
+/// whole transfer is one turn at the device, where it has turns.
 unsafe fn transfer_ranges(
     engine: &Arc<Engine>,
     file: Arc<EngineFile>,
@@ -652,6 +683,7 @@ unsafe fn transfer_ranges(
     op: Op,
     class: Class,
     state: Arc<TaskState>,
+    turn: Option<Ticketed>,
 ) -> Result<Task<u64>> {
     let engine = Arc::clone(engine);
     let name = if op == Op::Read {
@@ -680,6 +712,8 @@ unsafe fn transfer_ranges(
         }
         let total: u64 = work.iter().map(|r| r.len as u64).sum();
         st.bytes_total.fetch_add(total, Ordering::Relaxed);
+        let turn = turns_for(&engine, file.dev, class, turn);
+        let _turn = turn.as_ref().map(|t| t.turns.take(op, total, t.ticket));
         let (tx, rx) = crossbeam_channel::unbounded::<(usize, std::io::Result<usize>)>();
         let mut submitted = 0usize;
         let mut completed = 0usize;
@@ -761,45 +795,20 @@ pub unsafe fn copy_ranges_mapped(
     if ranges.is_empty() || file.len == 0 {
         return Ok(0);
     }
-    let len = file.len as usize;
-    // SAFETY: a read-only shared mapping of a file we hold open; unmapped below.
-    let base = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            file.fd(),
-            0,
-        )
-    };
-    if base == libc::MAP_FAILED {
-        return Err(Error::io(
-            &file.path,
-            "mmap",
-            std::io::Error::last_os_error(),
-        ));
-    }
-    struct Map(*const u8);
-    // SAFETY: the mapping is read-only and outlives the scoped threads.
-    unsafe impl Sync for Map {}
-    let map = Map(base.cast::<u8>().cast_const());
+    let map = crate::chunks::Mapping::new(file)?;
     let per = ranges.len().div_ceil(threads.max(1));
     std::thread::scope(|sc| {
         for part in ranges.chunks(per) {
             let map = &map;
             sc.spawn(move || {
                 for r in part {
-                    // SAFETY: source inside the mapping (checked above); the
-                    // destination per this function's contract.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(map.0.add(r.offset as usize), r.buf, r.len);
-                    };
+                    let src = map.slice(r.offset, r.len as u64);
+                    // SAFETY: the source is inside the mapping (checked above
+                    // and by `slice`); the destination per this function's contract.
+                    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), r.buf, r.len) };
                 }
             });
         }
     });
-    // SAFETY: mapped above with this length.
-    unsafe { libc::munmap(base, len) };
     Ok(total)
 }

@@ -22,6 +22,7 @@ use crate::error::{Error, Result};
 use crate::file::AtomicFile;
 use crate::io::{Class, Op, PathSlot, Request};
 use crate::plan::{CrcPiece, Plan, Source};
+use crate::reader::turns_for;
 use crate::task::{Task, TaskState};
 
 /// The shortest part of a record written straight from its memory when a
@@ -133,6 +134,11 @@ impl ContainerWriter {
             w.file.reserve(w.plan.records_end())?;
             st.bytes_total
                 .fetch_add(end - w.written_to, Ordering::Relaxed);
+            // One turn at the device for the records, where it has turns.
+            let turn = turns_for(&w.engine, w.file.inner.dev, w.opts.class, None);
+            let _turn = turn
+                .as_ref()
+                .map(|t| t.turns.take(Op::Write, end - w.written_to, t.ticket));
             let (mut pieces, deferred) = w.write_range(&st, w.written_to, end, &[], true)?;
             // The last partial block is written by `commit`; checksum its bytes
             // now so that every record's CRC is known when this returns.
@@ -167,7 +173,12 @@ impl ContainerWriter {
             w.file.reserve(file_end)?;
             let start = w.written_to;
             let t0 = std::time::Instant::now();
+            let turn = turns_for(&w.engine, w.file.inner.dev, w.opts.class, None);
+            let tail = turn
+                .as_ref()
+                .map(|t| t.turns.take(Op::Write, end - start, t.ticket));
             w.write_range(&st, start, end, &deferred, false)?;
+            drop(tail);
             let t1 = std::time::Instant::now();
             if end != file_end || w.file.inner.direct {
                 w.file.set_len(file_end)?;

@@ -295,8 +295,16 @@ fn ranges_are_rewritten_in_place() {
                 buf: a.as_mut_ptr(),
             }];
             // SAFETY: `a` outlives the joined task and nothing else touches it.
-            let t =
-                unsafe { write_ranges(&e, Arc::new(f), r, Class::Foreground, TaskState::new()) };
+            let t = unsafe {
+                write_ranges(
+                    &e,
+                    Arc::new(f),
+                    r,
+                    Class::Foreground,
+                    TaskState::new(),
+                    None,
+                )
+            };
             assert_eq!(t.unwrap().join().unwrap(), n as u64);
             let mut b = AlignedBuf::new(n, 4096).unwrap();
             let f = EngineFile::open_read(&p, mode.direct()).unwrap();
@@ -306,7 +314,16 @@ fn ranges_are_rewritten_in_place() {
                 buf: b.as_mut_ptr(),
             }];
             // SAFETY: as above.
-            let t = unsafe { read_ranges(&e, Arc::new(f), r, Class::Foreground, TaskState::new()) };
+            let t = unsafe {
+                read_ranges(
+                    &e,
+                    Arc::new(f),
+                    r,
+                    Class::Foreground,
+                    TaskState::new(),
+                    None,
+                )
+            };
             t.unwrap().join().unwrap();
             assert_eq!(b.as_slice()[..n], a.as_slice()[..n], "{mode}");
         };
@@ -322,7 +339,16 @@ fn ranges_are_rewritten_in_place() {
             buf: b.as_mut_ptr(),
         }];
         // SAFETY: `b` outlives the call.
-        let err = unsafe { read_ranges(&e, Arc::new(f), r, Class::Foreground, TaskState::new()) };
+        let err = unsafe {
+            read_ranges(
+                &e,
+                Arc::new(f),
+                r,
+                Class::Foreground,
+                TaskState::new(),
+                None,
+            )
+        };
         assert!(err.is_err(), "{mode}");
     }
 }

@@ -18,6 +18,7 @@ mod errors;
 mod fastpath;
 mod pickler;
 mod reader;
+mod turns;
 mod unpickle;
 mod wait;
 mod writer;
@@ -29,6 +30,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     buffer::register(m)?;
     engine::register(m)?;
     reader::register(m)?;
+    turns::register(m)?;
     writer::register(m)?;
     unpickle::register(m)?;
     pickler::register(m)?;

@@ -17,6 +17,7 @@ use crate::archive::{record, Record};
 use crate::buffer::Buffer;
 use crate::engine::PyEngine;
 use crate::errors::IntoPy;
+use crate::turns::PyDeviceTurns;
 use crate::wait::wait_task;
 
 fn to_specs(specs: Vec<(String, u64, u64, Option<u32>)>) -> Vec<ReadSpec> {
@@ -258,23 +259,7 @@ fn split_halves(
     n: usize,
     threads: usize,
 ) -> PyResult<()> {
-    if n == 0 {
-        return Ok(());
-    }
-    check_words(&[(src, 4), (hi, 2), (lo, 2)])?;
-    py.detach(|| {
-        // SAFETY: the caller keeps `n` words at `src` and `n` halves at `hi` and
-        // `lo` alive and unaliased for this call; alignment is checked above.
-        let (s, h, l) = unsafe {
-            (
-                std::slice::from_raw_parts(src as *const u32, n),
-                std::slice::from_raw_parts_mut(hi as *mut u16, n),
-                std::slice::from_raw_parts_mut(lo as *mut u16, n),
-            )
-        };
-        tierstore_core::halves::split(s, h, l, threads);
-    });
-    Ok(())
+    halves(py, src, hi, lo, n, threads, true)
 }
 
 /// Joins `n` halves at `hi` and `lo` (made by `split_halves`) into 32-bit
@@ -289,20 +274,45 @@ fn join_halves(
     n: usize,
     threads: usize,
 ) -> PyResult<()> {
+    halves(py, out, hi, lo, n, threads, false)
+}
+
+/// Splits the 32-bit words at `words` into halves at `hi` and `lo`
+/// (`split`), or joins those halves back into `words`.
+fn halves(
+    py: Python<'_>,
+    words: usize,
+    hi: usize,
+    lo: usize,
+    n: usize,
+    threads: usize,
+    split: bool,
+) -> PyResult<()> {
     if n == 0 {
         return Ok(());
     }
-    check_words(&[(out, 4), (hi, 2), (lo, 2)])?;
+    check_words(&[(words, 4), (hi, 2), (lo, 2)])?;
     py.detach(|| {
-        // SAFETY: as in `split_halves`.
-        let (h, l, o) = unsafe {
-            (
-                std::slice::from_raw_parts(hi as *const u16, n),
-                std::slice::from_raw_parts(lo as *const u16, n),
-                std::slice::from_raw_parts_mut(out as *mut u32, n),
-            )
-        };
-        tierstore_core::halves::join(h, l, o, threads);
+        // SAFETY: the caller keeps `n` words at `words` and `n` halves at `hi`
+        // and `lo` alive and unaliased for this call (the side written is
+        // not read through any other slice); alignment is checked above.
+        unsafe {
+            if split {
+                tierstore_core::halves::split(
+                    std::slice::from_raw_parts(words as *const u32, n),
+                    std::slice::from_raw_parts_mut(hi as *mut u16, n),
+                    std::slice::from_raw_parts_mut(lo as *mut u16, n),
+                    threads,
+                );
+            } else {
+                tierstore_core::halves::join(
+                    std::slice::from_raw_parts(hi as *const u16, n),
+                    std::slice::from_raw_parts(lo as *const u16, n),
+                    std::slice::from_raw_parts_mut(words as *mut u32, n),
+                    threads,
+                );
+            }
+        }
     });
     Ok(())
 }
@@ -513,7 +523,7 @@ fn build_ranges(
 /// The caller keeps the destination memory (tensors) alive and untouched
 /// during the call, and the ranges must not overlap in memory.
 #[pyfunction]
-#[pyo3(signature = (engine, path, offsets, lengths, dests, *, background=false, direct=false))]
+#[pyo3(signature = (engine, path, offsets, lengths, dests, *, background=false, direct=false, turns=None, ticket=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn read_ranges(
     py: Python<'_>,
@@ -524,7 +534,10 @@ pub fn read_ranges(
     dests: Vec<usize>,
     background: bool,
     direct: bool,
+    turns: Option<PyRef<'_, PyDeviceTurns>>,
+    ticket: Option<(u8, u64)>,
 ) -> PyResult<u64> {
+    let turn = turns.map(|t| t.ticketed(ticket, background)).transpose()?;
     // `direct`: O_DIRECT when the engine and the file system allow it and
     // every offset, length and address is aligned for it; else buffered.
     let want_direct = direct && engine.inner.mode().direct();
@@ -555,6 +568,7 @@ pub fn read_ranges(
             ranges,
             class,
             TaskState::new(),
+            turn,
         )
     }
     .py_err(py)?;
@@ -569,7 +583,7 @@ pub fn read_ranges(
 ///
 /// The caller keeps the source memory alive and unchanged during the call.
 #[pyfunction]
-#[pyo3(signature = (engine, path, offsets, lengths, srcs, *, size=0, background=false, direct=false))]
+#[pyo3(signature = (engine, path, offsets, lengths, srcs, *, size=0, background=false, direct=false, turns=None, ticket=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn write_ranges(
     py: Python<'_>,
@@ -581,7 +595,10 @@ pub fn write_ranges(
     size: u64,
     background: bool,
     direct: bool,
+    turns: Option<PyRef<'_, PyDeviceTurns>>,
+    ticket: Option<(u8, u64)>,
 ) -> PyResult<u64> {
+    let turn = turns.map(|t| t.ticketed(ticket, background)).transpose()?;
     let want_direct = direct && engine.inner.mode().direct();
     let end = offsets
         .iter()
@@ -604,6 +621,7 @@ pub fn write_ranges(
             ranges,
             class_of(background),
             TaskState::new(),
+            turn,
         )
     }
     .py_err(py)?;

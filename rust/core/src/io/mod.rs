@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Select, Sender};
 
 pub mod threads;
+pub mod turns;
 pub mod uring;
 
 /// Direction of a transfer.
