@@ -121,8 +121,7 @@ def ceiling(d: Path, nbytes: int, chunk: int) -> dict[str, float]:
     def stream(what: str, f: Path, buf: torch.Tensor, out: list[float]) -> None:
         t0 = time.perf_counter()
         for i in range(n):
-            fn = _core.write_ranges if what == "write" else _core.read_ranges
-            fn(eng, f, [i * chunk], [chunk], [buf.data_ptr()], direct=True)
+            _core.transfer_ranges(eng, f, [i * chunk], [chunk], [buf.data_ptr()], write=what == "write", direct=True)
         out.append(time.perf_counter() - t0)
 
     t: list[float] = []

@@ -137,12 +137,12 @@ class NaiveOffload:
 
     def _read(self, j: int, buf: torch.Tensor) -> None:
         n = self.sizes[j]
-        _core.read_ranges(self.engine, self.files[j], [0], [n], [buf.data_ptr()], direct=True)
+        _core.transfer_ranges(self.engine, self.files[j], [0], [n], [buf.data_ptr()], direct=True)
         self.stats["read_bytes"] += n
 
     def _write(self, j: int, buf: torch.Tensor) -> None:
         n = self.sizes[j]
-        _core.write_ranges(self.engine, self.files[j], [0], [n], [buf.data_ptr()], size=n, direct=True)
+        _core.transfer_ranges(self.engine, self.files[j], [0], [n], [buf.data_ptr()], write=True, size=n, direct=True)
         self.stats["write_bytes"] += n
 
     # ---------------------------------------------------------------------------------------------
@@ -186,7 +186,7 @@ class NaiveOffload:
             buf = self._buffer(j)
             if j >= self.resident:
                 n = self.sizes[j]
-                _core.read_ranges(self.engine, self.files[j], [0], [n], [buf.data_ptr()], direct=True)
+                _core.transfer_ranges(self.engine, self.files[j], [0], [n], [buf.data_ptr()], direct=True)
             for i, mo, _, _ in self.layouts[j]:
                 out[i] = self._view(buf, mo, self.params[i]).clone()
         return [t for t in out if t is not None]

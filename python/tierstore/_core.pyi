@@ -27,12 +27,11 @@ __all__ = [
     "open_container",
     "probe_path",
     "read_directory_stream",
-    "read_ranges",
     "read_ranges_verified",
     "read_records",
     "split_halves",
     "start_read",
-    "write_ranges",
+    "transfer_ranges",
 ]
 
 __version__: str
@@ -203,25 +202,14 @@ def fast_weights_only_load(
 def fast_dumps(
     obj: object, tensor_type: type, ordered_dict: type, tensor_args: Callable[[Any], tuple[Any, ...] | None]
 ) -> bytes | None: ...
-def read_ranges(
+def transfer_ranges(
     engine: Engine,
     path: _Path,
     offsets: list[int],
     lengths: list[int],
-    dests: list[int],
+    addrs: list[int],
     *,
-    background: bool = False,
-    direct: bool = False,
-    turns: DeviceTurns | None = None,
-    ticket: tuple[int, int] | None = None,
-) -> int: ...
-def write_ranges(
-    engine: Engine,
-    path: _Path,
-    offsets: list[int],
-    lengths: list[int],
-    srcs: list[int],
-    *,
+    write: bool = False,
     size: int = 0,
     background: bool = False,
     direct: bool = False,

@@ -52,7 +52,7 @@ def subgroup_bytes(
     if f.stat().st_size < n:
         raise TierstoreError(f"{f}: file of offloaded optimizer subgroup {e['index']} holds fewer than {n} bytes")
     buf = out if out is not None else host_buffer(n)
-    got = _core.read_ranges(get_engine(), f, [0], [n], [buf.data_ptr()], direct=True)
+    got = _core.transfer_ranges(get_engine(), f, [0], [n], [buf.data_ptr()], direct=True)
     (crc,) = _core.crc32_regions([(buf.data_ptr(), n)], 1)
     if got != n or crc != e["crc32"]:
         raise ChecksumError(

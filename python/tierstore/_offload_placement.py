@@ -87,9 +87,17 @@ class Placement:
             f = p.dir / "probe.bin"
             try:
                 for what in ("write", "read"):
-                    fn = _core.write_ranges if what == "write" else _core.read_ranges
                     t0 = time.perf_counter()
-                    fn(engine, f, [0], [n], [probe.data_ptr()], direct=True, turns=p.device.native)
+                    _core.transfer_ranges(
+                        engine,
+                        f,
+                        [0],
+                        [n],
+                        [probe.data_ptr()],
+                        write=what == "write",
+                        direct=True,
+                        turns=p.device.native,
+                    )
                     p.observe(what, n, time.perf_counter() - t0)
             except OSError as e:
                 if e.errno != errno.ENOSPC:

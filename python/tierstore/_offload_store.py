@@ -177,12 +177,13 @@ class SubgroupStore:
                 f = p.dir / f"sg-{sg.index:06d}.{sg.generation}.bin"
             try:
                 t0 = time.perf_counter()
-                _core.write_ranges(
+                _core.transfer_ranges(
                     self.engine,
                     f,
                     [0],
                     [sg.nbytes],
                     [buf.data_ptr()],
+                    write=True,
                     size=sg.nbytes,
                     direct=True,
                     turns=p.device.native,
@@ -218,7 +219,7 @@ class SubgroupStore:
         assert sg.file is not None and sg.path is not None
         p = sg.path
         t0 = time.perf_counter()
-        _core.read_ranges(
+        _core.transfer_ranges(
             self.engine, sg.file, [0], [sg.nbytes], [buf.data_ptr()], direct=True, turns=p.device.native, ticket=ticket
         )
         dt = time.perf_counter() - t0

@@ -347,7 +347,7 @@ def read_plan(
         n = np.asarray(lens, dtype=np.int64)
         blocks += _blocks(o, n)
         if verify is False:
-            read += _core.read_ranges(engine, str(fp), offs, lens, dests)
+            read += _core.transfer_ranges(engine, str(fp), offs, lens, dests)
             continue
         tl: list[ChunkTable] = sorted(tables.values(), key=lambda t: t.data_offset)
         starts = np.array([t.data_offset for t in tl], dtype=np.int64)

@@ -33,8 +33,11 @@ Several processes on one machine (one per GPU) share devices through
 machine-wide turns per device and direction (``device_slots`` lock files in
 ``/dev/shm``, flock: released by the kernel when a process dies), one taken
 for each transfer, so they stream in turn instead of thrashing the device;
-each process has at most ``io_slots`` transfers in flight per direction. Offload I/O
-is foreground-class engine work; checkpoint flushes are background-class.
+each process has at most ``io_slots`` transfers in flight per direction. The
+turns are the engine's: while the optimizer holds them, every transfer the
+engine runs at that device (loads, saves, checkpoint flushes) takes them
+too. Offload I/O is foreground-class engine work; checkpoint flushes are
+background-class and wait behind it in line.
 
 Every read is checked against the CRC-32 computed when the subgroup was
 written; damaged state raises :class:`~tierstore.errors.ChecksumError`.

@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::file::EngineFile;
-use crate::io::Class;
+use crate::io::{Class, Op};
 use crate::reader::{self, IoRange};
 use crate::task::TaskState;
 
@@ -557,7 +557,17 @@ pub unsafe fn read_ranges_verified(
     let start = |b: Vec<IoRange>| {
         // SAFETY: the destinations are the caller's (contract above); every
         // task started here is joined before this function returns.
-        unsafe { reader::read_ranges(engine, Arc::clone(file), b, class, TaskState::new(), None) }
+        unsafe {
+            reader::transfer_ranges(
+                engine,
+                Arc::clone(file),
+                b,
+                Op::Read,
+                class,
+                TaskState::new(),
+                None,
+            )
+        }
     };
     let verify_direct = |chunks: std::ops::Range<usize>| {
         par_each(&direct_chunks[chunks], threads, 256, |&(ti, i, mem)| {

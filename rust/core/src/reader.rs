@@ -18,7 +18,7 @@ use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::file::{EngineFile, FileSource};
 use crate::io::turns::{DeviceTurns, Ticket};
-use crate::io::{Class, Op, Request};
+use crate::io::{Callback, Class, Op, Request};
 use crate::plan::CrcPiece;
 use crate::task::{Task, TaskState};
 use crate::zip::{self, Directory, ReadAt};
@@ -264,10 +264,7 @@ fn run(
         .map(|t| t.turns.take(Op::Read, total, t.ticket));
     let ptrs: Vec<SendPtr> = plan.bufs.iter().map(|b| SendPtr(b.io_ptr())).collect();
     let slot = engine.path_slot(file.dev);
-    let (tx, rx) = crossbeam_channel::unbounded::<Piece>();
     let window = (engine.config().queue_depth * 2).max(8);
-    let mut submitted = 0usize;
-    let mut completed = 0usize;
     let mut pieces: Vec<CrcPiece> = Vec::new();
     // CRC pieces of every record (with an expected CRC) overlapping a
     // completed transfer.
@@ -401,37 +398,29 @@ fn run(
                 }
             }
         };
-        while completed < work.len() {
-            let ready = populated.load(Ordering::Acquire);
-            if submitted == completed && submitted < work.len() && submitted >= ready {
-                // Nothing in flight and nothing populated yet: wait for the helper.
-                let g = populate_signal
-                    .0
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                if populated.load(Ordering::Acquire) <= submitted {
-                    let _ = populate_signal.1.wait_timeout(g, Duration::from_millis(2));
-                }
-                continue;
+        let wait_populated = |submitted: usize| {
+            // Nothing in flight and nothing populated yet: wait for the helper.
+            let g = populate_signal
+                .0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if populated.load(Ordering::Acquire) <= submitted {
+                let _ = populate_signal.1.wait_timeout(g, Duration::from_millis(2));
             }
-            while submitted < work.len().min(ready)
-                && submitted - completed < window
-                && !st.should_stop()
-            {
-                let (ai, off, len, foff) = work[submitted];
-                let tx = tx.clone();
-                let done = Box::new(move |got: std::io::Result<usize>| {
-                    let _ = tx.send(Piece {
-                        arena: ai,
-                        buf_off: off,
-                        len,
-                        got,
-                    });
-                });
+        };
+        windowed(
+            engine,
+            st,
+            work.len(),
+            window,
+            &|| populated.load(Ordering::Acquire),
+            &wait_populated,
+            &mut |i, done| {
+                let (ai, off, len, foff) = work[i];
                 // SAFETY: `[off, off + len)` lies in this arena's buffer, which
-                // the task owns until every request has completed (the loop
-                // below waits for all of them); `file` keeps the fd open.
-                let req = unsafe {
+                // the task owns until every request has completed (`windowed`
+                // waits for all of them); `file` keeps the fd open.
+                unsafe {
                     Request::new(
                         Op::Read,
                         file.fd(),
@@ -442,24 +431,21 @@ fn run(
                         Arc::clone(&slot),
                         done,
                     )
-                };
-                engine.submit(req);
-                submitted += 1;
-            }
-            if st.should_stop() && submitted == completed {
-                break;
-            }
-            match rx.recv_timeout(Duration::from_millis(100)) {
-                Ok(p) => {
-                    completed += 1;
-                    if !st.should_stop() {
-                        handle(p, &mut pieces);
-                    }
                 }
-                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
-                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
-            }
-        }
+            },
+            &mut |i, got| {
+                if !st.should_stop() {
+                    let (arena, buf_off, len, _) = work[i];
+                    let p = Piece {
+                        arena,
+                        buf_off,
+                        len,
+                        got,
+                    };
+                    handle(p, &mut pieces);
+                }
+            },
+        );
         stop_populate.store(true, Ordering::Relaxed);
         drop(vtx);
         for h in helpers {
@@ -472,6 +458,56 @@ fn run(
         check_crcs(file, specs, pieces)?;
     }
     Ok(())
+}
+
+/// The one windowed submit/complete loop of the engine's transfers: keeps up
+/// to `window` of the `n` requests in flight, never beyond `ready()` (the
+/// requests whose memory is ready; `wait_ready(submitted)` waits a little for
+/// more when nothing is in flight), builds request `i` with `make(i, done)`
+/// and hands each completion to `complete(i, result)`. Stops submitting when
+/// the task stops; returns once every submitted request has completed, so
+/// that no request outlives the memory it names.
+#[allow(clippy::too_many_arguments)]
+fn windowed(
+    engine: &Engine,
+    st: &TaskState,
+    n: usize,
+    window: usize,
+    ready: &dyn Fn() -> usize,
+    wait_ready: &dyn Fn(usize),
+    make: &mut dyn FnMut(usize, Callback) -> Request,
+    complete: &mut dyn FnMut(usize, std::io::Result<usize>),
+) {
+    let (tx, rx) = crossbeam_channel::unbounded::<(usize, std::io::Result<usize>)>();
+    let mut submitted = 0usize;
+    let mut completed = 0usize;
+    while completed < n {
+        let avail = ready().min(n);
+        if submitted == completed && submitted < n && submitted >= avail && !st.should_stop() {
+            wait_ready(submitted);
+            continue;
+        }
+        while submitted < avail && submitted - completed < window && !st.should_stop() {
+            let tx = tx.clone();
+            let i = submitted;
+            let done: Callback = Box::new(move |got: std::io::Result<usize>| {
+                let _ = tx.send((i, got));
+            });
+            engine.submit(make(i, done));
+            submitted += 1;
+        }
+        if st.should_stop() && submitted == completed {
+            break;
+        }
+        match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok((i, got)) => {
+                completed += 1;
+                complete(i, got);
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+        }
+    }
 }
 
 /// Makes the kernel allocate (and zero) the pages of `[ptr, ptr + len)` now.
@@ -607,49 +643,6 @@ unsafe impl Send for IoRange {}
 // accessed by exactly one request at a time.
 unsafe impl Sync for IoRange {}
 
-/// Reads byte ranges of `file` straight into caller memory (resharding loads,
-/// offloaded optimizer state). The task returns the number of bytes read.
-///
-/// # Safety
-///
-/// Every `buf` must be valid for writes of `len` bytes, the ranges must not
-/// overlap in memory, and nothing else may access that memory until the task
-/// has ended (joined or dropped).
-pub unsafe fn read_ranges(
-    engine: &Arc<Engine>,
-    file: Arc<EngineFile>,
-    ranges: Vec<IoRange>,
-    class: Class,
-    state: Arc<TaskState>,
-    turn: Option<Ticketed>,
-) -> Result<Task<u64>> {
-    check_ranges(&file, &ranges)?;
-    // SAFETY: forwarded contract.
-    unsafe { transfer_ranges(engine, file, ranges, Op::Read, class, state, turn) }
-}
-
-/// Writes caller memory into byte ranges of `file` in place (a file opened
-/// with [`EngineFile::open_write`], already long enough). Nothing is synced:
-/// this is scratch space (offloaded optimizer state), not a commit. The task
-/// returns the number of bytes written.
-///
-/// # Safety
-///
-/// Every `buf` must be valid for reads of `len` bytes and must not be written
-/// by anything else until the task has ended (joined or dropped).
-pub unsafe fn write_ranges(
-    engine: &Arc<Engine>,
-    file: Arc<EngineFile>,
-    ranges: Vec<IoRange>,
-    class: Class,
-    state: Arc<TaskState>,
-    turn: Option<Ticketed>,
-) -> Result<Task<u64>> {
-    check_ranges(&file, &ranges)?;
-    // SAFETY: forwarded contract.
-    unsafe { transfer_ranges(engine, file, ranges, Op::Write, class, state, turn) }
-}
-
 /// Turns at a device with the place in line a transfer took when it was
 /// queued (see [`crate::io::turns`]).
 pub struct Ticketed {
@@ -673,10 +666,22 @@ pub(crate) fn turns_for(
     })
 }
 
-/// The request loop shared by [`read_ranges`] and [`write_ranges`]: long
-/// ranges are split into chunks so that many requests are in flight. The
-/// whole transfer is one turn at the device, where it has turns.
-unsafe fn transfer_ranges(
+/// Transfers byte ranges between `file` and caller memory, straight into
+/// or out of it: reads (`Op::Read`: resharding loads, offloaded optimizer
+/// state) or writes in place (`Op::Write`: a file opened with
+/// [`EngineFile::open_write`], already long enough; nothing is synced: this
+/// is scratch space, not a commit). Long ranges are split into chunks so that
+/// many requests are in flight; the whole transfer is one turn at the device,
+/// where it has turns (`turn`, or the device's with a place in line taken
+/// now). The task returns the number of bytes transferred.
+///
+/// # Safety
+///
+/// Every `buf` must be valid for `len` bytes (writable for reads, readable
+/// for writes), the ranges must not overlap in memory, and nothing else may
+/// access that memory (or, for writes, change it) until the task has ended
+/// (joined or dropped).
+pub unsafe fn transfer_ranges(
     engine: &Arc<Engine>,
     file: Arc<EngineFile>,
     ranges: Vec<IoRange>,
@@ -685,6 +690,7 @@ unsafe fn transfer_ranges(
     state: Arc<TaskState>,
     turn: Option<Ticketed>,
 ) -> Result<Task<u64>> {
+    check_ranges(&file, &ranges)?;
     let engine = Arc::clone(engine);
     let name = if op == Op::Read {
         "tierstore-ranges"
@@ -714,21 +720,20 @@ unsafe fn transfer_ranges(
         st.bytes_total.fetch_add(total, Ordering::Relaxed);
         let turn = turns_for(&engine, file.dev, class, turn);
         let _turn = turn.as_ref().map(|t| t.turns.take(op, total, t.ticket));
-        let (tx, rx) = crossbeam_channel::unbounded::<(usize, std::io::Result<usize>)>();
-        let mut submitted = 0usize;
-        let mut completed = 0usize;
-        while completed < work.len() {
-            while submitted < work.len() && submitted - completed < window && !st.should_stop() {
-                let r = work[submitted];
-                let tx = tx.clone();
-                let i = submitted;
-                let done = Box::new(move |got: std::io::Result<usize>| {
-                    let _ = tx.send((i, got));
-                });
+        let n = work.len();
+        windowed(
+            &engine,
+            &st,
+            n,
+            window,
+            &|| n,
+            &|_| {},
+            &mut |i, done| {
+                let r = work[i];
                 // SAFETY: `buf` is valid for `len` bytes until the task ends
-                // (contracts of the public functions), and this loop waits for
-                // every submitted request before returning.
-                let req = unsafe {
+                // (contracts of the public functions), and `windowed` waits
+                // for every submitted request before returning.
+                unsafe {
                     Request::new(
                         op,
                         file.fd(),
@@ -739,38 +744,26 @@ unsafe fn transfer_ranges(
                         Arc::clone(&slot),
                         done,
                     )
-                };
-                engine.submit(req);
-                submitted += 1;
-            }
-            if st.should_stop() && submitted == completed {
-                break;
-            }
-            match rx.recv_timeout(Duration::from_millis(100)) {
-                Ok((i, got)) => {
-                    completed += 1;
-                    match got {
-                        Ok(n) if n == work[i].len => {
-                            st.bytes_done.fetch_add(n as u64, Ordering::Relaxed);
-                        }
-                        Ok(_) => st.fail(Error::truncated(
-                            &file.path,
-                            format!(
-                                "range at offset {} is cut short by the end of the file",
-                                work[i].offset
-                            ),
-                        )),
-                        Err(e) => st.fail(Error::io(
-                            &file.path,
-                            if op == Op::Read { "read" } else { "write" },
-                            e,
-                        )),
-                    }
                 }
-                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
-                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
-            }
-        }
+            },
+            &mut |i, got| match got {
+                Ok(n) if n == work[i].len => {
+                    st.bytes_done.fetch_add(n as u64, Ordering::Relaxed);
+                }
+                Ok(_) => st.fail(Error::truncated(
+                    &file.path,
+                    format!(
+                        "range at offset {} is cut short by the end of the file",
+                        work[i].offset
+                    ),
+                )),
+                Err(e) => st.fail(Error::io(
+                    &file.path,
+                    if op == Op::Read { "read" } else { "write" },
+                    e,
+                )),
+            },
+        );
         st.outcome()?;
         Ok(total)
     })

@@ -276,7 +276,8 @@ fn aligned_and_gated_memory_is_written_directly() {
 #[test]
 fn ranges_are_rewritten_in_place() {
     use tierstore_core::buf::AlignedBuf;
-    use tierstore_core::reader::{read_ranges, write_ranges, IoRange};
+    use tierstore_core::io::Op;
+    use tierstore_core::reader::{transfer_ranges, IoRange};
     for mode in modes() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("scratch.bin");
@@ -296,10 +297,11 @@ fn ranges_are_rewritten_in_place() {
             }];
             // SAFETY: `a` outlives the joined task and nothing else touches it.
             let t = unsafe {
-                write_ranges(
+                transfer_ranges(
                     &e,
                     Arc::new(f),
                     r,
+                    Op::Write,
                     Class::Foreground,
                     TaskState::new(),
                     None,
@@ -315,10 +317,11 @@ fn ranges_are_rewritten_in_place() {
             }];
             // SAFETY: as above.
             let t = unsafe {
-                read_ranges(
+                transfer_ranges(
                     &e,
                     Arc::new(f),
                     r,
+                    Op::Read,
                     Class::Foreground,
                     TaskState::new(),
                     None,
@@ -340,10 +343,11 @@ fn ranges_are_rewritten_in_place() {
         }];
         // SAFETY: `b` outlives the call.
         let err = unsafe {
-            read_ranges(
+            transfer_ranges(
                 &e,
                 Arc::new(f),
                 r,
+                Op::Read,
                 Class::Foreground,
                 TaskState::new(),
                 None,

@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tierstore_core::chunks;
 use tierstore_core::file::EngineFile;
-use tierstore_core::io::Class;
+use tierstore_core::io::{Class, Op};
 use tierstore_core::reader::{self, ReadSpec};
 use tierstore_core::task::{Task, TaskState};
 use tierstore_core::zip::{self, Directory};
@@ -382,7 +382,7 @@ fn parse_algo(algo: &str) -> PyResult<chunks::Algo> {
 /// little-endian 32-bit sums).
 type TableTuple = (String, u64, u64, u64, String, Vec<u8>);
 
-/// Reads byte ranges of `path` into memory, as `read_ranges` does, and
+/// Reads byte ranges of `path` into memory, as `transfer_ranges` does, and
 /// verifies every chunk they touch against `tables` (`full`: every chunk of
 /// every table). `table_ids[i]` is the table whose record holds range `i`.
 /// Returns `(bytes read, bytes verified)`.
@@ -470,10 +470,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_records, m)?)?;
     m.add_function(wrap_pyfunction!(crc32_regions, m)?)?;
     m.add_function(wrap_pyfunction!(start_read, m)?)?;
-    m.add_function(wrap_pyfunction!(read_ranges, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(read_ranges_verified, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_checksums, m)?)?;
-    m.add_function(wrap_pyfunction!(write_ranges, m)?)?;
     m.add_class::<PendingRead>()?;
     Ok(())
 }
@@ -516,40 +515,64 @@ fn build_ranges(
     Ok((file, ranges))
 }
 
-/// Reads byte ranges of `path` straight into memory: range `i` is
-/// `lengths[i]` bytes at file offset `offsets[i]`, written to address
-/// `dests[i]`. Returns the bytes read.
+/// Transfers byte ranges between `path` and memory, in place: range `i` is
+/// `lengths[i]` bytes at file offset `offsets[i]` and address `addrs[i]`.
+/// Reads (default) land straight in that memory; with `write`, the memory
+/// is written to the file, which is created when missing and extended
+/// (space reserved first) to `size` bytes when shorter, and nothing is
+/// fsynced (scratch space, not a commit). `direct`: O_DIRECT when the engine
+/// and the file system allow it and every offset, length and address is
+/// aligned for it; else buffered. `turns` and `ticket`: the device turns the
+/// transfer takes and its place in line (default: the device's, if it has
+/// any, with a place taken now). Returns the bytes transferred.
 ///
-/// The caller keeps the destination memory (tensors) alive and untouched
-/// during the call, and the ranges must not overlap in memory.
+/// The caller keeps the memory (tensors) alive during the call, untouched
+/// by anything else, and the ranges must not overlap in memory.
 #[pyfunction]
-#[pyo3(signature = (engine, path, offsets, lengths, dests, *, background=false, direct=false, turns=None, ticket=None))]
+#[pyo3(signature = (engine, path, offsets, lengths, addrs, *, write=false, size=0, background=false, direct=false, turns=None, ticket=None))]
 #[allow(clippy::too_many_arguments)]
-pub fn read_ranges(
+pub fn transfer_ranges(
     py: Python<'_>,
     engine: &PyEngine,
     path: PathBuf,
     offsets: Vec<u64>,
     lengths: Vec<usize>,
-    dests: Vec<usize>,
+    addrs: Vec<usize>,
+    write: bool,
+    size: u64,
     background: bool,
     direct: bool,
     turns: Option<PyRef<'_, PyDeviceTurns>>,
     ticket: Option<(u8, u64)>,
 ) -> PyResult<u64> {
     let turn = turns.map(|t| t.ticketed(ticket, background)).transpose()?;
-    // `direct`: O_DIRECT when the engine and the file system allow it and
-    // every offset, length and address is aligned for it; else buffered.
     let want_direct = direct && engine.inner.mode().direct();
-    let file = py
-        .detach(|| EngineFile::open_read(&path, want_direct))
-        .py_err(py)?;
-    let (file, ranges) = build_ranges(py, file, &offsets, &lengths, &dests, || {
-        EngineFile::open_read(&path, false)
-    })?;
     let class = class_of(background);
-    // Many small ranges: copy through a mapping instead of one request each.
-    let small = !file.direct
+    let (file, ranges) = if write {
+        let end = offsets
+            .iter()
+            .zip(&lengths)
+            .map(|(o, l)| o + *l as u64)
+            .max()
+            .unwrap_or(0);
+        let size = size.max(end);
+        let file = py
+            .detach(|| EngineFile::open_write(&path, want_direct, size))
+            .py_err(py)?;
+        build_ranges(py, file, &offsets, &lengths, &addrs, || {
+            EngineFile::open_write(&path, false, size)
+        })?
+    } else {
+        let file = py
+            .detach(|| EngineFile::open_read(&path, want_direct))
+            .py_err(py)?;
+        build_ranges(py, file, &offsets, &lengths, &addrs, || {
+            EngineFile::open_read(&path, false)
+        })?
+    };
+    // Many small reads: copy through a mapping instead of one request each.
+    let small = !write
+        && !file.direct
         && !ranges.is_empty()
         && lengths.iter().sum::<usize>() / lengths.len() < MAPPED_BELOW;
     if small {
@@ -559,13 +582,15 @@ pub fn read_ranges(
             .detach(|| unsafe { reader::copy_ranges_mapped(&file, &ranges, threads) })
             .py_err(py);
     }
+    let op = if write { Op::Write } else { Op::Read };
     // SAFETY: the caller's contract above (the Python side passes the data
     // pointers of tensors it holds for the duration of this call).
     let task = unsafe {
-        reader::read_ranges(
+        reader::transfer_ranges(
             &engine.inner,
             Arc::new(file),
             ranges,
+            op,
             class,
             TaskState::new(),
             turn,
@@ -575,58 +600,5 @@ pub fn read_ranges(
     wait_task(py, task, None)
 }
 
-/// Writes memory into byte ranges of `path` in place: range `i` is
-/// `lengths[i]` bytes from address `srcs[i]` to file offset `offsets[i]`.
-/// The file is created when missing and extended (space reserved first) to
-/// `size` bytes when shorter. Nothing is fsynced: scratch space, not a
-/// commit. Returns the bytes written.
-///
-/// The caller keeps the source memory alive and unchanged during the call.
-#[pyfunction]
-#[pyo3(signature = (engine, path, offsets, lengths, srcs, *, size=0, background=false, direct=false, turns=None, ticket=None))]
-#[allow(clippy::too_many_arguments)]
-pub fn write_ranges(
-    py: Python<'_>,
-    engine: &PyEngine,
-    path: PathBuf,
-    offsets: Vec<u64>,
-    lengths: Vec<usize>,
-    srcs: Vec<usize>,
-    size: u64,
-    background: bool,
-    direct: bool,
-    turns: Option<PyRef<'_, PyDeviceTurns>>,
-    ticket: Option<(u8, u64)>,
-) -> PyResult<u64> {
-    let turn = turns.map(|t| t.ticketed(ticket, background)).transpose()?;
-    let want_direct = direct && engine.inner.mode().direct();
-    let end = offsets
-        .iter()
-        .zip(&lengths)
-        .map(|(o, l)| o + *l as u64)
-        .max()
-        .unwrap_or(0);
-    let size = size.max(end);
-    let file = py
-        .detach(|| EngineFile::open_write(&path, want_direct, size))
-        .py_err(py)?;
-    let (file, ranges) = build_ranges(py, file, &offsets, &lengths, &srcs, || {
-        EngineFile::open_write(&path, false, size)
-    })?;
-    // SAFETY: the caller's contract above.
-    let task = unsafe {
-        reader::write_ranges(
-            &engine.inner,
-            Arc::new(file),
-            ranges,
-            class_of(background),
-            TaskState::new(),
-            turn,
-        )
-    }
-    .py_err(py)?;
-    wait_task(py, task, None)
-}
-
-/// Average range size under which `read_ranges` copies through a mapping.
+/// Average range size under which `transfer_ranges` reads through a mapping.
 const MAPPED_BELOW: usize = 64 << 10;
