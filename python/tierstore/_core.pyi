@@ -215,6 +215,8 @@ def transfer_ranges(
     direct: bool = False,
     turns: DeviceTurns | None = None,
     ticket: tuple[int, int] | None = None,
+    crc32: int | None = None,
+    record: str | None = None,
 ) -> int: ...
 
 @final

@@ -52,14 +52,21 @@ def subgroup_bytes(
     if f.stat().st_size < n:
         raise TierstoreError(f"{f}: file of offloaded optimizer subgroup {e['index']} holds fewer than {n} bytes")
     buf = out if out is not None else host_buffer(n)
-    got = _core.transfer_ranges(get_engine(), f, [0], [n], [buf.data_ptr()], direct=True)
-    (crc,) = _core.crc32_regions([(buf.data_ptr(), n)], 1)
-    if got != n or crc != e["crc32"]:
+    record = f"subgroup {e['index']}"
+    try:
+        # Verified by the engine as the chunks arrive (against the CRC-32 recorded at save).
+        got = _core.transfer_ranges(
+            get_engine(), f, [0], [n], [buf.data_ptr()], direct=True, crc32=int(e["crc32"]), record=record
+        )
+    except ChecksumError as err:
         raise ChecksumError(
-            f"{f}: offloaded optimizer state of subgroup {e['index']} is damaged "
-            f"(CRC-32 {crc:08x}, saved {e['crc32']:08x}, {got} of {n} bytes)",
+            f"{f}: offloaded optimizer state of subgroup {e['index']} is damaged ({err})", path=str(f), record=record
+        ) from None
+    if got != n:
+        raise ChecksumError(
+            f"{f}: offloaded optimizer state of subgroup {e['index']} is damaged ({got} of {n} bytes)",
             path=str(f),
-            record=f"subgroup {e['index']}",
+            record=record,
         )
     return buf
 

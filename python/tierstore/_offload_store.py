@@ -219,22 +219,31 @@ class SubgroupStore:
         assert sg.file is not None and sg.path is not None
         p = sg.path
         t0 = time.perf_counter()
-        _core.transfer_ranges(
-            self.engine, sg.file, [0], [sg.nbytes], [buf.data_ptr()], direct=True, turns=p.device.native, ticket=ticket
-        )
+        try:
+            # Verified by the engine as the chunks arrive (against the CRC-32 of the write).
+            _core.transfer_ranges(
+                self.engine,
+                sg.file,
+                [0],
+                [sg.nbytes],
+                [buf.data_ptr()],
+                direct=True,
+                turns=p.device.native,
+                ticket=ticket,
+                crc32=sg.crc,
+                record=f"subgroup {sg.index}",
+            )
+        except ChecksumError as e:
+            raise ChecksumError(
+                f"{sg.file}: offloaded optimizer state of subgroup {sg.index} is damaged ({e}); it is not used",
+                path=str(sg.file),
+                record=f"subgroup {sg.index}",
+            ) from None
         dt = time.perf_counter() - t0
         p.observe("read", sg.nbytes, dt)
         with self.memory.cond:
             self.stats["read_bytes"] += sg.nbytes
             self.stats["read_s"] += dt
-        (crc,) = _core.crc32_regions([(buf.data_ptr(), sg.nbytes)], 1)
-        if crc != sg.crc:
-            raise ChecksumError(
-                f"{sg.file}: offloaded optimizer state of subgroup {sg.index} is damaged "
-                f"(CRC-32 {crc:08x}, written {sg.crc:08x}); it is not used",
-                path=str(sg.file),
-                record=f"subgroup {sg.index}",
-            )
 
     def write_sync(self, sg: Subgroup) -> None:
         self.write(sg)

@@ -566,6 +566,7 @@ pub unsafe fn read_ranges_verified(
                 class,
                 TaskState::new(),
                 None,
+                None,
             )
         }
     };

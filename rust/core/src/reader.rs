@@ -673,7 +673,11 @@ pub(crate) fn turns_for(
 /// is scratch space, not a commit). Long ranges are split into chunks so that
 /// many requests are in flight; the whole transfer is one turn at the device,
 /// where it has turns (`turn`, or the device's with a place in line taken
-/// now). The task returns the number of bytes transferred.
+/// now). With `expect_crc` (a record name and a CRC-32), a read is verified
+/// as it completes: each chunk is checksummed on arrival, overlapped with the
+/// chunks still in flight, and the ranges together, in order, must have that
+/// CRC-32, else the task fails with a checksum error naming the record. The
+/// task returns the number of bytes transferred.
 ///
 /// # Safety
 ///
@@ -681,6 +685,7 @@ pub(crate) fn turns_for(
 /// for writes), the ranges must not overlap in memory, and nothing else may
 /// access that memory (or, for writes, change it) until the task has ended
 /// (joined or dropped).
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn transfer_ranges(
     engine: &Arc<Engine>,
     file: Arc<EngineFile>,
@@ -689,6 +694,7 @@ pub unsafe fn transfer_ranges(
     class: Class,
     state: Arc<TaskState>,
     turn: Option<Ticketed>,
+    expect_crc: Option<(String, u32)>,
 ) -> Result<Task<u64>> {
     check_ranges(&file, &ranges)?;
     let engine = Arc::clone(engine);
@@ -721,6 +727,7 @@ pub unsafe fn transfer_ranges(
         let turn = turns_for(&engine, file.dev, class, turn);
         let _turn = turn.as_ref().map(|t| t.turns.take(op, total, t.ticket));
         let n = work.len();
+        let mut sums: Vec<Option<Hasher>> = vec![None; if expect_crc.is_some() { n } else { 0 }];
         windowed(
             &engine,
             &st,
@@ -749,6 +756,15 @@ pub unsafe fn transfer_ranges(
             &mut |i, got| match got {
                 Ok(n) if n == work[i].len => {
                     st.bytes_done.fetch_add(n as u64, Ordering::Relaxed);
+                    if expect_crc.is_some() && op == Op::Read {
+                        let mut h = Hasher::new();
+                        // SAFETY: chunk `i` has been read into the caller's
+                        // memory (contract above) and no request writes it now.
+                        h.update(unsafe {
+                            std::slice::from_raw_parts(work[i].buf.cast_const(), n)
+                        });
+                        sums[i] = Some(h);
+                    }
                 }
                 Ok(_) => st.fail(Error::truncated(
                     &file.path,
@@ -765,6 +781,21 @@ pub unsafe fn transfer_ranges(
             },
         );
         st.outcome()?;
+        if let Some((record, expected)) = expect_crc.filter(|_| op == Op::Read) {
+            let mut all = Hasher::new();
+            for h in sums.into_iter().flatten() {
+                all.combine(&h);
+            }
+            let actual = all.finalize();
+            if actual != expected {
+                return Err(Error::Checksum {
+                    path: file.path.clone(),
+                    record,
+                    expected,
+                    actual,
+                });
+            }
+        }
         Ok(total)
     })
 }

@@ -305,6 +305,7 @@ fn ranges_are_rewritten_in_place() {
                     Class::Foreground,
                     TaskState::new(),
                     None,
+                    None,
                 )
             };
             assert_eq!(t.unwrap().join().unwrap(), n as u64);
@@ -324,6 +325,7 @@ fn ranges_are_rewritten_in_place() {
                     Op::Read,
                     Class::Foreground,
                     TaskState::new(),
+                    None,
                     None,
                 )
             };
@@ -351,9 +353,57 @@ fn ranges_are_rewritten_in_place() {
                 Class::Foreground,
                 TaskState::new(),
                 None,
+                None,
             )
         };
         assert!(err.is_err(), "{mode}");
+    }
+}
+
+/// A read with an expected CRC-32 is verified by the engine as its chunks
+/// arrive: the right CRC passes, a flipped bit on disk fails naming the record.
+#[test]
+fn range_reads_are_verified_against_an_expected_crc() {
+    use tierstore_core::buf::AlignedBuf;
+    use tierstore_core::io::Op;
+    use tierstore_core::reader::{transfer_ranges, IoRange};
+    for mode in modes() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("state.bin");
+        let n = 5 * (8 << 20) + 4096; // several engine chunks
+        let data: Vec<u8> = (0..n).map(|i| (i * 7 % 253) as u8).collect();
+        std::fs::write(&p, &data).unwrap();
+        let crc = crc32fast::hash(&data);
+        let e = engine(mode);
+        let read = |expect: u32| {
+            let mut b = AlignedBuf::new(n, 4096).unwrap();
+            let f = EngineFile::open_read(&p, mode.direct()).unwrap();
+            let r = vec![IoRange {
+                offset: 0,
+                len: n,
+                buf: b.as_mut_ptr(),
+            }];
+            // SAFETY: `b` outlives the joined task and nothing else touches it.
+            let t = unsafe {
+                transfer_ranges(
+                    &e,
+                    Arc::new(f),
+                    r,
+                    Op::Read,
+                    Class::Foreground,
+                    TaskState::new(),
+                    None,
+                    Some(("subgroup 3".to_owned(), expect)),
+                )
+            };
+            t.unwrap().join()
+        };
+        assert_eq!(read(crc).unwrap(), n as u64, "{mode}");
+        let err = read(crc ^ 1).unwrap_err().to_string();
+        assert!(
+            err.contains("subgroup 3") && err.contains("checksum mismatch"),
+            "{mode}: {err}"
+        );
     }
 }
 

@@ -524,12 +524,15 @@ fn build_ranges(
 /// and the file system allow it and every offset, length and address is
 /// aligned for it; else buffered. `turns` and `ticket`: the device turns the
 /// transfer takes and its place in line (default: the device's, if it has
-/// any, with a place taken now). Returns the bytes transferred.
+/// any, with a place taken now). `crc32` (reads): the CRC-32 the ranges
+/// must have together, in order, checked by the engine as the chunks arrive;
+/// a mismatch raises `ChecksumError` naming `record`. Returns the bytes
+/// transferred.
 ///
 /// The caller keeps the memory (tensors) alive during the call, untouched
 /// by anything else, and the ranges must not overlap in memory.
 #[pyfunction]
-#[pyo3(signature = (engine, path, offsets, lengths, addrs, *, write=false, size=0, background=false, direct=false, turns=None, ticket=None))]
+#[pyo3(signature = (engine, path, offsets, lengths, addrs, *, write=false, size=0, background=false, direct=false, turns=None, ticket=None, crc32=None, record=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn transfer_ranges(
     py: Python<'_>,
@@ -544,8 +547,11 @@ pub fn transfer_ranges(
     direct: bool,
     turns: Option<PyRef<'_, PyDeviceTurns>>,
     ticket: Option<(u8, u64)>,
+    crc32: Option<u32>,
+    record: Option<String>,
 ) -> PyResult<u64> {
     let turn = turns.map(|t| t.ticketed(ticket, background)).transpose()?;
+    let expect_crc = crc32.map(|c| (record.unwrap_or_else(|| "ranges".to_owned()), c));
     let want_direct = direct && engine.inner.mode().direct();
     let class = class_of(background);
     let (file, ranges) = if write {
@@ -572,6 +578,7 @@ pub fn transfer_ranges(
     };
     // Many small reads: copy through a mapping instead of one request each.
     let small = !write
+        && expect_crc.is_none()
         && !file.direct
         && !ranges.is_empty()
         && lengths.iter().sum::<usize>() / lengths.len() < MAPPED_BELOW;
@@ -594,6 +601,7 @@ pub fn transfer_ranges(
             class,
             TaskState::new(),
             turn,
+            expect_crc,
         )
     }
     .py_err(py)?;
