@@ -32,7 +32,7 @@ use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::file::EngineFile;
 use crate::io::{Class, Op};
-use crate::reader::{self, IoRange};
+use crate::ranges::{self, IoRange};
 use crate::task::TaskState;
 
 /// The chunk size written by tierstore.
@@ -558,7 +558,7 @@ pub unsafe fn read_ranges_verified(
         // SAFETY: the destinations are the caller's (contract above); every
         // task started here is joined before this function returns.
         unsafe {
-            reader::transfer_ranges(
+            ranges::transfer_ranges(
                 engine,
                 Arc::clone(file),
                 b,

@@ -25,6 +25,7 @@ pub mod halves;
 pub mod io;
 pub mod plan;
 pub mod probe;
+pub mod ranges;
 pub mod reader;
 pub mod task;
 pub mod writer;

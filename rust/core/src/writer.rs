@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::file::AtomicFile;
 use crate::io::{Class, Op, PathSlot, Request};
 use crate::plan::{CrcPiece, Plan, Source};
-use crate::reader::turns_for;
+use crate::ranges::turns_for;
 use crate::task::{Task, TaskState};
 
 /// The shortest part of a record written straight from its memory when a

@@ -277,7 +277,7 @@ fn aligned_and_gated_memory_is_written_directly() {
 fn ranges_are_rewritten_in_place() {
     use tierstore_core::buf::AlignedBuf;
     use tierstore_core::io::Op;
-    use tierstore_core::reader::{transfer_ranges, IoRange};
+    use tierstore_core::ranges::{transfer_ranges, IoRange};
     for mode in modes() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("scratch.bin");
@@ -366,7 +366,7 @@ fn ranges_are_rewritten_in_place() {
 fn range_reads_are_verified_against_an_expected_crc() {
     use tierstore_core::buf::AlignedBuf;
     use tierstore_core::io::Op;
-    use tierstore_core::reader::{transfer_ranges, IoRange};
+    use tierstore_core::ranges::{transfer_ranges, IoRange};
     for mode in modes() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("state.bin");

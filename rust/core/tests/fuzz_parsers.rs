@@ -42,7 +42,7 @@ use tierstore_core::engine::{Config, Engine, Mode};
 use tierstore_core::file::EngineFile;
 use tierstore_core::io::Class;
 use tierstore_core::plan::{Plan, Source};
-use tierstore_core::reader::IoRange;
+use tierstore_core::ranges::IoRange;
 use tierstore_core::zip::{self, CdEntry, Directory};
 use tierstore_core::Error;
 

@@ -9,6 +9,7 @@ use pyo3::types::PyBytes;
 use tierstore_core::chunks;
 use tierstore_core::file::EngineFile;
 use tierstore_core::io::{Class, Op};
+use tierstore_core::ranges;
 use tierstore_core::reader::{self, ReadSpec};
 use tierstore_core::task::{Task, TaskState};
 use tierstore_core::zip::{self, Directory};
@@ -437,7 +438,7 @@ fn read_ranges_verified(
         .zip(&dests)
         .zip(&table_ids)
         .map(|(((&offset, &len), &addr), &table)| chunks::TableRange {
-            range: reader::IoRange {
+            range: ranges::IoRange {
                 offset,
                 len,
                 buf: addr as *mut u8,
@@ -487,7 +488,7 @@ fn build_ranges(
     lengths: &[usize],
     addrs: &[usize],
     reopen: impl FnOnce() -> tierstore_core::Result<EngineFile> + Send,
-) -> PyResult<(EngineFile, Vec<reader::IoRange>)> {
+) -> PyResult<(EngineFile, Vec<ranges::IoRange>)> {
     if offsets.len() != lengths.len() || offsets.len() != addrs.len() {
         return Err(pyo3::exceptions::PyValueError::new_err(
             "offsets, lengths and addresses differ in length",
@@ -506,7 +507,7 @@ fn build_ranges(
         .iter()
         .zip(lengths)
         .zip(addrs)
-        .map(|((&offset, &len), &addr)| reader::IoRange {
+        .map(|((&offset, &len), &addr)| ranges::IoRange {
             offset,
             len,
             buf: addr as *mut u8,
@@ -586,14 +587,14 @@ pub fn transfer_ranges(
         let threads = engine.inner.config().cpu_threads;
         // SAFETY: as below; the copy finishes before this call returns.
         return py
-            .detach(|| unsafe { reader::copy_ranges_mapped(&file, &ranges, threads) })
+            .detach(|| unsafe { ranges::copy_ranges_mapped(&file, &ranges, threads) })
             .py_err(py);
     }
     let op = if write { Op::Write } else { Op::Read };
     // SAFETY: the caller's contract above (the Python side passes the data
     // pointers of tensors it holds for the duration of this call).
     let task = unsafe {
-        reader::transfer_ranges(
+        ranges::transfer_ranges(
             &engine.inner,
             Arc::new(file),
             ranges,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 use tierstore_core::io::turns::{DeviceTurns, Ticket, TurnsConfig};
-use tierstore_core::reader::Ticketed;
+use tierstore_core::ranges::Ticketed;
 
 use crate::engine::PyEngine;
 use crate::errors::IntoPy;

@@ -45,10 +45,10 @@ impl<S: ReadAt + ?Sized> ReadAt for Window<'_, S> {
 ///    after the data, flag bit 3, as torch's writer does).
 ///
 /// `None` when none finds an end. The result is only a proposal:
-/// [`read_directory`] over a [`Window`] of that length validates everything.
+/// [`read_directory`](super::read_directory) over a [`Window`] of that length validates everything.
 ///
 /// This is for streams, whose bytes a load reads anyway; the fallback of
-/// [`read_directory`] for files scans only for archives that need it.
+/// [`read_directory`](super::read_directory) for files scans only for archives that need it.
 pub fn archive_extent(src: &(impl ReadAt + ?Sized)) -> Option<u64> {
     extent(src, true)
 }

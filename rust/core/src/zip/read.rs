@@ -329,7 +329,7 @@ pub(super) fn check_disjoint(
 /// An archive followed by other bytes (trailing data, or a second archive
 /// saved after it) has its end records before the end of the source; when
 /// none are found at the end, the archive's extent is found by walking
-/// forward from the start ([`archive_extent`]) and the directory is read
+/// forward from the start ([`archive_extent`](super::archive_extent)) and the directory is read
 /// from that prefix, as `torch.load` reads such files.
 pub fn read_directory(src: &(impl ReadAt + ?Sized), path: &Path) -> Result<Directory> {
     match read_directory_at_end(src, path) {
