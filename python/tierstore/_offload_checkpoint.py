@@ -102,3 +102,15 @@ def restore_subgroups(
                 inner.state.setdefault(sg.masters[i], {})
         store.adopt(sg, buf)
         resident = store.spill(sg, resident)
+
+
+def same_partition(meta: dict[str, Any], optimizer: str, params: list[torch.Tensor], subgroups: list[Subgroup]) -> bool:
+    """Whether a checkpoint's subgroups are these (the same optimizer, the
+    same parameter shapes, the same partition), so that its bytes go in as
+    they are."""
+    if meta.get("optimizer") != optimizer:
+        return False
+    if [tuple(q["shape"]) for q in meta["params"]] != [tuple(p.shape) for p in params]:
+        return False
+    mine = [(sg.group, sg.first, len(sg.params)) for sg in subgroups]
+    return mine == [(e["group"], e["first"], e["count"]) for e in meta["subgroups"]]

@@ -254,7 +254,7 @@ class SubgroupStore:
         self.settle(sg)
         if sg.resident:
             return
-        sg.expect(Residence.ON_DISK)
+        sg.move(Residence.RESIDENT)
         self.memory.try_reserve(sg.nbytes, force=True)
         buf = self.memory.alloc(sg.nbytes)
         try:
@@ -266,7 +266,7 @@ class SubgroupStore:
         sg.dirty = False
 
     def start_read(self, sg: Subgroup) -> None:
-        sg.expect(Residence.ON_DISK)
+        sg.move(Residence.READING)
         assert sg.path is not None
         buf = self.memory.alloc(sg.nbytes)
         ticket = sg.path.device.ticket()
@@ -285,7 +285,7 @@ class SubgroupStore:
     def start_write(self, sg: Subgroup) -> None:
         """Writes ``sg`` back and frees its buffer when done (unless the step
         has asked for it meanwhile: see :meth:`want`)."""
-        sg.expect(Residence.RESIDENT)
+        sg.move(Residence.WRITING)
         with self.memory.cond:
             p = self.placement.choose(sg, self.subgroups)
         ticket = p.device.ticket()

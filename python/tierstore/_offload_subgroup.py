@@ -7,7 +7,8 @@ never disagree with it): ``ON_DISK`` (no buffer, a file) → ``READING`` (a read
 in flight into a buffer not yet attached) → ``RESIDENT`` (a buffer; ``dirty``
 once the step changed it) → ``WRITING`` (a write-back in flight; ``wanted``
 keeps it resident after the write) → ``ON_DISK`` again, or ``RESIDENT`` when
-wanted. A transfer starts only from the state it leaves (:meth:`Subgroup.expect`).
+wanted. A transfer starts only from a state that allows it (:data:`MOVES`,
+checked by :meth:`Subgroup.move`).
 A file linked by a checkpoint (``pinned``) is never rewritten in place: the
 next write-back goes to a new ``generation``.
 """
@@ -39,6 +40,18 @@ class Residence(enum.Enum):
     READING = "reading"
     RESIDENT = "resident"
     WRITING = "writing back"
+
+
+# The moves a subgroup may make (a read or write-back starts only from the
+# state it leaves; a load in the training thread goes straight from disk to
+# resident; a write-back ends resident when the step wanted it again).
+MOVES: dict[Residence, frozenset[Residence]] = {
+    Residence.NEW: frozenset({Residence.RESIDENT}),
+    Residence.ON_DISK: frozenset({Residence.READING, Residence.RESIDENT}),
+    Residence.READING: frozenset({Residence.RESIDENT, Residence.ON_DISK}),
+    Residence.RESIDENT: frozenset({Residence.WRITING, Residence.ON_DISK}),
+    Residence.WRITING: frozenset({Residence.ON_DISK, Residence.RESIDENT}),
+}
 
 
 def split_master(p: torch.Tensor, master: torch.Tensor, lo: torch.Tensor, threads: int) -> None:
@@ -103,12 +116,13 @@ class Subgroup:
             return Residence.RESIDENT
         return Residence.ON_DISK if self.file is not None else Residence.NEW
 
-    def expect(self, *states: Residence) -> None:
-        """Refuses a move that does not start from one of ``states``."""
-        if self.state not in states:
-            raise InternalError(
-                f"offload subgroup {self.index} is {self.state.value}, expected " + " or ".join(s.value for s in states)
-            )
+    def move(self, to: Residence) -> None:
+        """Refuses a move the lifecycle does not allow from the current state
+        (:data:`MOVES`); the move itself is made by what the subgroup then
+        holds (a buffer, a file, a transfer in flight)."""
+        now = self.state
+        if to not in MOVES[now]:
+            raise InternalError(f"offload subgroup {self.index} is {now.value}: it cannot become {to.value}")
 
     # --- the flat buffer's layout
 
@@ -204,6 +218,24 @@ class Subgroup:
 
     # --- the wrapped optimizer on this subgroup
 
+    def take_grads(self, scratch: torch.Tensor) -> None:
+        """Gives each master its parameter's gradient: an fp32 CPU gradient
+        as it is, any other converted to fp32 into ``scratch`` (one reused
+        buffer of at least ``numel`` elements: the only conversion)."""
+        off = 0
+        for p, m in zip(self.params, self.masters, strict=True):
+            g = p.grad
+            if g is None:
+                m.grad = None
+                continue
+            if g.dtype == torch.float32 and g.device.type == "cpu" and not g.is_sparse:
+                m.grad = g.detach()
+            else:
+                view = scratch[off : off + g.numel()].view(g.shape)
+                view.copy_(g.detach())
+                m.grad = view
+                off += g.numel()
+
     def ensure_inner(self, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], hyper: dict[str, Any]) -> None:
         if self.inner is None:
             self.inner = cls([{"params": self.masters, **hyper}], **kwargs)
@@ -219,3 +251,25 @@ class Subgroup:
             if o:
                 out[str(i)] = o
         return out
+
+
+def partition(param_groups: list[dict[str, Any]], subgroup_bytes: int) -> list[Subgroup]:
+    """Consecutive parameters of a group, about ``subgroup_bytes`` of master
+    and AdamW-sized state (12 bytes per parameter) each."""
+    subgroups: list[Subgroup] = []
+    first = 0
+    for gi, g in enumerate(param_groups):
+        cur: list[torch.Tensor] = []
+        size = 0
+        for p in g["params"]:
+            need = 12 * p.numel()
+            if cur and size + need > subgroup_bytes:
+                subgroups.append(Subgroup(len(subgroups), gi, cur, first))
+                first += len(cur)
+                cur, size = [], 0
+            cur.append(p)
+            size += need
+        if cur:
+            subgroups.append(Subgroup(len(subgroups), gi, cur, first))
+            first += len(cur)
+    return subgroups

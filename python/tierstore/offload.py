@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from tierstore._engine import get_engine
-from tierstore._offload_checkpoint import restore_subgroups, take_subgroups
+from tierstore._offload_checkpoint import restore_subgroups, same_partition, take_subgroups
 from tierstore._offload_entry import (
     OFFLOAD_FORMAT,
     OFFLOAD_FORMATS_READ,
@@ -72,7 +72,7 @@ from tierstore._offload_entry import (
 from tierstore._offload_io import SESSION, StoragePath, lock_dir
 from tierstore._offload_placement import Placement
 from tierstore._offload_store import HostMemory, SubgroupStore
-from tierstore._offload_subgroup import PAGE, Subgroup
+from tierstore._offload_subgroup import PAGE, Subgroup, partition
 from tierstore.errors import InvalidArgumentError, TierstoreError
 from tierstore.tiers import DiskTier, HostTier, parse_size
 
@@ -197,7 +197,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             "alloc_bytes": 0,
         }
         self._memory = HostMemory(self.budget, self.stats)
-        self.subgroups = self._partition()
+        self.subgroups = partition(self.param_groups, self.subgroup_bytes)
         self._store = SubgroupStore(
             self.subgroups, self._memory, self._placement, self.engine, self._warn, self._threads, self.subgroup_bytes
         )
@@ -207,27 +207,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             sg.masters = [p.detach().to("cpu", torch.float32, copy=True) for p in sg.params]
             self._store.pack(sg)
             resident = self._store.spill(sg, resident)
-
-    def _partition(self) -> list[Subgroup]:
-        """Consecutive parameters of a group, about ``subgroup_bytes`` of
-        master and AdamW-sized state each."""
-        subgroups: list[Subgroup] = []
-        first = 0
-        for gi, g in enumerate(self.param_groups):
-            cur: list[torch.Tensor] = []
-            size = 0
-            for p in g["params"]:
-                need = 12 * p.numel()  # master + two state tensors of fp32, for sizing
-                if cur and size + need > self.subgroup_bytes:
-                    subgroups.append(Subgroup(len(subgroups), gi, cur, first))
-                    first += len(cur)
-                    cur, size = [], 0
-                cur.append(p)
-                size += need
-            if cur:
-                subgroups.append(Subgroup(len(subgroups), gi, cur, first))
-                first += len(cur)
-        return subgroups
 
     def _warn(self, msg: str) -> None:
         """Queues a warning (workers call this); the training thread issues it."""
@@ -372,21 +351,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self._master32 = torch.empty(sg.numel, dtype=torch.float32)
             for m, v in zip(sg.masters, sg.rebuild_masters(self._threads, self._master32), strict=True):
                 m.data = v
-        # Gradients are converted to fp32 here only, into one reused buffer.
-        scratch = self._grad_buffer(sg.numel)
-        off = 0
-        for p, m in zip(sg.params, sg.masters, strict=True):
-            g = p.grad
-            if g is None:
-                m.grad = None
-                continue
-            if g.dtype == torch.float32 and g.device.type == "cpu" and not g.is_sparse:
-                m.grad = g.detach()
-            else:
-                view = scratch[off : off + g.numel()].view(g.shape)
-                view.copy_(g.detach())
-                m.grad = view
-                off += g.numel()
+        sg.take_grads(self._grad_buffer(sg.numel))
         before = len(sg.tensors())
         inner.step()
         for m in sg.masters:
@@ -546,23 +511,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _optimizer_name(self) -> str:
         return f"{self.cls.__module__}.{self.cls.__qualname__}"
 
-    def _matches(self, meta: dict[str, Any]) -> bool:
-        """Whether a checkpoint's subgroups are this optimizer's (same
-        parameters, same partition), so that its bytes go in as they are."""
-        params = [p for g in self.param_groups for p in g["params"]]
-        if meta.get("optimizer") != self._optimizer_name():
-            return False
-        if [tuple(q["shape"]) for q in meta["params"]] != [tuple(p.shape) for p in params]:
-            return False
-        mine = [(sg.group, sg.first, len(sg.params)) for sg in self.subgroups]
-        return mine == [(e["group"], e["first"], e["count"]) for e in meta["subgroups"]]
-
     @torch.no_grad()
     def restore_from_checkpoint(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], d: Path) -> None:
         """Puts a checkpoint's offloaded state back (see :meth:`checkpoint_parts`):
         each subgroup's bytes, checked, straight into host memory or a path;
         with another partition, through the wrapped optimizer's state dict."""
-        if not self._matches(meta):
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not same_partition(meta, self._optimizer_name(), params, self.subgroups):
             self.load_state_dict(restore_state_dict(meta, tensors, d))
             return
         self.wait_io()
