@@ -188,7 +188,7 @@ del buf, st
 _a, _m, offs = _archive.open_archive(f)
 c.prefault(n); c.evict(__import__("pathlib").Path(f))
 t0 = time.perf_counter()
-bufs = _core.read_records(tierstore.get_engine(), f, [("raw/data/0", offs["data/0"], n, None)])
+pending = _core.start_read(tierstore.get_engine(), f, [("raw/data/0", offs["data/0"], n, None)]); pending.wait()
 rt = time.perf_counter() - t0
 os.unlink(f)
 print(json.dumps({{"write": n / 2**30 / wt, "read": n / 2**30 / rt}}))

@@ -233,7 +233,7 @@ def verify(path: str, progress: Callable[[int, int], None] | None = None) -> tup
             return
         base = done
         cb = None if progress is None else (lambda d, _t: progress(base + d, total))
-        _core.read_records(get_engine(), path, batch, verify=True, progress=cb)
+        _core.start_read(get_engine(), path, batch, verify=True).wait(cb)
         done += size
         batch, size = [], 0
 

@@ -28,7 +28,6 @@ __all__ = [
     "probe_path",
     "read_directory_stream",
     "read_ranges_verified",
-    "read_records",
     "split_halves",
     "start_read",
     "transfer_ranges",
@@ -156,15 +155,6 @@ class Container:
 
 def open_container(path: _Path) -> Container: ...
 def read_directory_stream(f: Any, start: int, avail: int, name: _Path) -> tuple[list[Record], int, int, list[int]]: ...
-def read_records(
-    engine: Engine,
-    path: _Path,
-    specs: list[tuple[str, int, int, int | None]],
-    *,
-    verify: bool = True,
-    background: bool = False,
-    progress: _Progress = None,
-) -> list[Buffer]: ...
 
 @final
 class Gate:

@@ -62,7 +62,7 @@ def _record_states(path: str, arch: _archive.Archive, offsets: dict[str, int], v
         done = 0
         for spec, rel in zip(specs, arch.records, strict=True):
             try:
-                _core.read_records(_engine(), path, [spec], verify=True)
+                _core.start_read(_engine(), path, [spec], verify=True).wait()
                 states[rel] = "ok"
             except ChecksumError:
                 states[rel] = "DAMAGED"
@@ -165,7 +165,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         pkl = arch.records["data.pkl"]
         if pkl.size <= 1 << 30:
             spec = (pkl.name, offsets["data.pkl"], pkl.size, pkl.crc32)
-            (data,) = _core.read_records(_engine(), path, [spec], verify=False)
+            pending = _core.start_read(_engine(), path, [spec], verify=False)
+            pending.wait()
+            (data,) = pending.buffers
             dtypes, shapes = _pickle.describe_storages(bytes(cast(Any, data)))
     if m is not None:
         for t in m.get("tensors", []):

@@ -115,39 +115,6 @@ fn read_directory_stream(
     Ok((records, dir.cd_offset, dir.file_len, offs))
 }
 
-/// Reads records of `path` into new aligned buffers, one per spec
-/// `(name, data_offset, size, crc32 or None)`, verifying CRCs if asked.
-/// `progress(done, total)` is called from this thread while it waits.
-#[pyfunction]
-#[pyo3(signature = (engine, path, specs, *, verify=true, background=false, progress=None))]
-fn read_records(
-    py: Python<'_>,
-    engine: &PyEngine,
-    path: PathBuf,
-    specs: Vec<(String, u64, u64, Option<u32>)>,
-    verify: bool,
-    background: bool,
-    progress: Option<Bound<'_, PyAny>>,
-) -> PyResult<Vec<Buffer>> {
-    let want_direct = engine.inner.mode().direct();
-    let file = py
-        .detach(|| EngineFile::open_read(&path, want_direct))
-        .py_err(py)?;
-    let specs = to_specs(specs);
-    let class = class_of(background);
-    let task = reader::read_records(
-        &engine.inner,
-        Arc::new(file),
-        specs,
-        verify,
-        class,
-        TaskState::new(),
-    )
-    .py_err(py)?;
-    let bufs = wait_task(py, task, progress.as_ref())?;
-    Ok(bufs.into_iter().map(Buffer::new).collect())
-}
-
 /// A read running in the background: its buffers exist at once (to build
 /// tensors on), their contents are valid once `wait` returns.
 #[pyclass(module = "tierstore._core")]
@@ -182,8 +149,10 @@ impl PendingRead {
     }
 }
 
-/// Starts reading records of `path` (specs as for `read_records`) and returns
-/// at once with the buffers they will fill.
+/// Starts reading records of `path` into new aligned buffers, one per spec
+/// `(name, data_offset, size, crc32 or None)`, verifying CRCs if asked, and
+/// returns at once with the buffers they will fill (valid once `wait`
+/// returns; `wait(progress)` calls `progress(done, total)` while it waits).
 #[pyfunction]
 #[pyo3(signature = (engine, path, specs, *, verify=true, background=false))]
 fn start_read(
@@ -468,7 +437,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(split_halves, m)?)?;
     m.add_function(wrap_pyfunction!(join_halves, m)?)?;
     m.add_function(wrap_pyfunction!(read_directory_stream, m)?)?;
-    m.add_function(wrap_pyfunction!(read_records, m)?)?;
     m.add_function(wrap_pyfunction!(crc32_regions, m)?)?;
     m.add_function(wrap_pyfunction!(start_read, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_ranges, m)?)?;
