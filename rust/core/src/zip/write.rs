@@ -94,6 +94,18 @@ pub(super) fn put_u64(v: &mut Vec<u8>, x: u64) {
     v.extend_from_slice(&x.to_le_bytes());
 }
 
+/// The fields a local and a central header share, in the same order:
+/// version needed (2.0, or 4.5 with zip64), flags, method (stored), time
+/// (0) and date (the zip epoch), and the CRC-32.
+fn put_common(v: &mut Vec<u8>, zip64: bool, crc: u32) {
+    put_u16(v, if zip64 { 45 } else { 20 });
+    put_u16(v, 0);
+    put_u16(v, 0);
+    put_u16(v, 0);
+    put_u16(v, DOS_DATE);
+    put_u32(v, crc);
+}
+
 /// Encodes the local header of `e`, padded so that it ends at `e.data_offset`.
 pub fn local_header(e: &Entry) -> Vec<u8> {
     let total = (e.data_offset - e.header_offset) as usize;
@@ -101,12 +113,7 @@ pub fn local_header(e: &Entry) -> Vec<u8> {
     let zip64 = e.local_zip64();
     let mut v = Vec::with_capacity(total);
     put_u32(&mut v, LOCAL_SIG);
-    put_u16(&mut v, if zip64 { 45 } else { 20 });
-    put_u16(&mut v, 0);
-    put_u16(&mut v, 0);
-    put_u16(&mut v, 0);
-    put_u16(&mut v, DOS_DATE);
-    put_u32(&mut v, e.crc);
+    put_common(&mut v, zip64, e.crc);
     let small = if zip64 { U32_MAX as u32 } else { e.size as u32 };
     put_u32(&mut v, small);
     put_u32(&mut v, small);
@@ -151,12 +158,7 @@ pub fn central_directory(entries: &[Entry], cd_offset: u64) -> Vec<u8> {
         let zip64 = !extra.is_empty();
         put_u32(&mut v, CENTRAL_SIG);
         put_u16(&mut v, 0x0300 | if zip64 { 0x2d } else { 0x14 }); // made by: unix, 4.5 or 2.0
-        put_u16(&mut v, if zip64 { 45 } else { 20 });
-        put_u16(&mut v, 0);
-        put_u16(&mut v, 0);
-        put_u16(&mut v, 0);
-        put_u16(&mut v, DOS_DATE);
-        put_u32(&mut v, e.crc);
+        put_common(&mut v, zip64, e.crc);
         let small = if big_size {
             U32_MAX as u32
         } else {
