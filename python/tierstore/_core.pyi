@@ -35,7 +35,7 @@ __all__ = [
 
 __version__: str
 
-_Path = str | PathLike[str]
+_PathLike = str | PathLike[str]
 _Progress = Callable[[int, int], None] | None
 
 @final
@@ -111,11 +111,11 @@ class Stream:
     def next_chunk(self) -> bytes | None: ...
 
 def create_writer(
-    engine: Engine, path: _Path, *, align: int = 4096, durable: bool = True, background: bool = False
+    engine: Engine, path: _PathLike, *, align: int = 4096, durable: bool = True, background: bool = False
 ) -> Writer: ...
-def probe_path(path: _Path) -> dict[str, Any]: ...
+def probe_path(path: _PathLike) -> dict[str, Any]: ...
 def copy_file(
-    engine: Engine, src: _Path, dst: _Path, *, background: bool = True, durable: bool = True, reflink: bool = True
+    engine: Engine, src: _PathLike, dst: _PathLike, *, background: bool = True, durable: bool = True, reflink: bool = True
 ) -> tuple[int, str]: ...
 def io_uring_status() -> tuple[bool, str | None]: ...
 
@@ -153,8 +153,8 @@ class Container:
     def check_offsets(self, offsets: list[tuple[str, int]]) -> None: ...
     def data_offsets(self) -> list[int]: ...
 
-def open_container(path: _Path) -> Container: ...
-def read_directory_stream(f: Any, start: int, avail: int, name: _Path) -> tuple[list[Record], int, int, list[int]]: ...
+def open_container(path: _PathLike) -> Container: ...
+def read_directory_stream(f: Any, start: int, avail: int, name: _PathLike) -> tuple[list[Record], int, int, list[int]]: ...
 
 @final
 class Gate:
@@ -173,7 +173,7 @@ class PendingRead:
 
 def start_read(
     engine: Engine,
-    path: _Path,
+    path: _PathLike,
     specs: list[tuple[str, int, int, int | None]],
     *,
     verify: bool = True,
@@ -194,7 +194,7 @@ def fast_dumps(
 ) -> bytes | None: ...
 def transfer_ranges(
     engine: Engine,
-    path: _Path,
+    path: _PathLike,
     offsets: list[int],
     lengths: list[int],
     addrs: list[int],
@@ -219,7 +219,7 @@ class DeviceTurns:
         slots: int,
         exclusive: bool,
         shared: int,
-        lock_dir: _Path,
+        lock_dir: _PathLike,
         duplex: bool | None = None,
     ) -> DeviceTurns: ...
     def ticket(self, background: bool = False) -> tuple[int, int]: ...
@@ -238,7 +238,7 @@ def crc32_regions(regions: list[tuple[int, int]], threads: int = 2) -> list[int]
 def chunk_checksums(engine: Engine, regions: list[tuple[int, int]], chunk: int, algo: str = "crc32c") -> bytes: ...
 def read_ranges_verified(
     engine: Engine,
-    path: _Path,
+    path: _PathLike,
     offsets: list[int],
     lengths: list[int],
     dests: list[int],
