@@ -273,11 +273,38 @@ fn aligned_and_gated_memory_is_written_directly() {
     }
 }
 
+/// A foreground range transfer of `r` on `f`, without turns.
+///
+/// # Safety
+///
+/// As for `transfer_ranges`: the ranges' memory outlives the task.
+unsafe fn transfer(
+    e: &Arc<Engine>,
+    f: EngineFile,
+    r: Vec<tierstore_core::ranges::IoRange>,
+    op: tierstore_core::io::Op,
+    crc: Option<(String, u32)>,
+) -> tierstore_core::Result<tierstore_core::task::Task<u64>> {
+    // SAFETY: forwarded contract.
+    unsafe {
+        tierstore_core::ranges::transfer_ranges(
+            e,
+            Arc::new(f),
+            r,
+            op,
+            Class::Foreground,
+            TaskState::new(),
+            None,
+            crc,
+        )
+    }
+}
+
 #[test]
 fn ranges_are_rewritten_in_place() {
     use tierstore_core::buf::AlignedBuf;
     use tierstore_core::io::Op;
-    use tierstore_core::ranges::{transfer_ranges, IoRange};
+    use tierstore_core::ranges::IoRange;
     for mode in modes() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("scratch.bin");
@@ -296,18 +323,7 @@ fn ranges_are_rewritten_in_place() {
                 buf: a.as_mut_ptr(),
             }];
             // SAFETY: `a` outlives the joined task and nothing else touches it.
-            let t = unsafe {
-                transfer_ranges(
-                    &e,
-                    Arc::new(f),
-                    r,
-                    Op::Write,
-                    Class::Foreground,
-                    TaskState::new(),
-                    None,
-                    None,
-                )
-            };
+            let t = unsafe { transfer(&e, f, r, Op::Write, None) };
             assert_eq!(t.unwrap().join().unwrap(), n as u64);
             let mut b = AlignedBuf::new(n, 4096).unwrap();
             let f = EngineFile::open_read(&p, mode.direct()).unwrap();
@@ -317,18 +333,7 @@ fn ranges_are_rewritten_in_place() {
                 buf: b.as_mut_ptr(),
             }];
             // SAFETY: as above.
-            let t = unsafe {
-                transfer_ranges(
-                    &e,
-                    Arc::new(f),
-                    r,
-                    Op::Read,
-                    Class::Foreground,
-                    TaskState::new(),
-                    None,
-                    None,
-                )
-            };
+            let t = unsafe { transfer(&e, f, r, Op::Read, None) };
             t.unwrap().join().unwrap();
             assert_eq!(b.as_slice()[..n], a.as_slice()[..n], "{mode}");
         };
@@ -344,18 +349,7 @@ fn ranges_are_rewritten_in_place() {
             buf: b.as_mut_ptr(),
         }];
         // SAFETY: `b` outlives the call.
-        let err = unsafe {
-            transfer_ranges(
-                &e,
-                Arc::new(f),
-                r,
-                Op::Read,
-                Class::Foreground,
-                TaskState::new(),
-                None,
-                None,
-            )
-        };
+        let err = unsafe { transfer(&e, f, r, Op::Read, None) };
         assert!(err.is_err(), "{mode}");
     }
 }
@@ -366,7 +360,7 @@ fn ranges_are_rewritten_in_place() {
 fn range_reads_are_verified_against_an_expected_crc() {
     use tierstore_core::buf::AlignedBuf;
     use tierstore_core::io::Op;
-    use tierstore_core::ranges::{transfer_ranges, IoRange};
+    use tierstore_core::ranges::IoRange;
     for mode in modes() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("state.bin");
@@ -384,18 +378,8 @@ fn range_reads_are_verified_against_an_expected_crc() {
                 buf: b.as_mut_ptr(),
             }];
             // SAFETY: `b` outlives the joined task and nothing else touches it.
-            let t = unsafe {
-                transfer_ranges(
-                    &e,
-                    Arc::new(f),
-                    r,
-                    Op::Read,
-                    Class::Foreground,
-                    TaskState::new(),
-                    None,
-                    Some(("subgroup 3".to_owned(), expect)),
-                )
-            };
+            let t =
+                unsafe { transfer(&e, f, r, Op::Read, Some(("subgroup 3".to_owned(), expect))) };
             t.unwrap().join()
         };
         assert_eq!(read(crc).unwrap(), n as u64, "{mode}");
