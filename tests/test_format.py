@@ -77,6 +77,60 @@ def test_files_of_format_version_1_still_load(tmp_path: pathlib.Path) -> None:
     assert torch.equal(torch.load(p)["arange"], back["arange"])
 
 
+def _shard_manifest(d: pathlib.Path) -> dict:
+    (rank,) = d.glob("rank-*.pt")
+    with zipfile.ZipFile(rank) as z:
+        return json.loads(z.read(next(n for n in z.namelist() if n.endswith(manifest.MANIFEST_NAME))))
+
+
+def test_sharded_checkpoints_with_crc32c_chunk_tables_still_load(tmp_path: pathlib.Path) -> None:
+    """Shard files written before the chunk tables became CRC-32 (tests/data/
+    sharded_crc32c, by 0.1.0 at a0cfe34) name CRC-32C: they load whole and in
+    parts (every chunk a partial read touches is verified under its own
+    algorithm), and a flipped byte is still caught."""
+    d = tmp_path / "ck"
+    shutil.copytree(DATA / "sharded_crc32c", d)
+    assert {c["algo"] for r in _shard_manifest(d)["records"] if "chunks" in r for c in [r["chunks"]]} == {"crc32c"}
+    g = torch.Generator().manual_seed(1234)
+    want_w, want_b = torch.randn(64, 96, generator=g), torch.arange(1000, dtype=torch.float64)
+    w = torch.empty(64, 96)
+    target = {"model": {"w": w, "b": torch.empty(1000, dtype=torch.float64)}, "step": None}
+    tierstore.load_sharded(d, target)
+    assert torch.equal(w, want_w) and torch.equal(target["model"]["b"], want_b) and target["step"] == 7
+    # Columns 24..48 of the row-major tensor: a partial read of every chunk.
+    part = tierstore.attach(torch.empty(64, 24), tierstore.Layout.shard("model.w", (64, 96), dim=1, rank=1, world=4))
+    tierstore.load_sharded(d, {"model": {"w": part}})
+    assert torch.equal(part, want_w[:, 24:48])
+    (rank,) = d.glob("rank-*.pt")
+    off = next(r for r in _shard_manifest(d)["records"] if r.get("dtype") == "float32")["offset"]
+    raw = bytearray(rank.read_bytes())
+    raw[off + 4 * (5 * 96 + 30)] ^= 0x10  # row 5, column 30: inside the shard read below
+    rank.write_bytes(bytes(raw))
+    part = tierstore.attach(torch.empty(64, 24), tierstore.Layout.shard("model.w", (64, 96), dim=1, rank=1, world=4))
+    with pytest.raises(tierstore.ChecksumError, match="chunk"):
+        tierstore.load_sharded(d, {"model": {"w": part}})
+
+
+def test_new_chunk_tables_are_crc32_from_the_write_pass(tmp_path: pathlib.Path) -> None:
+    """The chunk table names CRC-32 and holds zip's CRC-32 of every 4 KiB
+    chunk of each storage (the writer derives the record CRC from them)."""
+    import zlib
+
+    x = torch.randn(3 * 1024 + 17)
+    tierstore.save_sharded({"x": x}, tmp_path / "ck")
+    (rank,) = (tmp_path / "ck").glob("rank-*.pt")
+    m = _shard_manifest(tmp_path / "ck")
+    rec = next(r for r in m["records"] if "chunks" in r)
+    assert rec["chunks"]["algo"] == "crc32" and rec["chunks"]["count"] == 4
+    with zipfile.ZipFile(rank) as z:
+        table = z.read(next(n for n in z.namelist() if n.endswith(manifest.CHUNKS_NAME)))
+        data = z.read(next(n for n in z.namelist() if n.endswith("/" + rec["name"])))
+        assert z.getinfo(next(n for n in z.namelist() if n.endswith("/" + rec["name"]))).CRC == zlib.crc32(data)
+    at = rec["chunks"]["at"]
+    sums = struct.unpack(f"<{rec['chunks']['count']}I", table[at : at + 4 * rec["chunks"]["count"]])
+    assert list(sums) == [zlib.crc32(data[i : i + 4096]) for i in range(0, len(data), 4096)]
+
+
 def _enough(gib: int) -> bool:
     import os
 

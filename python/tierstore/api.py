@@ -25,6 +25,7 @@ import torch
 from tierstore import _core, _load, _pickle, _progress, manifest
 from tierstore._engine import get_engine
 from tierstore.errors import (
+    InternalError,
     InvalidArgumentError,
     NotAFileError,
     TierstoreError,
@@ -343,7 +344,9 @@ def _save_path(
     layouts: Mapping[tuple[str | int, ...], Any] | None = None,
 ) -> Written:
     collector, found, prefix = pickler.collector, pickler.found, _archive_name(path)
-    w = _core.create_writer(get_engine(), path, align=align, durable=durable, background=background)
+    w = _core.create_writer(
+        get_engine(), path, align=align, durable=durable, background=background, chunk_sums=chunk_checksums
+    )
     added: set[str] = set()
     # Host copies of device storages must live until their bytes are written.
     keep: list[tuple[str, torch.UntypedStorage]] = []
@@ -369,7 +372,7 @@ def _save_path(
                 w.write_data(cb)
         chunks = None
         if chunk_checksums:
-            table, chunks = _chunk_table(keep)
+            table, chunks = _chunk_table(w, prefix, keep)
             small = [*small, (manifest.CHUNKS_NAME, table)]
         for name, data in [("data.pkl", data_pkl), *small]:
             w.add_bytes(f"{prefix}/{name}", data, _META_ALIGN)
@@ -386,16 +389,22 @@ def _save_path(
     return Written(file_len, parts.records, parts.tensors, zlib.crc32(built))
 
 
-def _chunk_table(storages: list[tuple[str, torch.UntypedStorage]]) -> tuple[bytes, dict[str, dict[str, Any]]]:
+def _chunk_table(
+    w: _core.Writer, prefix: str, storages: list[tuple[str, torch.UntypedStorage]]
+) -> tuple[bytes, dict[str, dict[str, Any]]]:
     """The chunk checksums of every storage (the record ``.tierstore/chunks``)
-    and, per storage record, where its part of the table is (docs/FORMAT.md)."""
-    regions = [(st.data_ptr(), st.nbytes()) for _k, st in storages]
-    table = _core.chunk_checksums(get_engine(), regions, manifest.CHUNK_BYTES, manifest.CHUNK_ALGO)
+    and, per storage record, where its part of the table is (docs/FORMAT.md).
+    The writer computed them in the pass that computed the records' CRCs."""
+    index = {e.name: i for i, e in enumerate(w.entries())}
+    parts: list[bytes] = []
     out: dict[str, dict[str, Any]] = {}
     at = 0
     for key, st in storages:
+        part = w.chunk_table(index[f"{prefix}/data/{key}"])
         count = -(-st.nbytes() // manifest.CHUNK_BYTES)
-        part = table[at : at + 4 * count]
+        if len(part) != 4 * count:
+            raise InternalError(f"the chunk table of storage {key} has {len(part) // 4} entries, not {count}")
+        parts.append(part)
         out[f"data/{key}"] = {
             "size": manifest.CHUNK_BYTES,
             "algo": manifest.CHUNK_ALGO,
@@ -404,7 +413,7 @@ def _chunk_table(storages: list[tuple[str, torch.UntypedStorage]]) -> tuple[byte
             "crc32": zlib.crc32(part),
         }
         at += 4 * count
-    return table, out
+    return b"".join(parts), out
 
 
 def _save_stream(

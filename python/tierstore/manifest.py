@@ -23,11 +23,13 @@ FORMAT_NAME = "tierstore"
 FORMAT_VERSION = 1
 MANIFEST_NAME = ".tierstore/manifest.json"
 # Chunk checksums of the storage records (written for the shard files of
-# sharded checkpoints, which are read in parts): little-endian CRC-32C per
-# CHUNK_BYTES of each record, records one after another.
+# sharded checkpoints, which are read in parts): little-endian CRC-32 per
+# CHUNK_BYTES of each record, records one after another. CRC-32 (zip's) and
+# not CRC-32C: the writer computes each record's zip CRC from its chunks', in
+# one pass over the bytes. Files written before say "crc32c"; both are read.
 CHUNKS_NAME = ".tierstore/chunks"
 CHUNK_BYTES = 4096
-CHUNK_ALGO = "crc32c"
+CHUNK_ALGO = "crc32"
 # Readers refuse manifests larger than this (a damaged size field must not
 # make us allocate gigabytes).
 MAX_MANIFEST_BYTES = 1 << 30

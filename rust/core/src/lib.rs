@@ -12,12 +12,14 @@
 //! - [`file`]: O_DIRECT opening and the atomic-replace protocol.
 //! - [`copy`]: whole-file copies (reflink or engine requests) for tier promotion.
 //! - [`chunks`]: checksums per 4 KiB chunk of a record, and verified partial reads.
+//! - [`crc`]: a record's CRC-32 and its chunks' in one pass (CRC combination).
 //! - [`halves`]: 32-bit words split into 16-bit halves and joined (the offload's split masters).
 
 pub mod archive;
 pub mod buf;
 pub mod chunks;
 pub mod copy;
+pub mod crc;
 pub mod engine;
 pub mod error;
 pub mod file;

@@ -12,6 +12,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use crc32fast::Hasher;
 
 use crate::buf::{align_down, align_up};
+use crate::crc;
 use crate::error::{Error, Result};
 use crate::zip::{self, Entry, LayoutBuilder};
 
@@ -147,6 +148,9 @@ pub struct CrcPiece {
     pub offset: u64,
     pub len: u64,
     pub hasher: Hasher,
+    /// With chunk sums: `(offset in the record, length, CRC-32)` of the
+    /// piece's parts cut at the record's chunk boundaries (see [`crate::crc`]).
+    pub chunks: Vec<(u64, u32, u32)>,
 }
 
 /// A span of a chunk written straight from a record's memory (see
@@ -172,6 +176,10 @@ pub struct Plan {
     layout: LayoutBuilder,
     sources: Vec<Source>,
     crcs: Vec<Option<u32>>,
+    /// Whether memory records get a CRC-32 per 4096-byte chunk (computed in
+    /// the same pass as their CRC), and the tables once complete.
+    chunk_sums: bool,
+    chunk_tables: Vec<Option<Vec<u32>>>,
     /// Bytes placed right after the last record (the central directory).
     tail: Option<Vec<u8>>,
 }
@@ -182,8 +190,67 @@ impl Plan {
             layout: LayoutBuilder::new(align)?,
             sources: Vec::new(),
             crcs: Vec::new(),
+            chunk_sums: false,
+            chunk_tables: Vec::new(),
             tail: None,
         })
+    }
+
+    /// Memory records (storages) also get a CRC-32 per 4096-byte chunk,
+    /// computed in the pass that computes their CRC ([`Plan::chunk_table`]).
+    pub fn set_chunk_sums(&mut self, on: bool) {
+        self.chunk_sums = on;
+    }
+
+    /// The CRC of `data`, the bytes of record `record` from `offset`, as a
+    /// piece to [`Plan::absorb`]; with chunk sums, cut at chunk boundaries.
+    pub fn piece(&self, record: usize, offset: u64, data: &[u8]) -> CrcPiece {
+        let len = data.len() as u64;
+        if self.chunk_sums && !matches!(self.sources[record], Source::Bytes(_)) {
+            let mut chunks = Vec::with_capacity(data.len() / crc::CHUNK + 2);
+            let c = crc::sum_chunks(data, offset, &mut chunks);
+            return CrcPiece {
+                record,
+                offset,
+                len,
+                hasher: Hasher::new_with_initial_len(c, len),
+                chunks,
+            };
+        }
+        let mut hasher = Hasher::new();
+        hasher.update(data);
+        CrcPiece {
+            record,
+            offset,
+            len,
+            hasher,
+            chunks: Vec::new(),
+        }
+    }
+
+    /// Whether the write pass built record `record`'s chunk table.
+    pub fn chunk_table_built(&self, record: usize) -> bool {
+        matches!(self.chunk_tables.get(record), Some(Some(_)))
+    }
+
+    /// The CRC-32 of every 4096-byte chunk of record `record`: the table the
+    /// write pass built, or (a record that pass did not see whole) computed
+    /// now from its memory.
+    pub fn chunk_table(&self, record: usize) -> Result<Vec<u32>> {
+        if let Some(Some(t)) = self.chunk_tables.get(record) {
+            return Ok(t.clone());
+        }
+        let src = &self.sources[record];
+        src.wait_ready()?;
+        let mut out =
+            vec![0u32; crate::chunks::chunk_count(src.len() as u64, crc::CHUNK as u64) as usize];
+        crate::chunks::compute_into(
+            src.slice(),
+            crc::CHUNK,
+            crate::chunks::Algo::Crc32,
+            &mut out,
+        );
+        Ok(out)
     }
 
     pub fn align(&self) -> u64 {
@@ -206,6 +273,7 @@ impl Plan {
         // The CRC-32 of no bytes is 0.
         self.crcs
             .push(if source.is_empty() { Some(0) } else { None });
+        self.chunk_tables.push(None);
         self.sources.push(source);
         Ok(self.sources.len() - 1)
     }
@@ -302,13 +370,15 @@ impl Plan {
         &self.sources[record]
     }
 
-    /// Combines CRC pieces (from any number of gathers) into record CRCs.
-    /// A record's CRC is set only when the pieces cover it entirely.
+    /// Combines CRC pieces (from any number of gathers) into record CRCs
+    /// (and chunk tables, with chunk sums). A record's CRC is set only when
+    /// the pieces cover it entirely.
     pub fn absorb(&mut self, mut pieces: Vec<CrcPiece>) {
         pieces.sort_by_key(|p| (p.record, p.offset));
         let mut i = 0;
         while i < pieces.len() {
             let rec = pieces[i].record;
+            let first = i;
             let mut h = Hasher::new();
             let mut covered = 0u64;
             let mut contiguous = true;
@@ -323,6 +393,9 @@ impl Plan {
             }
             if contiguous && covered == self.sources[rec].len() as u64 && self.crcs[rec].is_none() {
                 self.crcs[rec] = Some(h.finalize());
+                if self.chunk_sums && self.chunk_tables[rec].is_none() {
+                    self.chunk_tables[rec] = chunk_table_of(&pieces[first..i]);
+                }
             }
         }
     }
@@ -348,6 +421,7 @@ impl Plan {
             }
         }
         let next = std::sync::atomic::AtomicUsize::new(0);
+        let this = &*self;
         let sources = &self.sources;
         let pieces: Vec<CrcPiece> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..threads.clamp(1, work.len()))
@@ -357,16 +431,9 @@ impl Plan {
                         loop {
                             let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                             let Some(&(r, o, n)) = work.get(i) else { break };
-                            let mut h = Hasher::new();
                             // A failed producer leaves garbage; the gather reports it.
                             let _ = sources[r].wait_ready();
-                            h.update(&sources[r].slice()[o..o + n]);
-                            out.push(CrcPiece {
-                                record: r,
-                                offset: o as u64,
-                                len: n as u64,
-                                hasher: h,
-                            });
+                            out.push(this.piece(r, o as u64, &sources[r].slice()[o..o + n]));
                         }
                         out
                     })
@@ -428,17 +495,11 @@ impl Plan {
                     &src.slice()[(ds - e.data_offset) as usize..(de - e.data_offset) as usize];
                 buf[(ds - start) as usize..(de - start) as usize].copy_from_slice(from);
                 if self.crcs[idx].is_none() {
-                    let mut h = Hasher::new();
-                    h.update(from);
+                    let piece = self.piece(idx, ds - e.data_offset, from);
                     if ds == e.data_offset && de == e.data_end() {
-                        whole_record_hasher = Some(h.clone());
+                        whole_record_hasher = Some(piece.hasher.clone());
                     }
-                    out.pieces.push(CrcPiece {
-                        record: idx,
-                        offset: ds - e.data_offset,
-                        len: de - ds,
-                        hasher: h,
-                    });
+                    out.pieces.push(piece);
                 }
             }
             // Header part.
@@ -496,6 +557,32 @@ impl Plan {
         out.deferred = merged;
         Ok(out)
     }
+}
+
+/// A record's chunk table from the pieces that cover it, in order (None when
+/// a piece has no chunk sums or they leave a gap).
+fn chunk_table_of(pieces: &[CrcPiece]) -> Option<Vec<u32>> {
+    let chunk = crc::CHUNK as u64;
+    let mut table: Vec<u32> = Vec::new();
+    let mut at = 0u64;
+    for p in pieces {
+        if p.len > 0 && p.chunks.is_empty() {
+            return None;
+        }
+        for &(o, n, c) in &p.chunks {
+            if o != at {
+                return None;
+            }
+            if o % chunk == 0 {
+                table.push(c);
+            } else {
+                let last = table.last_mut()?;
+                *last = crc::append(*last, c, n as usize);
+            }
+            at += u64::from(n);
+        }
+    }
+    Some(table)
 }
 
 #[cfg(test)]

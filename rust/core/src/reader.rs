@@ -292,6 +292,7 @@ fn run(
                 offset: (lo - start) as u64,
                 len: (hi - lo) as u64,
                 hasher: h,
+                chunks: Vec::new(),
             });
         }
         out

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::buf::{align_down, align_up};
+use crate::buf::{align_down, align_up, AlignedBuf, PooledBuf};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::file::AtomicFile;
@@ -29,6 +29,34 @@ use crate::task::{Task, TaskState};
 /// chunk holds several records (shorter ones are copied with their
 /// neighbours into the chunk's staging buffer: one request instead of many).
 const DIRECT_MIN: u64 = 64 << 10;
+
+/// The largest staging buffer for a chunk's gaps taken from the heap rather
+/// than the engine's pool.
+const PACKED_MAX: u64 = 256 << 10;
+
+/// Staging memory for the parts of a chunk not written from record memory.
+enum Staging {
+    /// A small buffer holding the gaps packed one after another.
+    Packed(AlignedBuf),
+    /// A pool buffer laid out like the chunk.
+    Pooled(PooledBuf),
+}
+
+impl Staging {
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            Staging::Packed(b) => b.as_mut_slice(),
+            Staging::Pooled(b) => b.as_mut_slice(),
+        }
+    }
+
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        match self {
+            Staging::Packed(b) => b.as_mut_ptr(),
+            Staging::Pooled(b) => b.as_mut_ptr(),
+        }
+    }
+}
 
 /// A file range `[start, end)`.
 type Range = (u64, u64);
@@ -48,6 +76,9 @@ pub struct WriteOptions {
     /// fsync the file and its directory before returning.
     pub durable: bool,
     pub class: Class,
+    /// Also a CRC-32 per 4096-byte chunk of every memory record, computed in
+    /// the pass that computes the record's CRC (see [`Plan::chunk_table`]).
+    pub chunk_sums: bool,
 }
 
 impl Default for WriteOptions {
@@ -56,6 +87,7 @@ impl Default for WriteOptions {
             align: crate::buf::DEFAULT_ALIGN as u64,
             durable: true,
             class: Class::Foreground,
+            chunk_sums: false,
         }
     }
 }
@@ -73,7 +105,8 @@ pub struct ContainerWriter {
 
 impl ContainerWriter {
     pub fn create(engine: &Arc<Engine>, path: &Path, opts: WriteOptions) -> Result<Self> {
-        let plan = Plan::new(opts.align)?;
+        let mut plan = Plan::new(opts.align)?;
+        plan.set_chunk_sums(opts.chunk_sums);
         let mut file = AtomicFile::create(path, engine.mode().direct())?;
         // O_DIRECT only when our record alignment and staging buffers satisfy
         // the file system's requirements; otherwise write through the cache.
@@ -291,36 +324,62 @@ impl ContainerWriter {
         if gaps.is_empty() {
             return Ok(());
         }
-        let pool = self.engine.pool();
-        let mut buf = loop {
-            if let Some(b) = pool.acquire(Duration::from_millis(50)) {
-                break b;
+        // Where each gap goes in the staging memory. A chunk's gaps are
+        // mostly record headers and small tensors: packed (each at the same
+        // offset modulo 4096 as in the file, so that direct I/O alignment is
+        // kept) they fit a small heap buffer, and an 8 MiB pool buffer (whose
+        // first use costs page faults) is taken only for a chunk of many small
+        // records.
+        let page = crate::buf::DEFAULT_ALIGN as u64;
+        let mut placed = Vec::with_capacity(gaps.len());
+        let mut total = 0u64;
+        for &(gs, ge) in &gaps {
+            let at = align_up(total, page) + gs % page;
+            placed.push((gs, ge, at));
+            total = at + (ge - gs);
+        }
+        let mut buf = if total <= PACKED_MAX {
+            Staging::Packed(
+                AlignedBuf::new(total as usize, crate::buf::DEFAULT_ALIGN)
+                    .ok_or_else(|| Error::Invalid("out of memory for a staging buffer".into()))?,
+            )
+        } else {
+            let pool = self.engine.pool();
+            let b = loop {
+                if let Some(b) = pool.acquire(Duration::from_millis(50)) {
+                    break b;
+                }
+                if st.should_stop() {
+                    return Ok(());
+                }
+            };
+            for p in &mut placed {
+                p.2 = p.0 - s; // the chunk's own layout
             }
-            if st.should_stop() {
-                return Ok(());
-            }
+            Staging::Pooled(b)
         };
-        // The pieces of this chunk to write now: the gaps, but the deferred ranges.
+        // The pieces of this chunk to write now (file range, offset in the
+        // buffer): the gaps, but the deferred ranges.
         let mut writes = Vec::new();
-        for (gs, ge) in gaps {
-            let slot = &mut buf.as_mut_slice()[(gs - s) as usize..(ge - s) as usize];
+        for (gs, ge, at) in placed {
+            let slot = &mut buf.as_mut_slice()[at as usize..(at + ge - gs) as usize];
             let g = self.plan.gather(gs, slot, granule, allow_defer)?;
             pieces.lock().expect("lock").extend(g.pieces);
             let mut pos = gs;
             for &(ds, de) in &g.deferred {
                 if ds > pos {
-                    writes.push((pos, ds));
+                    writes.push((pos, ds, at + pos - gs));
                 }
                 pos = pos.max(de);
             }
             if pos < ge {
-                writes.push((pos, ge));
+                writes.push((pos, ge, at + pos - gs));
             }
             deferred_out.lock().expect("lock").extend(g.deferred);
         }
         let base = buf.as_mut_ptr();
         let buf = Arc::new(buf);
-        for (ws, we) in writes {
+        for (ws, we, at) in writes {
             let expect = (we - ws) as usize;
             let done = self.completion(st, expect, Arc::clone(&buf));
             // SAFETY: the buffer is kept alive by `keep` until the callback
@@ -330,7 +389,7 @@ impl ContainerWriter {
                 Request::new(
                     Op::Write,
                     self.file.inner.fd(),
-                    base.add((ws - s) as usize),
+                    base.add(at as usize),
                     expect,
                     ws,
                     self.opts.class,
@@ -392,15 +451,10 @@ impl ContainerWriter {
         self.plan.source(rec).wait_ready()?;
         let len = (e - s) as usize;
         if self.plan.crc(rec).is_none() {
-            let mut h = crc32fast::Hasher::new();
             // SAFETY: `direct_span` checked that the range lies inside the record's memory.
-            h.update(unsafe { std::slice::from_raw_parts(ptr, len) });
-            pieces.lock().expect("lock").push(CrcPiece {
-                record: rec,
-                offset: off,
-                len: len as u64,
-                hasher: h,
-            });
+            let data = unsafe { std::slice::from_raw_parts(ptr, len) };
+            let piece = self.plan.piece(rec, off, data);
+            pieces.lock().expect("lock").push(piece);
         }
         let done = self.completion(st, len, ());
         // SAFETY: the record's memory outlives the writer (the contract of

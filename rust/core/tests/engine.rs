@@ -476,3 +476,54 @@ fn chunks_over_several_records_write_each_records_interior_directly() {
         assert!(by_name["m/data/g"].iter().all(|&x| x == 0xA5), "{mode}");
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+    /// With chunk sums, the write pass gives every memory record the CRC-32
+    /// of each 4096-byte chunk (and its zip CRC) whatever the record sizes,
+    /// the memory's alignment and the backend: records written straight from
+    /// memory, gathered with their neighbours, or split over staging chunks.
+    #[test]
+    fn chunk_sums_of_the_write_pass_match_a_separate_pass(
+        sizes in proptest::collection::vec(0usize..300_000, 1..10),
+        shift in 0usize..2,
+        seed in any::<u8>(),
+    ) {
+        use tierstore_core::buf::AlignedBuf;
+        use tierstore_core::chunks::{compute, Algo};
+        let d = tempfile::tempdir().unwrap();
+        let mode = [Mode::Threads, Mode::Buffered][seed as usize % 2];
+        let e = engine(mode);
+        let p = d.path().join("c.pt");
+        // Page-aligned memory (written directly) or one byte off (staged).
+        let bufs: Vec<(AlignedBuf, usize)> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let mut b = AlignedBuf::new(n + 4096, 4096).unwrap();
+                for (k, x) in b.as_mut_slice()[shift..shift + n].iter_mut().enumerate() {
+                    *x = (k as u8).wrapping_mul(31) ^ seed ^ (i as u8);
+                }
+                (b, n)
+            })
+            .collect();
+        let opts = WriteOptions { chunk_sums: true, ..WriteOptions::default() };
+        let mut w = ContainerWriter::create(&e, &p, opts).unwrap();
+        for (i, (b, n)) in bufs.iter().enumerate() {
+            // SAFETY: `bufs` outlives the writer.
+            w.add(&format!("a/data/{i}"), unsafe { Source::mem(b.as_ptr().add(shift), *n) }).unwrap();
+        }
+        let w = w.write_data(TaskState::new()).unwrap().join().unwrap();
+        for (i, (b, n)) in bufs.iter().enumerate() {
+            let data = &b.as_slice()[shift..shift + n];
+            let want = compute(&[data], 4096, Algo::Crc32, 1).remove(0);
+            // Built by the write pass itself (not the fallback computing it afterwards).
+            prop_assert!(*n == 0 || w.plan().chunk_table_built(i), "record {} of {} bytes", i, n);
+            prop_assert_eq!(w.plan().chunk_table(i).unwrap(), want, "record {}", i);
+            prop_assert_eq!(w.plan().crc(i), Some(crc32fast::hash(data)));
+        }
+        w.commit(TaskState::new()).unwrap().join().unwrap();
+        let back = read_all(&e, &p, true).unwrap();
+        prop_assert_eq!(back.len(), sizes.len());
+    }
+}

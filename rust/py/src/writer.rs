@@ -178,6 +178,22 @@ impl Writer {
         self.owners.clear();
     }
 
+    /// The CRC-32 of every 4096-byte chunk of record `index`, little-endian
+    /// u32s (from the write pass where it saw the record whole, else computed
+    /// now from its memory).
+    fn chunk_table<'py>(&self, py: Python<'py>, index: usize) -> PyResult<Bound<'py, PyBytes>> {
+        let w = self.inner.as_ref().ok_or_else(closed)?;
+        if index >= w.plan().len() {
+            return Err(PyValueError::new_err(format!("no record {index}")));
+        }
+        let t = py.detach(|| w.plan().chunk_table(index)).py_err(py)?;
+        let mut out = Vec::with_capacity(t.len() * 4);
+        for x in t {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+        Ok(PyBytes::new(py, &out))
+    }
+
     /// Every record so far, where the writer put it.
     fn entries(&self) -> PyResult<Vec<PlannedRecord>> {
         Ok(plan_entries(self.inner.as_ref().ok_or_else(closed)?.plan()))
@@ -201,8 +217,10 @@ impl Writer {
 }
 
 /// Starts writing a container to `path` (atomically replaced on commit).
+/// With `chunk_sums`, memory records also get a CRC-32 per 4096-byte chunk
+/// in the same pass as their CRC (`Writer.chunk_table`).
 #[pyfunction]
-#[pyo3(signature = (engine, path, *, align=4096, durable=true, background=false))]
+#[pyo3(signature = (engine, path, *, align=4096, durable=true, background=false, chunk_sums=false))]
 fn create_writer(
     py: Python<'_>,
     engine: &PyEngine,
@@ -210,6 +228,7 @@ fn create_writer(
     align: u64,
     durable: bool,
     background: bool,
+    chunk_sums: bool,
 ) -> PyResult<Writer> {
     let opts = WriteOptions {
         align,
@@ -219,6 +238,7 @@ fn create_writer(
         } else {
             Class::Foreground
         },
+        chunk_sums,
     };
     let e = &engine.inner;
     let w = py
