@@ -83,7 +83,9 @@ bench: setup ## save/load benchmark against torch.save, torch.load and safetenso
 	$(VPY) benches/bench_save_load.py
 
 bench-checkpoint: setup ## training loop with torch.save, DCP async_save and the Checkpointer
-	$(VPY) benches/bench_checkpoint.py --json docs/bench/checkpoint.json
+	$(VPY) benches/bench_checkpoint.py --workloads gpt,mlp --rounds 3 --steps 24 --paired 6 --perf \
+	  --modes "none,torch.save,dcp.async_save,tierstore,tierstore 2-tier,tierstore idle-pri,tierstore low-pri" \
+	  --json docs/bench/checkpoint.json --out docs/bench/checkpoint.txt
 
 bench-offload: setup ## optimizer offload: in memory, naive, tierstore on 1 and 2 paths, DeepSpeed (needs root for loop devices)
 	$(VPY) benches/bench_offload.py --json docs/bench/offload.json | tee docs/bench/offload.txt

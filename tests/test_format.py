@@ -125,7 +125,7 @@ def test_new_chunk_tables_are_crc32_from_the_write_pass(tmp_path: pathlib.Path) 
     with zipfile.ZipFile(rank) as z:
         table = z.read(next(n for n in z.namelist() if n.endswith(manifest.CHUNKS_NAME)))
         data = z.read(next(n for n in z.namelist() if n.endswith("/" + rec["name"])))
-        assert z.getinfo(next(n for n in z.namelist() if n.endswith("/" + rec["name"]))).CRC == zlib.crc32(data)
+        assert zlib.crc32(data) == z.getinfo(next(n for n in z.namelist() if n.endswith("/" + rec["name"]))).CRC
     at = rec["chunks"]["at"]
     sums = struct.unpack(f"<{rec['chunks']['count']}I", table[at : at + 4 * rec["chunks"]["count"]])
     assert list(sums) == [zlib.crc32(data[i : i + 4096]) for i in range(0, len(data), 4096)]

@@ -292,9 +292,9 @@ def kill_job(rank: int, world: int, path: str, when: str) -> None:
     if rank == 1:
         import tierstore.sharded as sh
 
-        real, calls = sh._all_gather, []
+        real, calls = sh._gather, []
 
-        def gather(obj: Any, world: int, pg: Any) -> list[Any]:
+        def gather(obj: Any, world: int, pg: Any) -> list[Any] | None:
             calls.append(obj)
             if (when == "before" and len(calls) == 1) or (when == "written" and len(calls) == 2):
                 names = sorted(os.listdir(path))
@@ -302,7 +302,7 @@ def kill_job(rank: int, world: int, path: str, when: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(obj, world, pg)
 
-        sh._all_gather = gather
+        sh._gather = gather
     # Each rank holds and writes its half.
     w = attach(torch.full((4,), 2.0), Layout.block("w", (8,), (4 * rank,), (4,)))
     tierstore.save_sharded({"w": w}, path)

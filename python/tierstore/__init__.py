@@ -14,6 +14,7 @@ from tierstore._core import __version__
 from tierstore._engine import configure, get_engine, info
 from tierstore.api import load, save
 from tierstore.checkpointer import Checkpointer, CheckpointHandle
+from tierstore.devices import DeviceShare, take_turns
 from tierstore.errors import (
     ChecksumError,
     CorruptFileError,
@@ -63,6 +64,7 @@ __all__ = [
     "ChecksumError",
     "CorruptFileError",
     "CoverageError",
+    "DeviceShare",
     "DirectoryError",
     "DiskTier",
     "FormatError",
@@ -110,4 +112,5 @@ __all__ = [
     "optimizer_state_dict",
     "save",
     "save_sharded",
+    "take_turns",
 ]

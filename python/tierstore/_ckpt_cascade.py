@@ -26,7 +26,7 @@ from tierstore import _core
 from tierstore._ckpt_pool import HostPool
 from tierstore._ckpt_restore import META, STEP_DIR, step_dirs
 from tierstore._ckpt_snapshot import CheckpointHandle, Residency, Snapshot
-from tierstore._dist import all_gather
+from tierstore._dist import all_true, barrier
 from tierstore._engine import get_engine
 from tierstore._fs import make_dir, write_json_atomic
 from tierstore.errors import TierstoreError
@@ -255,15 +255,14 @@ class Cascade:
                 _core.copy_file(engine, src / f, dst / f, background=True)
         except (OSError, TierstoreError) as e:
             err = e
-        oks = all_gather(err is None, self.world, self._pg_promote)
+        ok = all_true(err is None, self.world, self._pg_promote)
         if err is not None:
             raise err
-        if not all(oks):
+        if not ok:
             raise TierstoreError(f"{dst}: another rank failed to copy its files; not committed")
         if self.rank == 0:
             _core.copy_file(engine, src / MANIFEST, dst / MANIFEST, background=True)
-        if self.world > 1:
-            all_gather(True, self.world, self._pg_promote)
+        barrier(self.world, self._pg_promote)
 
     def gc(self, t: DiskTier) -> None:
         """Retention on tier ``t`` (rank 0 only): keeps the newest ``keep_last``

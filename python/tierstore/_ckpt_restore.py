@@ -17,7 +17,7 @@ import torch
 
 from tierstore import _metadata, _paths, _tree
 from tierstore._ckpt_snapshot import Snapshot
-from tierstore._dist import all_gather
+from tierstore._dist import all_true
 from tierstore._offload_entry import OFFLOAD_KEY, is_offload_parts, offload_meta, restore_state_dict
 from tierstore.errors import LayoutError, TierstoreError
 from tierstore.sharded import PerRank, consolidate, load_sharded
@@ -299,8 +299,7 @@ def load_first_usable(
             result = load_copy(c, into, weights_only, per_rank_policy)
         except Exception as e:  # any damage to this copy: the next one is tried
             err = e
-        ok = all_gather(err is None, world, pg) if world > 1 else [err is None]
-        if all(ok):
+        if all_true(err is None, world, pg):
             return result, {"step": c["step"], "tier": c["tier"], "path": c["path"]}
         where = c["path"] or "host memory"
         why = err if err is not None else "another rank could not read it"

@@ -1,9 +1,20 @@
 """The few torch.distributed steps tierstore takes: who this rank is in a
-group, an all-gather of small Python objects, a barrier. With one process
-(no initialized process group) they are no-ops."""
+group, a gather of small Python objects to rank 0, a scatter and a broadcast
+from it, an agreement on a flag, a barrier. With one process (no
+initialized process group) they are no-ops.
+
+No step sends one rank's metadata to every rank: what a rank sends and
+receives grows with what it holds, not with the number of ranks (a job of
+16,384 ranks must not all-gather). :func:`traffic` counts the bytes each
+step moves, for tests and the scale benchmark.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import pickle
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from tierstore.errors import TierstoreError
@@ -20,15 +31,113 @@ def group_info(pg: Any) -> tuple[int, int, Any]:
     return 0, 1, None
 
 
-def all_gather(obj: Any, world: int, pg: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order."""
+@dataclass
+class Traffic:
+    """Bytes this rank sent and received through the steps below (pickled
+    sizes, as torch.distributed's object collectives send them), per step."""
+
+    sent: int = 0
+    received: int = 0
+    steps: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def add(self, what: str, sent: int, received: int) -> None:
+        self.sent += sent
+        self.received += received
+        self.steps.append((what, sent, received))
+
+
+_traffic: list[Traffic] = []
+
+
+@contextlib.contextmanager
+def traffic() -> Iterator[Traffic]:
+    """Counts the bytes of every step this process takes inside the block."""
+    t = Traffic()
+    _traffic.append(t)
+    try:
+        yield t
+    finally:
+        _traffic.remove(t)
+
+
+def _count(what: str, sent: int, received: int) -> None:
+    for t in _traffic:
+        t.add(what, sent, received)
+
+
+def _size(obj: Any) -> int:
+    return len(pickle.dumps(obj)) if _traffic else 0
+
+
+def _root(pg: Any) -> int:
+    """The global rank of the group's rank 0."""
+    import torch.distributed as dist
+
+    return 0 if pg is None else dist.get_global_rank(pg, 0)
+
+
+def gather(obj: Any, world: int, pg: Any) -> list[Any] | None:
+    """Every rank's ``obj`` in rank order, on the group's rank 0 (None elsewhere)."""
     if world == 1:
         return [obj]
     import torch.distributed as dist
 
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj, group=pg)
+    rank = dist.get_rank(pg)
+    out: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(obj, out, dst=_root(pg), group=pg)
+    if rank == 0:
+        assert out is not None
+        _count("gather", 0, sum(_size(o) for o in out[1:]))
+    else:
+        _count("gather", _size(obj), 0)
     return out
+
+
+def scatter(objs: list[Any] | None, world: int, pg: Any) -> Any:
+    """Rank 0's ``objs[r]`` on each rank ``r`` (``objs`` is read on rank 0 only)."""
+    if world == 1:
+        assert objs is not None
+        return objs[0]
+    import torch.distributed as dist
+
+    rank = dist.get_rank(pg)
+    out: list[Any] = [None]
+    dist.scatter_object_list(out, objs if rank == 0 else None, src=_root(pg), group=pg)
+    if rank == 0:
+        assert objs is not None
+        _count("scatter", sum(_size(o) for o in objs[1:]), 0)
+    else:
+        _count("scatter", 0, _size(out[0]))
+    return out[0]
+
+
+def broadcast(obj: Any, world: int, pg: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (keep it small: every rank receives it)."""
+    if world == 1:
+        return obj
+    import torch.distributed as dist
+
+    rank = dist.get_rank(pg)
+    box = [obj if rank == 0 else None]
+    dist.broadcast_object_list(box, src=_root(pg), group=pg)
+    n = _size(box[0])
+    _count("broadcast", n * (world - 1) if rank == 0 else 0, 0 if rank == 0 else n)
+    return box[0]
+
+
+def all_true(flag: bool, world: int, pg: Any) -> bool:
+    """Whether ``flag`` holds on every rank (one integer reduced, whatever
+    the number of ranks)."""
+    if world == 1:
+        return flag
+    import torch
+    import torch.distributed as dist
+
+    dev = "cuda" if dist.get_backend(pg) == "nccl" else "cpu"
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pg)
+    _count("all_true", 4, 4)
+    return bool(t.item())
 
 
 def barrier(world: int, pg: Any) -> None:

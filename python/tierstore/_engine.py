@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,6 +48,31 @@ def _env_int(name: str) -> int | None:
         raise InvalidArgumentError(f"environment variable {name}={v!r} is not an integer") from None
 
 
+def lock_dir() -> Path:
+    """Where the machine-wide device-turn lock files are: a RAM file system
+    where there is one (they are per boot), else the temporary directory."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def _env_turns(e: _core.Engine) -> None:
+    """Machine-wide turns at the devices ``TIERSTORE_TAKE_TURNS`` names
+    (paths separated by ``:``; see :mod:`tierstore.devices`), held as long
+    as the engine."""
+    v = os.environ.get("TIERSTORE_TAKE_TURNS", "").strip()
+    held = []
+    for p in (x for x in v.split(":") if x.strip()):
+        try:
+            dev = os.stat(p).st_dev
+        except OSError as err:
+            raise InvalidArgumentError(f"TIERSTORE_TAKE_TURNS names {p!r}, which cannot be used: {err}") from None
+        held.append(_core.DeviceTurns(e, dev, slots=1, exclusive=True, shared=2, lock_dir=str(lock_dir()), duplex=True))
+    _env_held[id(e)] = held
+
+
+_env_held: dict[int, list[_core.DeviceTurns]] = {}
+
+
 def _from_env() -> _core.Engine:
     backend = os.environ.get("TIERSTORE_BACKEND") or None
     if backend is not None and backend.strip().lower() == "auto":
@@ -70,7 +97,9 @@ def get_engine() -> _core.Engine:
         return e
     with _lock:
         if _engine is None:
-            _engine = _from_env()
+            e = _from_env()
+            _env_turns(e)
+            _engine = e
         return _engine
 
 
@@ -97,6 +126,7 @@ def configure(
         cpu_threads=cpu_threads,
         forced_by="tierstore.configure()" if backend else None,
     )
+    _env_turns(e)
     with _lock:
         _engine = e
     return e

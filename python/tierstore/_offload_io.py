@@ -18,20 +18,15 @@ import fcntl
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tierstore import _core
+from tierstore._engine import lock_dir
 
 SESSION = "session-"
 ALPHA = 0.3  # weight of a new bandwidth sample in the estimate
-
-
-def lock_dir() -> Path:
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
 class DeviceTurns:

@@ -51,7 +51,7 @@ from tierstore._ckpt_restore import (
     load_first_usable,
 )
 from tierstore._ckpt_snapshot import CheckpointHandle, Residency, Snapshot
-from tierstore._dist import all_gather, group_info
+from tierstore._dist import all_true, broadcast, group_info
 from tierstore._engine import get_engine
 from tierstore._offload_entry import OFFLOAD_KEY
 from tierstore.errors import InvalidArgumentError, TierstoreError, TornSnapshotError
@@ -272,8 +272,8 @@ class Checkpointer:
         block = self.on_busy == "wait"
         slab = self.pool.reserve(nbytes, snap, block=False)
         if self.world > 1 and self.on_busy == "skip":
-            oks = all_gather(slab is not None, self.world, self._pg_ctl)
-            if not all(oks) and slab is not None:
+            ok = all_true(slab is not None, self.world, self._pg_ctl)
+            if not ok and slab is not None:
                 self.pool.release(snap)
                 slab = None
         elif slab is None and block:
@@ -440,7 +440,7 @@ class Checkpointer:
         if self.world > 1:
             # Every rank must take the same copy: agree on the candidates of rank 0.
             disk = [{k: v for k, v in c.items() if k != "_snap"} for c in cands if c["path"] is not None]
-            cands = all_gather(disk, self.world, self._pg_ctl)[0]
+            cands = broadcast(disk, self.world, self._pg_ctl)
         self.restored = None
         result, self.restored = load_first_usable(cands, into, weights_only, per_rank_policy, self.world, self._pg_ctl)
         return result

@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from tierstore._engine import get_engine
+from tierstore._engine import get_engine, lock_dir
 from tierstore._offload_checkpoint import restore_subgroups, same_partition, take_subgroups
 from tierstore._offload_entry import (
     OFFLOAD_FORMAT,
@@ -69,7 +69,7 @@ from tierstore._offload_entry import (
     offload_meta,
     restore_state_dict,
 )
-from tierstore._offload_io import SESSION, StoragePath, lock_dir
+from tierstore._offload_io import SESSION, StoragePath
 from tierstore._offload_placement import Placement
 from tierstore._offload_store import HostMemory, SubgroupStore
 from tierstore._offload_subgroup import PAGE, Subgroup, partition

@@ -51,7 +51,7 @@ from tierstore._sharded_read import (
     read_plan,
     read_sharded,
 )
-from tierstore.errors import LayoutError, NotFoundError
+from tierstore.errors import LayoutError, NotFoundError, TierstoreError
 from tierstore.layout import Box, Layout
 from tierstore.optim_state import (
     init_optimizer_state,
@@ -63,6 +63,7 @@ from tierstore.reshard import CoverageError, overlapping_pair
 from tierstore.shardmeta import (
     FORMAT,
     FORMAT_VERSION,
+    dtype_of,
     write_manifest,
 )
 
@@ -92,9 +93,11 @@ __all__ = [
 # process groups
 
 
-# Called through these names (a test stands in for _all_gather to kill a rank mid-save).
+# Called through these names (a test stands in for _gather to kill a rank mid-save).
 _group_info = _dist.group_info
-_all_gather = _dist.all_gather
+_gather = _dist.gather
+_scatter = _dist.scatter
+_broadcast = _dist.broadcast
 _barrier = _dist.barrier
 
 
@@ -154,7 +157,8 @@ def _warn_unreplicated(metas: list[dict[str, Any]], d: Path) -> None:
 def _assign_writers(metas: list[dict[str, Any]]) -> dict[tuple[int, str], bool]:
     """For replicated tensors held by several ranks, one holder writes: the
     one with the fewest bytes assigned so far (largest tensors first), so that
-    writes are balanced. Returns {(rank, key): writes?}."""
+    writes are balanced. Returns {(rank, key): writes?} (on rank 0, from the
+    gathered metadata; each rank is sent only its own part)."""
     load = [0] * len(metas)
     groups: dict[str, list[tuple[int, str, int]]] = {}
     decide: dict[tuple[int, str], bool] = {}
@@ -171,6 +175,60 @@ def _assign_writers(metas: list[dict[str, Any]]) -> dict[tuple[int, str], bool]:
             decide[(h[0], h[1])] = h is best
         load[best[0]] += best[2]
     return decide
+
+
+def holdings_meta(tensors: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout], world: int) -> dict[str, Any]:
+    """What a rank tells rank 0 before writing: per tensor, whether it is a
+    replica, of what, its size, and (replicated plain tensors) a fingerprint."""
+    return {
+        "tensors": {
+            k: {
+                "replicated": layouts[k].replicated,
+                "replica_id": _replica_id(layouts[k]),
+                "nbytes": t.numel() * t.element_size(),
+                **({"sample": _sample_crc(t)} if world > 1 and layouts[k].replicated else {}),
+            }
+            for k, t in tensors.items()
+        },
+    }
+
+
+def decide_writers(metas: list[dict[str, Any]] | None, d: Path, save_id: str) -> list[dict[str, Any]]:
+    """On rank 0: each rank's decisions (the save id, the tensors it does not
+    write because another holder of the replica does)."""
+    assert metas is not None
+    if len(metas) > 1:
+        _warn_unreplicated(metas, d)
+    writes = _assign_writers(metas)
+    return [
+        {"save_id": save_id, "skip": sorted(k for k in m["tensors"] if not writes[(r, k)])} for r, m in enumerate(metas)
+    ]
+
+
+def tensor_file_info(fname: str, written: api.Written, layouts: Mapping[str, Layout]) -> dict[str, Any]:
+    """What a rank tells rank 0 about the tensor file it wrote."""
+    out: dict[str, Any] = {"tensors": {}}
+    recs = {r["name"]: r for r in written.records}
+    for t in written.tensors:
+        if len(t["path"]) != 2 or t["path"][0] != "tensors":
+            continue
+        key = t["path"][1]
+        rec = recs[t["record"]]
+        item = torch.empty((), dtype=dtype_of(t["dtype"])).element_size()
+        out["tensors"][key] = {
+            "offset": rec["offset"] + t["storage_offset"] * item,
+            "dtype": t["dtype"],
+            "shape": t["shape"],
+            "record": t["record"],
+            "record_offset": rec["offset"],
+            "record_size": rec["size"],
+            "crc32": rec["crc32"],
+            "layout": layouts[key].to_json(),
+        }
+    out["file"] = fname
+    out["bytes"] = written.file_len
+    out["manifest_crc32"] = written.manifest_crc32
+    return out
 
 
 def save_sharded(
@@ -233,24 +291,15 @@ def write_sharded(
         else:
             objects[key] = v
     save_id = secrets.token_hex(6)
-    meta = {
-        "save_id": save_id,
-        "tensors": {
-            k: {
-                "replicated": layouts[k].replicated,
-                "replica_id": _replica_id(layouts[k]),
-                "nbytes": t.numel() * t.element_size(),
-                **({"sample": _sample_crc(t)} if world > 1 and layouts[k].replicated else {}),
-            }
-            for k, t in tensors.items()
-        },
-    }
-    metas = _all_gather(meta, world, pg)
-    save_id = metas[0]["save_id"]
-    if rank == 0 and world > 1:
-        _warn_unreplicated(metas, d)
-    writes = _assign_writers(metas)
-    mine = {k: t for k, t in tensors.items() if writes[(rank, k)]}
+    # Rank 0 learns what every rank holds and decides who writes each
+    # replicated tensor; each rank is sent only its own decisions (no rank's
+    # metadata goes to every rank).
+    metas = _gather(holdings_meta(tensors, layouts, world), world, pg)
+    decisions = decide_writers(metas, d, save_id) if rank == 0 else None
+    decision = _scatter(decisions, world, pg)
+    save_id = decision["save_id"]
+    skip = set(decision["skip"])
+    mine = {k: t for k, t in tensors.items() if k not in skip}
     file_info: dict[str, Any] = {"rank": rank, "tensors": {}, "objects_file": None, "paths": paths}
     fname = f"rank-{rank:05d}.{save_id}.pt"
 
@@ -278,26 +327,7 @@ def write_sharded(
                 chunk_checksums=True,
                 layouts={("tensors", k): layouts[k].to_json() for k in contiguous},
             )
-            recs = {r["name"]: r for r in written.records}
-            for t in written.tensors:
-                if len(t["path"]) != 2 or t["path"][0] != "tensors":
-                    continue
-                key = t["path"][1]
-                rec = recs[t["record"]]
-                item = torch.empty((), dtype=contiguous[key].dtype).element_size()
-                file_info["tensors"][key] = {
-                    "offset": rec["offset"] + t["storage_offset"] * item,
-                    "dtype": t["dtype"],
-                    "shape": t["shape"],
-                    "record": t["record"],
-                    "record_offset": rec["offset"],
-                    "record_size": rec["size"],
-                    "crc32": rec["crc32"],
-                    "layout": layouts[key].to_json(),
-                }
-            file_info["file"] = fname
-            file_info["bytes"] = written.file_len
-            file_info["manifest_crc32"] = written.manifest_crc32
+            file_info.update(tensor_file_info(fname, written, layouts))
     finally:
         objects_written = objects_job.result() if objects_job is not None else None  # its error, if any
     if keep_objects:
@@ -307,19 +337,32 @@ def write_sharded(
         assert objects_written is not None
         file_info["objects_bytes"] = objects_written.file_len
         file_info["objects_manifest_crc32"] = objects_written.manifest_crc32
-    infos = _all_gather(file_info, world, pg)
+    # The commit: one gather of what each rank wrote, rank 0 checks and
+    # writes manifest.json (an atomic rename), and tells every rank how it went.
+    infos = _gather(file_info, world, pg)
+    failed: BaseException | None = None
+    outcome: tuple[str, str] | None = None
     if rank == 0:
-        m = _build_manifest(d, save_id, world, infos)
-        m["attachments"] = {}
-        for name in attachments:
-            data = (d / name).read_bytes()
-            m["attachments"][name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
-        write_manifest(d, m, durable)
-        _collect_garbage(d, save_id)
-    _barrier(world, pg)
+        assert infos is not None
+        try:
+            m = build_manifest(d, save_id, world, infos)
+            m["attachments"] = {}
+            for name in attachments:
+                data = (d / name).read_bytes()
+                m["attachments"][name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+            write_manifest(d, m, durable)
+            _collect_garbage(d, save_id)
+        except (OSError, TierstoreError) as e:
+            failed = e
+            outcome = (type(e).__name__, str(e))
+    outcome = _broadcast(outcome, world, pg)
+    if failed is not None:
+        raise failed
+    if outcome is not None:
+        raise _error_named(outcome[0])(f"save_sharded({d}): rank 0 could not commit the checkpoint: {outcome[1]}")
 
 
-def _build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any]]) -> dict[str, Any]:
+def build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any]]) -> dict[str, Any]:
     from tierstore import __version__
 
     files: list[dict[str, Any]] = []
@@ -418,6 +461,15 @@ def _build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any
     if kept:
         out["paths"] = kept
     return out
+
+
+def _error_named(name: str) -> type[TierstoreError]:
+    """The TierstoreError subclass called ``name`` (rank 0's error, raised on
+    the other ranks too)."""
+    from tierstore import errors
+
+    cls = getattr(errors, name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, TierstoreError) else TierstoreError
 
 
 def _collect_garbage(d: Path, save_id: str) -> None:

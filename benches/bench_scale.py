@@ -1,0 +1,329 @@
+"""Sharded-checkpoint metadata at scale, simulated in one process.
+
+A job of W ranks (pipeline x data x tensor parallel) with T parameters per
+rank is built without any data: each simulated rank's layouts, the
+metadata it sends to rank 0 before writing (``sharded.holdings_meta``), the
+decisions rank 0 sends back (``sharded.decide_writers``), what it reports
+about the file it wrote (``sharded.tensor_file_info``, with the file's
+records laid out as the writer would), then rank 0's commit
+(``sharded.build_manifest`` and ``shardmeta.write_manifest``, really
+written) and a loading rank of another layout (TP halved, DP doubled)
+opening the checkpoint and planning its reads (``shardmeta.Checkpoint``,
+``make_plan``). These are the functions ``save_sharded`` and
+``load_sharded`` run; only the transport is simulated: every object a
+collective would carry is pickled and its size counted, as torch.distributed
+pickles it.
+
+Layout families:
+
+- ``zero3``: Megatron TP (even parameters split on rows, odd on columns, a
+  norm every tenth replicated over TP) inside ZeRO-3 flat partitions over
+  DP (``zero_partition(stage=3)``), one pipeline stage per PP rank;
+- ``fsdp2``: the same with FSDP2's row split over DP (DTensor
+  ``Shard(0)`` boxes), also saved as PyTorch DCP would plan it (its planner
+  functions run on the same chunks: local plans, ``dedup_save_plans``,
+  ``create_default_global_save_plan``, and ``create_read_items_for_chunk_list``
+  for the loading rank).
+
+Per (family, W, T) it prints: metadata bytes a non-zero rank sends and
+receives, rank 0's commit time and peak memory (tracemalloc, in a second
+pass), manifest bytes, the manifest bytes a loading rank reads, and its
+planning time. Points whose W x T exceeds ``--max-entries`` are skipped and
+say so.
+
+    python benches/bench_scale.py [--ranks 64,256,1024 --tensors 100 --tp 8 --pp 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pickle
+import shutil
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierstore import api, sharded
+from tierstore._sharded_read import Target, make_plan
+from tierstore.layout import Box, Layout, zero_partition
+from tierstore.shardmeta import MANIFEST, Checkpoint, write_manifest
+
+ROWS, COLS = 16384, 512
+
+
+def _shape(i: int) -> tuple[int, ...]:
+    return (ROWS,) if i % 10 == 9 else (ROWS, COLS)
+
+
+def _tp_box(i: int, tp_rank: int, tp: int) -> tuple[Box, bool]:
+    """The box of parameter ``i`` a TP rank holds, and whether TP replicates it."""
+    shape = _shape(i)
+    if len(shape) == 1:
+        return Box.whole(shape), True
+    if i % 2 == 0:
+        n = ROWS // tp
+        return Box((tp_rank * n, 0), (n, COLS)), False
+    n = COLS // tp
+    return Box((0, tp_rank * n), (ROWS, n)), False
+
+
+def rank_layouts(family: str, rank: int, world: int, n: int, tp: int, pp: int) -> dict[str, Layout]:
+    """The layouts of one rank's ``n`` parameters (rank = (stage * dp + dp_rank) * tp + tp_rank)."""
+    dp = world // (tp * pp)
+    tp_rank, dp_rank, stage = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+    out: dict[str, Layout] = {}
+    for i in range(n):
+        name = f"s{stage}.p{i}"
+        shape = _shape(i)
+        box, replicated = _tp_box(i, tp_rank, tp)
+        if family == "zero3":
+            param: Any = Layout.full(name, shape) if replicated else (name, shape, box)
+            out[name] = zero_partition([param], dp_rank, dp, stage=3)
+        else:  # FSDP2: rows of the TP shard split over DP
+            per = box.lengths[0] // dp
+            offs = (box.offsets[0] + dp_rank * per, *box.offsets[1:])
+            lens = (per, *box.lengths[1:])
+            out[name] = Layout.block(name, shape, offs, lens, replicated=replicated)
+    return out
+
+
+def _written(layouts: dict[str, Layout]) -> api.Written:
+    """The records a rank's tensor file would hold (one per tensor, 4 KiB aligned)."""
+    records, tensors = [], []
+    at = 4096
+    for j, (key, lay) in enumerate(layouts.items()):
+        nbytes = 4 * int(torch.Size(lay.local_shape).numel())
+        records.append({"name": f"data/{j}", "offset": at, "size": nbytes, "crc32": 0})
+        tensors.append(
+            {"path": ["tensors", key], "record": f"data/{j}", "storage_offset": 0, "dtype": "float32",
+             "shape": list(lay.local_shape)}
+        )  # fmt: skip
+        at += -(-(nbytes + 128) // 4096) * 4096
+    return api.Written(at + 8192, records, tensors, 0)
+
+
+def _size(obj: Any) -> int:
+    return len(pickle.dumps(obj))
+
+
+def build_ranks(family: str, world: int, n: int, tp: int, pp: int) -> tuple[list[dict[str, Layout]], list[Any]]:
+    """Every rank's layouts and the metadata it sends rank 0 before writing."""
+    lays, metas = [], []
+    for r in range(world):
+        lay = rank_layouts(family, r, world, n, tp, pp)
+        lays.append(lay)
+        metas.append(
+            sharded.holdings_meta({k: torch.empty(v.local_shape, device="meta") for k, v in lay.items()}, lay, world)
+        )
+    return lays, metas
+
+
+def file_infos(lays: list[dict[str, Layout]], decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What every rank reports to rank 0 after writing its file."""
+    infos = []
+    for r, (lay, dec) in enumerate(zip(lays, decisions, strict=True)):
+        skip = set(dec["skip"])
+        mine = {k: v for k, v in lay.items() if k not in skip}
+        info: dict[str, Any] = {"rank": r, "tensors": {}, "objects_file": None, "paths": {}}
+        if mine:
+            info.update(sharded.tensor_file_info(f"rank-{r:05d}.{dec['save_id']}.pt", _written(mine), mine))
+        infos.append(info)
+    return infos
+
+
+SAVE_ID = "0123456789ab"
+
+
+def simulate(family: str, world: int, n: int, tp: int, pp: int, d: Path) -> dict[str, Any]:
+    """One (family, W, T) point through tierstore's commit and load planning."""
+    lays, metas = build_ranks(family, world, n, tp, pp)
+    sent = [_size(m) for m in metas]
+    t0 = time.perf_counter()
+    decisions = sharded.decide_writers(metas, d, SAVE_ID)
+    t_decide = time.perf_counter() - t0
+    infos = file_infos(lays, decisions)
+    sent_info = [_size(i) for i in infos]
+    received = [_size(dec) + _size(None) for dec in decisions]
+    del metas, lays
+    gc.collect()
+    t0 = time.perf_counter()
+    m = sharded.build_manifest(d, SAVE_ID, world, infos)
+    write_manifest(d, m, durable=False)
+    t_commit = t_decide + time.perf_counter() - t0
+    manifest_bytes = (d / MANIFEST).stat().st_size
+    del m, infos
+    # A loading rank of another layout: TP halved, DP doubled, the first stage.
+    t0 = time.perf_counter()
+    ck = Checkpoint(d)
+    t_open = time.perf_counter() - t0
+    target = rank_layouts(family, 1, world, n, max(1, tp // 2), pp)
+    t0 = time.perf_counter()
+    targets = [Target(k, torch.empty(v.local_shape, device="meta"), torch.empty(0), v) for k, v in target.items()]
+    plan = make_plan(ck, targets)
+    t_plan = time.perf_counter() - t0
+    assert len(plan.needed) == len(targets)
+    others = range(1, world)
+    return {
+        "family": family,
+        "world": world,
+        "tensors": n,
+        "sent_max": max(sent[r] + sent_info[r] for r in others),
+        "received_max": max(received[r] for r in others),
+        "rank0_received": sum(sent) + sum(sent_info),
+        "commit_s": t_commit,
+        "manifest_bytes": manifest_bytes,
+        "loader_reads_bytes": manifest_bytes,  # the whole manifest, today
+        "open_s": t_open,
+        "plan_s": t_plan,
+    }
+
+
+def rank0_memory(family: str, world: int, n: int, tp: int, pp: int, d: Path) -> float:
+    """Peak MiB rank 0 allocates for the commit (decisions, manifest, its JSON),
+    over the gathered metadata it holds anyway."""
+    lays, metas = build_ranks(family, world, n, tp, pp)
+    infos = file_infos(lays, sharded.decide_writers(metas, d, SAVE_ID))
+    del lays
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    sharded.decide_writers(metas, d, SAVE_ID)
+    m = sharded.build_manifest(d, SAVE_ID, world, infos)
+    write_manifest(d, m, durable=False)
+    peak = tracemalloc.get_traced_memory()[1] - base
+    tracemalloc.stop()
+    held = sum(_size(x) for x in metas) + sum(_size(x) for x in infos)
+    return (peak + held) / 2**20
+
+
+def simulate_dcp(world: int, n: int, tp: int, pp: int) -> dict[str, Any]:
+    """The same fsdp2 layouts through PyTorch DCP's planner functions."""
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    props = TensorProperties(dtype=torch.float32)
+
+    def chunks(lay: Layout) -> list[tuple[str, Box, tuple[int, ...]]]:
+        return [(p.tensor, p.box, lay.global_shapes[p.tensor]) for p in lay.pieces]
+
+    plans = []
+    for r in range(world):
+        items = []
+        for lay in rank_layouts("fsdp2", r, world, n, tp, pp).values():
+            for fqn, box, shape in chunks(lay):
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(fqn, torch.Size(box.offsets)),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(torch.Size(box.offsets), torch.Size(box.lengths)),
+                            properties=props,
+                            size=torch.Size(shape),
+                        ),
+                    )
+                )
+        plans.append(SavePlan(items))
+    sent = [_size(p) for p in plans[1:]]
+    t0 = time.perf_counter()
+    deduped = dedup_save_plans(plans)
+    global_plans, md = create_default_global_save_plan(deduped)
+    t_commit = time.perf_counter() - t0
+    received = [_size(p) for p in global_plans[1:]]
+    md_bytes = _size(md)
+    t0 = time.perf_counter()
+    md2 = pickle.loads(pickle.dumps(md))
+    t_open = time.perf_counter() - t0
+    target = rank_layouts("fsdp2", 1, world, n, max(1, tp // 2), pp)
+    t0 = time.perf_counter()
+    for lay in target.values():
+        for fqn, box, _shape in chunks(lay):
+            local = [ChunkStorageMetadata(torch.Size(box.offsets), torch.Size(box.lengths))]
+            create_read_items_for_chunk_list(fqn, md2.state_dict_metadata[fqn], local)
+    t_plan = time.perf_counter() - t0
+    return {
+        "family": "fsdp2 (DCP)",
+        "world": world,
+        "tensors": n,
+        "sent_max": max(sent),
+        "received_max": max(received),
+        "commit_s": t_commit,
+        "manifest_bytes": md_bytes,
+        "loader_reads_bytes": md_bytes,
+        "open_s": t_open,
+        "plan_s": t_plan,
+    }
+
+
+def _row(r: dict[str, Any]) -> str:
+    mem = f"{r['rank0_mib']:9.1f}" if "rank0_mib" in r else f"{'':>9}"
+    return (
+        f"{r['family']:12} {r['world']:6d} {r['tensors']:5d} {r['sent_max'] / 1e3:10.1f} "
+        f"{r['received_max'] / 1e3:10.2f} "
+        f"{r['commit_s']:9.2f} {mem} {r['manifest_bytes'] / 1e6:10.2f} {r['loader_reads_bytes'] / 1e6:10.2f} "
+        f"{r['open_s'] + r['plan_s']:8.2f}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", default="64,256,1024")
+    ap.add_argument("--tensors", default="100")
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--families", default="zero3,fsdp2")
+    ap.add_argument("--no-dcp", action="store_true")
+    ap.add_argument("--memory", action="store_true", help="also measure rank 0's peak memory (a second pass)")
+    ap.add_argument("--max-entries", type=int, default=200_000, help="skip points with more than W x T entries")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    head = (
+        f"{'layout':12} {'ranks':>6} {'T':>5} {'sent kB':>10} {'recv kB':>10} {'commit s':>9} {'rank0 MiB':>9} "
+        f"{'manifest MB':>10} {'loader MB':>10} {'plan s':>8}"
+    )
+    print("metadata per save, simulated (sent/recv: a non-zero rank, max over ranks; plan: open + plan of a")
+    print(f"loading rank with TP {args.tp} -> {max(1, args.tp // 2)}, DP x2); TP {args.tp}, PP {args.pp}")
+    print(head, flush=True)
+    for fam in args.families.split(","):
+        for w in (int(x) for x in args.ranks.split(",")):
+            for n in (int(x) for x in args.tensors.split(",")):
+                dp = w // (args.tp * args.pp)
+                if w % (args.tp * args.pp) or (ROWS // args.tp) % (2 * dp) or ROWS % (2 * dp):
+                    print(f"{fam:12} {w:6d} {n:5d}  skipped: W must be a multiple of TP x PP with rows to split")
+                    continue
+                if w * n > args.max_entries:
+                    print(f"{fam:12} {w:6d} {n:5d}  skipped: {w * n:,} rank x tensor entries > --max-entries")
+                    continue
+                d = Path(tempfile.mkdtemp(prefix="ts-scale-"))
+                try:
+                    r = simulate(fam, w, n, args.tp, args.pp, d)
+                    if args.memory:
+                        r["rank0_mib"] = rank0_memory(fam, w, n, args.tp, args.pp, d)
+                finally:
+                    shutil.rmtree(d, ignore_errors=True)
+                rows.append(r)
+                print(_row(r), flush=True)
+                if fam == "fsdp2" and not args.no_dcp:
+                    r2 = simulate_dcp(w, n, args.tp, args.pp)
+                    rows.append(r2)
+                    print(_row(r2), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
