@@ -132,7 +132,8 @@ def file_infos(lays: list[dict[str, Layout]], decisions: list[dict[str, Any]]) -
         mine = {k: v for k, v in lay.items() if k not in skip}
         info: dict[str, Any] = {"rank": r, "tensors": {}, "objects_file": None, "paths": {}}
         if mine:
-            info.update(sharded.tensor_file_info(f"rank-{r:05d}.{dec['save_id']}.pt", _written(mine), mine))
+            lay_json = {k: v.to_json() for k, v in mine.items()}
+            info.update(sharded.tensor_file_info(f"rank-{r:05d}.{dec['save_id']}.pt", _written(mine), lay_json))
         infos.append(info)
     return infos
 

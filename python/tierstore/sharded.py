@@ -205,8 +205,9 @@ def decide_writers(metas: list[dict[str, Any]] | None, d: Path, save_id: str) ->
     ]
 
 
-def tensor_file_info(fname: str, written: api.Written, layouts: Mapping[str, Layout]) -> dict[str, Any]:
-    """What a rank tells rank 0 about the tensor file it wrote."""
+def tensor_file_info(fname: str, written: api.Written, layouts: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+    """What a rank tells rank 0 about the tensor file it wrote (``layouts``:
+    each tensor's layout in JSON form, :meth:`Layout.to_json`)."""
     out: dict[str, Any] = {"tensors": {}}
     recs = {r["name"]: r for r in written.records}
     for t in written.tensors:
@@ -223,7 +224,7 @@ def tensor_file_info(fname: str, written: api.Written, layouts: Mapping[str, Lay
             "record_offset": rec["offset"],
             "record_size": rec["size"],
             "crc32": rec["crc32"],
-            "layout": layouts[key].to_json(),
+            "layout": layouts[key],
         }
     out["file"] = fname
     out["bytes"] = written.file_len
@@ -318,6 +319,7 @@ def write_sharded(
     try:
         if mine:
             contiguous = {k: (t if t.is_contiguous() else t.contiguous()) for k, t in mine.items()}
+            lay_json = {k: layouts[k].to_json() for k in contiguous}
             written = api.write_file(
                 {"tensors": contiguous},
                 d / fname,
@@ -325,9 +327,9 @@ def write_sharded(
                 background=background,
                 gates=gates,
                 chunk_checksums=True,
-                layouts={("tensors", k): layouts[k].to_json() for k in contiguous},
+                layouts={("tensors", k): v for k, v in lay_json.items()},
             )
-            file_info.update(tensor_file_info(fname, written, layouts))
+            file_info.update(tensor_file_info(fname, written, lay_json))
     finally:
         objects_written = objects_job.result() if objects_job is not None else None  # its error, if any
     if keep_objects:
@@ -383,26 +385,30 @@ def build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any]
         for key, t in sorted(info["tensors"].items()):
             sidx = len(stored)
             stored.append({"file": fidx, "key": key, **{k: v for k, v in t.items() if k != "layout"}})
-            lay = Layout.from_json(t["layout"])
-            for p in lay.pieces:
-                g = globals_.setdefault(
-                    p.tensor, {"shape": list(lay.global_shapes[p.tensor]), "dtype": t["dtype"], "pieces": []}
-                )
-                if list(lay.global_shapes[p.tensor]) != g["shape"]:
+            # The layout as the writing rank's own code serialised it (Layout.to_json).
+            lay = t["layout"]
+            shapes = lay["global_shapes"]
+            every = bool(lay.get("replicated", False))
+            some = set(lay.get("replicated_tensors", ()))
+            for pj in lay["pieces"]:
+                name = pj["tensor"]
+                g = globals_.get(name)
+                if g is None:
+                    g = globals_[name] = {"shape": list(shapes[name]), "dtype": t["dtype"], "pieces": []}
+                elif list(shapes[name]) != g["shape"]:
                     raise LayoutError(
-                        f"global tensor {p.tensor!r} has shape {g['shape']} on one rank and "
-                        f"{list(lay.global_shapes[p.tensor])} on another"
+                        f"global tensor {name!r} has shape {g['shape']} on one rank and {list(shapes[name])} on another"
                     )
-                pj = p.to_json()
-                g["pieces"].append([sidx, pj["box"], pj.get("local_box", pj.get("local_flat")), lay.is_replica(p)])
-            for name, shape in lay.global_shapes.items():
+                local = pj["local_box"] if "local_box" in pj else pj["local_flat"]
+                g["pieces"].append([sidx, pj["box"], local, every or name in some])
+            for name, shape in shapes.items():
                 globals_.setdefault(name, {"shape": list(shape), "dtype": t["dtype"], "pieces": []})
     # Replicas of one box (held by several ranks) are referenced once.
     for g in globals_.values():
-        kept: dict[str, list[Any]] = {}
+        kept: dict[tuple[tuple[int, ...], tuple[int, ...]], list[Any]] = {}
         pieces = []
         for pc in g["pieces"]:
-            key = json.dumps(pc[1])
+            key = (tuple(pc[1][0]), tuple(pc[1][1]))
             if key in kept:
                 if not (pc[3] and kept[key][3]):
                     pieces.append(pc)  # a genuine overlap: reported below
@@ -412,9 +418,12 @@ def build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any]
         g["pieces"] = [pc[:3] for pc in pieces]
     # Every global tensor must be covered exactly once by what was written.
     for name, g in globals_.items():
-        boxes = [Box.from_json(p[1]) for p in g["pieces"]]
-        total = sum(b.numel for b in boxes)
         want = math.prod(g["shape"])
+        ps = g["pieces"]
+        if len(ps) == 1 and ps[0][1][1] == g["shape"] and not any(ps[0][1][0]):
+            continue  # one piece, the whole tensor
+        boxes = [Box.from_json(p[1]) for p in ps]
+        total = sum(b.numel for b in boxes)
         if total != want or overlapping_pair(boxes) is not None:
             raise CoverageError(
                 f"save: global tensor {name!r} of shape {tuple(g['shape'])}: the ranks' pieces cover {total} of "
@@ -457,9 +466,9 @@ def build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any]
     }
     # Paths of the keys whose nesting their dotted key does not tell (list
     # indices, integer keys, keys with dots), for a load that rebuilds it.
-    kept = {k: p for k, p in paths.items() if k in held}  # in the state dict's order, for a rebuild
-    if kept:
-        out["paths"] = kept
+    rebuild = {k: p for k, p in paths.items() if k in held}  # in the state dict's order, for a rebuild
+    if rebuild:
+        out["paths"] = rebuild
     return out
 
 
