@@ -289,24 +289,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory", action="store_true", help="also measure rank 0's peak memory (a second pass)")
     ap.add_argument("--max-entries", type=int, default=200_000, help="skip points with more than W x T entries")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--out", default=None, help="write the table here too")
     args = ap.parse_args(argv)
     rows: list[dict[str, Any]] = []
+    printed: list[str] = []
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        printed.append(line)
+
     head = (
         f"{'layout':12} {'ranks':>6} {'T':>5} {'sent kB':>10} {'recv kB':>10} {'commit s':>9} {'rank0 MiB':>9} "
         f"{'manifest MB':>10} {'loader MB':>10} {'plan s':>8}"
     )
-    print("metadata per save, simulated (sent/recv: a non-zero rank, max over ranks; plan: open + plan of a")
-    print(f"loading rank with TP {args.tp} -> {max(1, args.tp // 2)}, DP x2); TP {args.tp}, PP {args.pp}")
-    print(head, flush=True)
+    say("metadata per save, simulated (sent/recv: a non-zero rank, max over ranks; plan: open + plan of a")
+    say(f"loading rank with TP {args.tp} -> {max(1, args.tp // 2)}, DP x2); TP {args.tp}, PP {args.pp}")
+    say(head)
     for fam in args.families.split(","):
         for w in (int(x) for x in args.ranks.split(",")):
             for n in (int(x) for x in args.tensors.split(",")):
                 dp = w // (args.tp * args.pp)
                 if w % (args.tp * args.pp) or (ROWS // args.tp) % (2 * dp) or ROWS % (2 * dp):
-                    print(f"{fam:12} {w:6d} {n:5d}  skipped: W must be a multiple of TP x PP with rows to split")
+                    say(f"{fam:12} {w:6d} {n:5d}  skipped: W must be a multiple of TP x PP with rows to split")
                     continue
                 if w * n > args.max_entries:
-                    print(f"{fam:12} {w:6d} {n:5d}  skipped: {w * n:,} rank x tensor entries > --max-entries")
+                    say(f"{fam:12} {w:6d} {n:5d}  skipped: {w * n:,} rank x tensor entries > --max-entries")
                     continue
                 d = Path(tempfile.mkdtemp(prefix="ts-scale-"))
                 try:
@@ -316,11 +323,13 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     shutil.rmtree(d, ignore_errors=True)
                 rows.append(r)
-                print(_row(r), flush=True)
+                say(_row(r))
                 if fam == "fsdp2" and not args.no_dcp:
                     r2 = simulate_dcp(w, n, args.tp, args.pp)
                     rows.append(r2)
-                    print(_row(r2), flush=True)
+                    say(_row(r2))
+    if args.out:
+        Path(args.out).write_text("\n".join(printed) + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     return 0
