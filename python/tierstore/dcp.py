@@ -39,11 +39,14 @@ and the field or chunk.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import itertools
 import math
 import os
+import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -71,8 +74,8 @@ from tierstore.errors import (
     TruncatedFileError,
     os_error,
 )
-from tierstore.layout import Box, Layout
-from tierstore.reshard import overlapping_pair, prove_coverage
+from tierstore.layout import Box, Layout, Piece
+from tierstore.reshard import GlobalIndex, Source, overlapping_pair, prove_coverage
 
 __all__ = [
     "MAX_NESTING",
@@ -180,12 +183,14 @@ class DcpCheckpoint:
     allow-list of :func:`allowed_globals`.
     """
 
-    def __init__(self, path: str | os.PathLike[str], weights_only: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], weights_only: bool = True, data: bytes | None = None) -> None:
         self.dir = Path(path)
+        self._index: dict[str, GlobalIndex] = {}
         mp = _paths.member(self.dir, METADATA, source=str(self.dir), field=METADATA)
         self.metadata_path = str(mp)
         where = self.metadata_path
-        data = _paths.read_regular(mp, MAX_METADATA_BYTES, METADATA)
+        if data is None:
+            data = _paths.read_regular(mp, MAX_METADATA_BYTES, METADATA)
         self.meta = unpickle_metadata(data, where, weights_only)
         classes = metadata_classes()
         c = _Check(where)
@@ -315,6 +320,22 @@ class DcpCheckpoint:
                 c.fail(fld, "a TensorStorageMetadata or BytesStorageMetadata", md)
         self._planner_data = getattr(self.meta, "planner_data", None)
 
+    def chunks_meeting(self, fqn: str, box: Box) -> list[tuple[Box, Any, Box]]:
+        """The saved chunks of tensor ``fqn`` that meet ``box``: (chunk box,
+        storage info, intersection), found through an interval index built
+        once per tensor (O(log chunks + hits), not a scan of every chunk)."""
+        idx = self._index.get(fqn)
+        if idx is None:
+            shape, _dt, chunks = self.tensors[fqn]
+            sources = [
+                Source(file=-1, offset=0, local_shape=b.lengths, itemsize=1, piece=Piece(fqn, b, Box.whole(b.lengths)),
+                       stored=j)
+                for j, (b, _info) in enumerate(chunks)
+            ]  # fmt: skip
+            idx = self._index[fqn] = GlobalIndex.build(shape, sources)
+        chunks = self.tensors[fqn][2]
+        return [(chunks[s.stored][0], chunks[s.stored][1], inter) for s, inter in idx.overlapping(box)]
+
     def key_paths(self) -> dict[str, tuple[Any, ...]]:
         """How DCP's flattening nested each saved key (``planner_data``), for a
         rebuild of the structure. It only shapes the nesting: keys whose path
@@ -397,6 +418,33 @@ class DcpCheckpoint:
         return self._load_blob(blob, file, what, weights_only, verify is not False)
 
 
+_opened: OrderedDict[tuple[Any, ...], DcpCheckpoint] = OrderedDict()
+_opened_lock = threading.Lock()
+_OPENED_MAX = 4
+
+
+def open_checked(path: str | os.PathLike[str], weights_only: bool = True) -> DcpCheckpoint:
+    """The checked :class:`DcpCheckpoint` at ``path``, unpickled and checked
+    once per process: loads of one process (a model, then its optimizer;
+    several ranks' targets) share it while ``.metadata`` holds the same bytes
+    (its digest is the key; the file is read each time, which costs little
+    next to unpickling and checking it). Data chunks are always read afresh."""
+    mp = _paths.member(Path(path), METADATA, source=str(path), field=METADATA)
+    data = _paths.read_regular(mp, MAX_METADATA_BYTES, METADATA)
+    key = (os.path.realpath(mp), hashlib.blake2b(data, digest_size=32).digest(), weights_only)
+    with _opened_lock:
+        ck = _opened.get(key)
+        if ck is not None:
+            _opened.move_to_end(key)
+            return ck
+    ck = DcpCheckpoint(path, weights_only=weights_only, data=data)
+    with _opened_lock:
+        _opened[key] = ck
+        while len(_opened) > _OPENED_MAX:
+            _opened.popitem(last=False)
+    return ck
+
+
 def _same_width_int(dtype: torch.dtype) -> torch.dtype:
     """An integer dtype of ``dtype``'s width, to copy its bits (the dtype
     itself where there is none: complex128)."""
@@ -436,7 +484,7 @@ def load_dcp_into(
     target, which DCP's rules skip; a warning names those the checkpoint
     holds values under."""
     verify = _check_verify(verify)
-    ck = DcpCheckpoint(path, weights_only=weights_only)
+    ck = open_checked(path, weights_only=weights_only)
     where = ck.metadata_path
     for key in empties:
         under = [k for k in (*ck.tensors, *ck.objects) if k.startswith(key + ".")]
@@ -459,7 +507,7 @@ def load_dcp_into(
                 raise CoverageError(
                     f"{where}: tensor {key!r}: the DCP checkpoint has no tensor {p.tensor!r}", path=where
                 )
-            shape, _dt, chunks = ck.tensors[p.tensor]
+            shape, _dt, _chunks = ck.tensors[p.tensor]
             want = lay.global_shapes.get(p.tensor) if lay.global_shapes else None
             if (want is not None and tuple(want) != shape) or not p.box.within(shape):
                 raise CoverageError(
@@ -469,10 +517,7 @@ def load_dcp_into(
                     path=where,
                 )
             boxes = []
-            for box, info in chunks:
-                inter = box.intersect(p.box)
-                if inter is None:
-                    continue
+            for box, info, inter in ck.chunks_meeting(p.tensor, p.box):
                 boxes.append(inter)
                 k = id(info)
                 if k not in cache:
