@@ -28,8 +28,8 @@ Layout families:
 Per (family, W, T) it prints: metadata bytes a non-zero rank sends and
 receives, rank 0's commit time and peak memory (tracemalloc, in a second
 pass), manifest bytes, the manifest bytes a loading rank reads, and its
-planning time. Points whose W x T exceeds ``--max-entries`` are skipped and
-say so.
+planning time. DCP's planner runs where its W x T objects fit in this one
+process (``--dcp-max-entries``).
 
     python benches/bench_scale.py [--ranks 64,256,1024 --tensors 100 --tp 8 --pp 4]
 """
@@ -51,7 +51,7 @@ import torch
 
 from tierstore import api, sharded
 from tierstore._sharded_read import Target, make_plan
-from tierstore.layout import Box, Layout, zero_partition
+from tierstore.layout import Box, Layout, Rule, Split, zero_partition
 from tierstore.shardmeta import MANIFEST, Checkpoint, write_manifest
 
 ROWS, COLS = 16384, 512
@@ -61,35 +61,33 @@ def _shape(i: int) -> tuple[int, ...]:
     return (ROWS,) if i % 10 == 9 else (ROWS, COLS)
 
 
-def _tp_box(i: int, tp_rank: int, tp: int) -> tuple[Box, bool]:
-    """The box of parameter ``i`` a TP rank holds, and whether TP replicates it."""
-    shape = _shape(i)
-    if len(shape) == 1:
-        return Box.whole(shape), True
-    if i % 2 == 0:
-        n = ROWS // tp
-        return Box((tp_rank * n, 0), (n, COLS)), False
-    n = COLS // tp
-    return Box((0, tp_rank * n), (ROWS, n)), False
+def _tp_dim(i: int) -> int | None:
+    """The dimension TP splits parameter ``i`` on (None: TP replicates it)."""
+    if len(_shape(i)) == 1:
+        return None
+    return 0 if i % 2 == 0 else 1
 
 
 def rank_layouts(family: str, rank: int, world: int, n: int, tp: int, pp: int) -> dict[str, Layout]:
-    """The layouts of one rank's ``n`` parameters (rank = (stage * dp + dp_rank) * tp + tp_rank)."""
+    """The layouts of one rank's ``n`` parameters (rank = (stage * dp + dp_rank) * tp + tp_rank),
+    built as a job builds them: Megatron's TP splits (``Layout.shard``) inside
+    ZeRO-3 partitions (``zero_partition``), or the rules ``save_sharded``
+    reads from FSDP2 + TP DTensors (TP's ``Shard``, then DP's ``Shard(0)``)."""
     dp = world // (tp * pp)
     tp_rank, dp_rank, stage = rank % tp, (rank // tp) % dp, rank // (tp * dp)
     out: dict[str, Layout] = {}
     for i in range(n):
         name = f"s{stage}.p{i}"
         shape = _shape(i)
-        box, replicated = _tp_box(i, tp_rank, tp)
+        tdim = _tp_dim(i)
         if family == "zero3":
-            param: Any = Layout.full(name, shape) if replicated else (name, shape, box)
+            param = Layout.full(name, shape) if tdim is None else Layout.shard(name, shape, tdim, tp_rank, tp)
             out[name] = zero_partition([param], dp_rank, dp, stage=3)
-        else:  # FSDP2: rows of the TP shard split over DP
-            per = box.lengths[0] // dp
-            offs = (box.offsets[0] + dp_rank * per, *box.offsets[1:])
-            lens = (per, *box.lengths[1:])
-            out[name] = Layout.block(name, shape, offs, lens, replicated=replicated)
+        elif tdim is None:  # FSDP2: rows split over DP, replicated over TP
+            out[name] = Rule(name, shape, (Split(0, dp, "chunk"),), 0, True).layout_at((dp_rank,))
+        else:
+            rule = Rule(name, shape, (Split(tdim, tp, "chunk"), Split(0, dp, "chunk")))
+            out[name] = rule.layout_at((tp_rank, dp_rank))
     return out
 
 
@@ -112,25 +110,33 @@ def _size(obj: Any) -> int:
     return len(pickle.dumps(obj))
 
 
-def build_ranks(family: str, world: int, n: int, tp: int, pp: int) -> tuple[list[dict[str, Layout]], list[Any]]:
-    """Every rank's layouts and the metadata it sends rank 0 before writing."""
-    lays, metas = [], []
-    for r in range(world):
-        lay = rank_layouts(family, r, world, n, tp, pp)
-        lays.append(lay)
-        metas.append(
-            sharded.holdings_meta({k: torch.empty(v.local_shape, device="meta") for k, v in lay.items()}, lay, world)
-        )
-    return lays, metas
+def _holdings(family: str, r: int, world: int, n: int, tp: int, pp: int) -> dict[str, Any]:
+    """What rank ``r`` sends rank 0 before writing."""
+    lay = rank_layouts(family, r, world, n, tp, pp)
+    return sharded.holdings_meta({k: torch.empty(v.local_shape, device="meta") for k, v in lay.items()}, lay, world)
 
 
-def file_infos(lays: list[dict[str, Layout]], decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def build_ranks(family: str, world: int, n: int, tp: int, pp: int) -> list[Any]:
+    """The metadata every rank sends rank 0 before writing (each rank's
+    layouts built, used and dropped in turn, as on W machines)."""
+    return [_holdings(family, r, world, n, tp, pp) for r in range(world)]
+
+
+def file_infos(family: str, world: int, n: int, tp: int, pp: int, decisions: list[dict[str, Any]]) -> list[Any]:
     """What every rank reports to rank 0 after writing its file."""
     infos = []
-    for r, (lay, dec) in enumerate(zip(lays, decisions, strict=True)):
+    for r, dec in enumerate(decisions):
+        lay = rank_layouts(family, r, world, n, tp, pp)
+        tensors = {k: torch.empty(v.local_shape, device="meta") for k, v in lay.items()}
+        table = sharded.rule_table(tensors, lay)
         skip = set(dec["skip"])
+        for coords, _dg in dec.get("skip_groups", ()):
+            skip.update(e[0] for e in table[tuple(coords)])
         mine = {k: v for k, v in lay.items() if k not in skip}
         info: dict[str, Any] = {"rank": r, "tensors": {}, "objects_file": None, "paths": {}}
+        if dec.get("describe"):
+            by_digest = {sharded._digest(e): e for e in table.values()}
+            info["rules"] = {dg: by_digest[dg] for dg in dec["describe"]}
         if mine:
             lay_json = {k: v.to_json() for k, v in mine.items()}
             info.update(sharded.tensor_file_info(f"rank-{r:05d}.{dec['save_id']}.pt", _written(mine), lay_json))
@@ -141,24 +147,25 @@ def file_infos(lays: list[dict[str, Layout]], decisions: list[dict[str, Any]]) -
 SAVE_ID = "0123456789ab"
 
 
-def simulate(family: str, world: int, n: int, tp: int, pp: int, d: Path) -> dict[str, Any]:
+def simulate(family: str, world: int, n: int, tp: int, pp: int, d: Path, memory: bool = False) -> dict[str, Any]:
     """One (family, W, T) point through tierstore's commit and load planning."""
-    lays, metas = build_ranks(family, world, n, tp, pp)
+    metas = build_ranks(family, world, n, tp, pp)
     sent = [_size(m) for m in metas]
     t0 = time.perf_counter()
     decisions = sharded.decide_writers(metas, d, SAVE_ID)
     t_decide = time.perf_counter() - t0
-    infos = file_infos(lays, decisions)
+    infos = file_infos(family, world, n, tp, pp, decisions)
     sent_info = [_size(i) for i in infos]
     received = [_size(dec) + _size(None) for dec in decisions]
-    del metas, lays
     gc.collect()
     t0 = time.perf_counter()
-    m = sharded.build_manifest(d, SAVE_ID, world, infos)
+    m = sharded.build_manifest(d, SAVE_ID, world, infos, metas, decisions)
     write_manifest(d, m, durable=False)
     t_commit = t_decide + time.perf_counter() - t0
     manifest_bytes = (d / MANIFEST).stat().st_size
-    del m, infos
+    del m
+    mib = rank0_memory(metas, infos, world, d) if memory else None
+    del infos, metas, decisions
     # A loading rank of another layout: TP halved, DP doubled, the first stage.
     t0 = time.perf_counter()
     ck = Checkpoint(d)
@@ -182,20 +189,19 @@ def simulate(family: str, world: int, n: int, tp: int, pp: int, d: Path) -> dict
         "loader_reads_bytes": manifest_bytes,  # the whole manifest, today
         "open_s": t_open,
         "plan_s": t_plan,
+        **({"rank0_mib": mib} if mib is not None else {}),
     }
 
 
-def rank0_memory(family: str, world: int, n: int, tp: int, pp: int, d: Path) -> float:
-    """Peak MiB rank 0 allocates for the commit (decisions, manifest, its JSON),
-    over the gathered metadata it holds anyway."""
-    lays, metas = build_ranks(family, world, n, tp, pp)
-    infos = file_infos(lays, sharded.decide_writers(metas, d, SAVE_ID))
-    del lays
+def rank0_memory(metas: list[Any], infos: list[Any], world: int, d: Path) -> float:
+    """Peak MiB rank 0 holds for the commit: the gathered metadata, and what
+    the commit allocates over it (decisions, manifest, its JSON; tracemalloc,
+    in a second run of the commit on the same gathered metadata)."""
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    sharded.decide_writers(metas, d, SAVE_ID)
-    m = sharded.build_manifest(d, SAVE_ID, world, infos)
+    decisions = sharded.decide_writers(metas, d, SAVE_ID)
+    m = sharded.build_manifest(d, SAVE_ID, world, infos, metas, decisions)
     write_manifest(d, m, durable=False)
     peak = tracemalloc.get_traced_memory()[1] - base
     tracemalloc.stop()
@@ -287,7 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--families", default="zero3,fsdp2")
     ap.add_argument("--no-dcp", action="store_true")
     ap.add_argument("--memory", action="store_true", help="also measure rank 0's peak memory (a second pass)")
-    ap.add_argument("--max-entries", type=int, default=200_000, help="skip points with more than W x T entries")
+    ap.add_argument(
+        "--dcp-max-entries", type=int, default=1_100_000,
+        help="run DCP's planner (one object per rank x tensor, in this one process) up to this W x T",
+    )  # fmt: skip
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default=None, help="write the table here too")
     args = ap.parse_args(argv)
@@ -312,19 +321,16 @@ def main(argv: list[str] | None = None) -> int:
                 if w % (args.tp * args.pp) or (ROWS // args.tp) % (2 * dp) or ROWS % (2 * dp):
                     say(f"{fam:12} {w:6d} {n:5d}  skipped: W must be a multiple of TP x PP with rows to split")
                     continue
-                if w * n > args.max_entries:
-                    say(f"{fam:12} {w:6d} {n:5d}  skipped: {w * n:,} rank x tensor entries > --max-entries")
-                    continue
                 d = Path(tempfile.mkdtemp(prefix="ts-scale-"))
                 try:
-                    r = simulate(fam, w, n, args.tp, args.pp, d)
-                    if args.memory:
-                        r["rank0_mib"] = rank0_memory(fam, w, n, args.tp, args.pp, d)
+                    r = simulate(fam, w, n, args.tp, args.pp, d, args.memory)
                 finally:
                     shutil.rmtree(d, ignore_errors=True)
                 rows.append(r)
                 say(_row(r))
-                if fam == "fsdp2" and not args.no_dcp:
+                if fam == "fsdp2" and not args.no_dcp and w * n > args.dcp_max_entries:
+                    say(f"{'fsdp2 (DCP)':12} {w:6d} {n:5d}  skipped: {w * n:,} rank x tensor items > --dcp-max-entries")
+                elif fam == "fsdp2" and not args.no_dcp:
                     r2 = simulate_dcp(w, n, args.tp, args.pp)
                     rows.append(r2)
                     say(_row(r2))

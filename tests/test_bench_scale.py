@@ -33,8 +33,13 @@ def test_per_rank_traffic_does_not_grow_with_the_ranks(tmp_path: pathlib.Path) -
         assert max(recv) - min(recv) <= 16, recv  # its decisions: the same whatever W
         sent = [r["sent_max"] for r in rs]
         assert max(sent) <= 1.3 * min(sent), sent
-        # Rank 0 hears from every rank: that does grow (linearly, not more).
+        # Rank 0 hears from every rank: that does grow (linearly at most; the
+        # rule tables, one copy each, do not grow at all).
         r0 = [r["rank0_received"] for r in rs]
-        assert 1.7 < r0[1] / r0[0] < 2.3 and 1.7 < r0[2] / r0[1] < 2.3, r0
+        assert 1.2 < r0[1] / r0[0] < 2.1 and 1.2 < r0[2] / r0[1] < 2.1, r0
+        # The manifest and what a loading rank reads of it hardly grow: rules,
+        # not per-rank pieces (a position per writing rank in the groups).
+        man = [r["manifest_bytes"] for r in rs]
+        assert man[2] < 1.5 * man[0], man
     dcp = [r for r in rows if r["family"] == "fsdp2 (DCP)"]
     assert len(dcp) == 3 and all(r["manifest_bytes"] > 0 for r in dcp)

@@ -165,10 +165,9 @@ def test_keep_every(tmp_path: Path) -> None:
 
 def _flip_byte_in_data(d: Path) -> None:
     f = next(d.glob("rank-00000.*.pt"))
-    from tierstore.shardmeta import read_manifest
+    from ckpt_util import stored_tensors
 
-    m = read_manifest(d)
-    off = m["stored"][0]["offset"] + 100
+    off = next(s for s in stored_tensors(d) if s["file"] == f)["offset"] + 100
     with open(f, "r+b") as fh:
         fh.seek(off)
         b = fh.read(1)

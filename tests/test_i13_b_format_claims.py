@@ -107,11 +107,11 @@ def _reseal(d: Path, **change: object) -> None:
 def test_sharded_checkpoint_of_a_newer_format_version_is_refused(tmp_path: Path) -> None:
     d = tmp_path / "ck"
     tierstore.save_sharded(_state(), d)
-    _reseal(d, format_version=3)  # a valid checksum: only the version is new
+    _reseal(d, format_version=4)  # a valid checksum: only the version is new
     target = {"w": torch.empty(16, 8), "b": torch.empty(5, dtype=torch.int64)}
-    with pytest.raises(tierstore.ManifestError, match=r"format_version 3 is newer than this tierstore understands"):
+    with pytest.raises(tierstore.ManifestError, match=r"format_version 4 is newer than this tierstore understands"):
         tierstore.load_sharded(d, target)
-    _reseal(d, format_version=2)
+    _reseal(d, format_version=3)
     tierstore.load_sharded(d, target)
     assert torch.equal(target["b"], torch.arange(5))
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from ckpt_util import stored_tensors
 from dist_util import run_world
 
 import tierstore
@@ -48,12 +49,23 @@ def _reseal(d: Path, m: dict[str, Any]) -> None:
     (d / "manifest.json").write_bytes(_metadata.dumps(m))
 
 
-def _rows(tmp_path: Path, n: int = 4, shape: tuple[int, int] = (256, 384)) -> tuple[Path, torch.Tensor]:
+def _row_layout(shape: tuple[int, ...], r: int, n: int, explicit: bool) -> Layout:
+    """Row shard ``r`` of ``n``: a position of a sharding rule, or (``explicit``)
+    the same box with no rule (stored as pieces in manifest.json)."""
+    if not explicit:
+        return Layout.shard("w", shape, 0, r, n)
+    per = shape[0] // n
+    return Layout.block("w", shape, (r * per, *[0] * (len(shape) - 1)), (per, *shape[1:]))
+
+
+def _rows(
+    tmp_path: Path, n: int = 4, shape: tuple[int, int] = (256, 384), explicit: bool = False
+) -> tuple[Path, torch.Tensor]:
     """A tensor saved as ``n`` row shards by one process (one file)."""
     full = torch.randn(*shape)
     d = tmp_path / "rows"
     per = shape[0] // n
-    sd = {f"p{r}": attach(full[r * per : (r + 1) * per].clone(), Layout.shard("w", shape, 0, r, n)) for r in range(n)}
+    sd = {f"p{r}": attach(full[r * per : (r + 1) * per].clone(), _row_layout(shape, r, n, explicit)) for r in range(n)}
     tierstore.save_sharded(sd, d)
     return d, full
 
@@ -75,15 +87,7 @@ def _flip(p: Path, at: int) -> None:
 
 
 def _stored_ranges(d: Path) -> list[tuple[int, int]]:
-    m = _manifest(d)
-    return [(s["offset"], s["offset"] + len_bytes(s)) for s in m["stored"]]
-
-
-def len_bytes(s: dict[str, Any]) -> int:
-    n = 1
-    for x in s["shape"]:
-        n *= x
-    return n * torch.empty((), dtype=getattr(torch, s["dtype"])).element_size()
+    return [(s["offset"], s["offset"] + s["nbytes"]) for s in stored_tensors(d)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,7 +175,7 @@ def test_old_checkpoints_without_chunk_checksums_are_verified_whole(
         return real_write(*a, **kw)
 
     monkeypatch.setattr(tierstore.api, "write_file", v1_write)
-    d, full = _rows(tmp_path, 2, (64, 128))
+    d, full = _rows(tmp_path, 2, (64, 128), explicit=True)
     monkeypatch.undo()
     m = _manifest(d)
     m["format_version"] = 1
@@ -215,7 +219,7 @@ def test_manifest_checksum_catches_any_edit(tmp_path: Path) -> None:
 def test_resealed_metadata_is_checked_against_the_data_files(tmp_path: Path, edit: str) -> None:
     """An attacker can recompute the checksum; the fields must still agree
     with the data files' own directory and manifest."""
-    d, _full = _rows(tmp_path, 2, (32, 48))
+    d, _full = _rows(tmp_path, 2, (32, 48), explicit=True)
     m = _manifest(d)
     s0, s1 = m["stored"][0], m["stored"][1]
     if edit == "offset_digit":
@@ -239,6 +243,60 @@ def test_resealed_metadata_is_checked_against_the_data_files(tmp_path: Path, edi
     assert "manifest" in str(ei.value) or "rank-" in str(ei.value)
 
 
+@pytest.mark.parametrize(
+    "edit", ["split_count", "split_dim", "swap_files", "move_position", "drop_position", "key", "dtype", "shape"]
+)
+def test_a_resealed_rule_is_checked_against_the_data_files(tmp_path: Path, edit: str) -> None:
+    """A tensor stored by a sharding rule: manifest.json holds the rule and
+    where each position is, no offsets. A re-sealed manifest that changes
+    the rule, moves or drops a position, or renames what a file holds is
+    refused: against the rule's own proof of coverage or against the layout
+    each data file recorded for the tensor."""
+    d = tmp_path / "ck"
+    run_world(2, _save_two_ranks, str(d))
+    m = _manifest(d)
+    g = m["tensors"]["w"]
+    grp = m["groups"][g["parts"][0][0]]
+    if edit == "split_count":
+        g["rule"]["splits"][0][1] = 1
+    elif edit == "split_dim":
+        g["rule"]["splits"][0][0] = 1
+    elif edit == "swap_files":
+        grp["files"] = grp["files"][::-1]
+    elif edit == "move_position":
+        grp["coords"][1] = [0]
+    elif edit == "drop_position":
+        grp["coords"], grp["files"] = grp["coords"][:1], grp["files"][:1]
+    elif edit == "key":
+        g["parts"][0][1] = "rng"
+    elif edit == "dtype":
+        g["dtype"] = "int32"
+    elif edit == "shape":
+        g["shape"] = [8, 16]
+        g["rule"]["shape"] = [8, 16]
+    _reseal(d, m)
+    with pytest.raises(TierstoreError):
+        consolidate(d, per_rank_policy="rank0")
+    with pytest.raises(TierstoreError):
+        tierstore.load_sharded(d, {"w": torch.zeros(16, 8)})
+
+
+def test_a_rule_is_stored_once_whatever_the_ranks(tmp_path: Path) -> None:
+    """The manifest of a sharding rule names no per-rank offsets: a position
+    is a file index, and the tensor's entry is the rule."""
+    d = tmp_path / "ck"
+    run_world(2, _save_two_ranks, str(d))
+    m = _manifest(d)
+    assert m["stored"] == [] and m["format_version"] == 3
+    g = m["tensors"]["w"]
+    assert g["rule"]["splits"] == [[0, 2, "even", 16]] and "pieces" not in g
+    grp = m["groups"][g["parts"][0][0]]
+    assert grp["coords"] == [[0], [1]] and len(set(grp["files"])) == 2
+    sd = {"w": attach(torch.zeros(16, 4), Layout.shard("w", (16, 8), 1, 1, 2))}
+    tierstore.load_sharded(d, sd)
+    assert torch.equal(sd["w"], torch.arange(128, dtype=torch.float32).reshape(16, 8)[:, 4:])
+
+
 def test_a_rank_file_replaced_by_another_ranks_is_refused(tmp_path: Path) -> None:
     d = tmp_path / "ck"
     run_world(2, _save_two_ranks, str(d))
@@ -258,9 +316,8 @@ def _save_two_ranks(rank: int, world: int, path: str) -> None:
 def test_damaged_shard_of_one_rank_names_the_file(tmp_path: Path) -> None:
     d = tmp_path / "ck"
     run_world(2, _save_two_ranks, str(d))
-    m = _manifest(d)
-    s = next(s for s in m["stored"] if m["files"][s["file"]]["rank"] == 1)
-    victim = d / m["files"][s["file"]]["name"]
+    s = next(s for s in stored_tensors(d) if s["rank"] == 1)
+    victim = s["file"]
     _flip(victim, s["offset"] + 5)
     with pytest.raises(ChecksumError) as ei:
         consolidate(d, per_rank_policy="rank0")
@@ -345,7 +402,7 @@ def test_a_fifo_given_to_load_does_not_block(tmp_path: Path) -> None:
 def test_overlap_plus_hole_of_the_same_size_is_refused(tmp_path: Path) -> None:
     d = tmp_path / "ck"
     full = torch.arange(8 * 4, dtype=torch.float32).reshape(8, 4)
-    sd = {f"p{r}": attach(full[2 * r : 2 * r + 2].clone(), Layout.shard("w", (8, 4), 0, r, 4)) for r in range(4)}
+    sd = {f"p{r}": attach(full[2 * r : 2 * r + 2].clone(), _row_layout((8, 4), r, 4, True)) for r in range(4)}
     tierstore.save_sharded(sd, d)
     m = _manifest(d)
     # Rows 6-7 are now never covered, rows 2-3 covered twice.
@@ -533,7 +590,7 @@ def test_a_resealed_manifest_cannot_redescribe_what_a_file_holds(tmp_path: Path,
     declares it empty, or moves a piece is refused against it."""
     d = tmp_path / "ck"
     full = torch.arange(4 * 8, dtype=torch.float32).reshape(4, 8)
-    sd = {f"p{r}": attach(full[2 * r : 2 * r + 2].clone(), Layout.shard("w", (4, 8), 0, r, 2)) for r in range(2)}
+    sd = {f"p{r}": attach(full[2 * r : 2 * r + 2].clone(), _row_layout((4, 8), r, 2, True)) for r in range(2)}
     tierstore.save_sharded({**sd, "b": torch.ones(3)}, d)
     m = _manifest(d)
     g = m["tensors"]["w"]

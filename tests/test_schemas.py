@@ -61,13 +61,18 @@ def test_sharded_manifest_follows_its_schema(tmp_path: Path) -> None:
     assert m["world_size"] == 2 and set(m["per_rank_objects"]["rng"]) == {"0", "1"}
     assert any(isinstance(p[2], int) for p in m["tensors"]["master.w"]["pieces"] + m["tensors"]["master.b"]["pieces"])
     assert "optim.state.0.exp_avg" in m["paths"]
+    assert m["tensors"]["w"]["rule"]["splits"] == [[0, 2, "even", 8]], "a TP split is stored as its rule"
     for mutate in (
         lambda x: x.pop("files"),
         lambda x: x.update(world_size=0),
         lambda x: x.update(surprise=1),
         lambda x: x["stored"][0].update(offset=-1),
         lambda x: x["files"][0].update(name="../escape.pt"),
-        lambda x: x["tensors"]["w"]["pieces"][0].append(9),
+        lambda x: x["tensors"]["master.w"]["pieces"][0].append(9),
+        lambda x: x["tensors"]["w"]["rule"]["splits"][0].append(9),
+        lambda x: x["tensors"]["w"]["rule"]["splits"][0].__setitem__(2, "odd"),
+        lambda x: x["tensors"]["w"].pop("parts"),
+        lambda x: x["groups"][0].update(coords=[[-1]]),
         lambda x: x.update(checksum="sha1:00"),
     ):
         bad = copy.deepcopy(m)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from ckpt_util import stored_tensors
 from dist_util import run_world
 
 import tierstore
@@ -338,7 +339,7 @@ def test_damaged_shard_is_named(tmp_path: pathlib.Path) -> None:
     m = json.loads((path / "manifest.json").read_text())
     f = path / m["files"][0]["name"]
     data = bytearray(f.read_bytes())
-    data[m["stored"][0]["offset"] + 100] ^= 0xFF
+    data[stored_tensors(path)[0]["offset"] + 100] ^= 0xFF
     f.write_bytes(bytes(data))
     with pytest.raises(tierstore.ChecksumError, match=m["files"][0]["name"]):
         tierstore.load_sharded(path, {"w": torch.zeros(1000)})

@@ -15,7 +15,7 @@ import torch
 
 from tierstore import _tree
 from tierstore.errors import LayoutError
-from tierstore.layout import Layout, layout_of
+from tierstore.layout import Layout, Rule, Split, layout_of
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -50,10 +50,41 @@ def dtensor_layout(key: str, t: Any) -> tuple[torch.Tensor, Layout]:
     if tuple(shape) != tuple(local.shape):
         raise LayoutError(f"{key}: DTensor local shape {tuple(local.shape)} differs from the computed {shape}")
     replicated = any(isinstance(p, Replicate) for p in t.placements)
+    rule_lay = _dtensor_rule(key, t, gshape, replicated)
+    # The rule (stored once for every rank) is used where it gives exactly the
+    # block torch computes; anything else is stored as this rank's box.
+    if rule_lay is not None and rule_lay.local_shape == tuple(shape):
+        if not rule_lay.pieces and math.prod(shape) == 0:
+            return local, rule_lay
+        if rule_lay.pieces and rule_lay.pieces[0].box.offsets == tuple(offset):
+            return local, rule_lay
     lay = Layout.block(key, gshape, tuple(offset), tuple(shape), replicated=replicated)
     if math.prod(shape) == 0:
         lay = Layout(tuple(shape), (), {key: gshape}, replicated)
     return local, lay
+
+
+def _dtensor_rule(key: str, t: Any, gshape: tuple[int, ...], replicated: bool) -> Layout | None:
+    """The layout of ``t`` as a position of a :class:`Rule` (its ``Shard``
+    placements as chunked splits in mesh order), or None."""
+    from torch.distributed.tensor import Shard
+
+    coord = t.device_mesh.get_coordinate()
+    if coord is None or type(t).__name__ != "DTensor":
+        return None
+    splits, coords = [], []
+    for i, p in enumerate(t.placements):
+        if isinstance(p, Shard):
+            if type(p) is not Shard:  # _StridedShard and other orders: stored as boxes
+                return None
+            splits.append(Split(p.dim % max(len(gshape), 1), t.device_mesh.size(i), "chunk"))
+            coords.append(coord[i])
+    rule = Rule(key, gshape, tuple(splits), 0, replicated)
+    try:
+        rule.validate(key)
+        return rule.layout_at(coords)
+    except LayoutError:
+        return None
 
 
 def is_dtensor(v: Any) -> TypeGuard[DTensor]:

@@ -66,7 +66,7 @@ def make_plan(ck: Checkpoint, targets: list[Target]) -> Plan:
         inters_all: list[list[Box]] = []
         item = t.dest.element_size()
         for piece in t.layout.pieces:
-            idx = ck.index.get(piece.tensor)
+            idx = ck.lookup(piece.tensor)
             if idx is None:
                 raise CoverageError(f"tensor {t.key!r}: global tensor {piece.tensor!r} is not in the checkpoint")
             if tuple(idx.shape) != tuple(t.layout.global_shapes[piece.tensor]):
@@ -86,24 +86,34 @@ def make_plan(ck: Checkpoint, targets: list[Target]) -> Plan:
     return Plan(steps, needed)
 
 
-def expand_plan(plan: Plan, targets: list[Target]) -> dict[int, tuple[list[int], list[int], list[int]]]:
+def expand_plan(
+    plan: Plan, targets: list[Target], ck: Checkpoint | None = None
+) -> dict[int, tuple[list[int], list[int], list[int]]]:
     """Turns a plan into byte ranges per file: (file offsets, lengths,
-    destination addresses), merged where contiguous on both sides."""
+    destination addresses), merged where contiguous on both sides. Sources of
+    rule positions get their offsets from their data files' manifests
+    (through ``ck``)."""
     from tierstore.reshard import affine_map
 
     # Per file: flat Python lists for small results, NumPy arrays for large ones.
     per_file: dict[int, tuple[list[int], list[int], list[int], list[Any]]] = {}
-    src_aff: dict[int, tuple[int, list[int]]] = {}
+    src_aff: dict[int, tuple[Source, tuple[int, list[int]]]] = {}
     for ti, piece, hits in plan.steps:
         t = targets[ti]
         item = t.dest.element_size()
         base = t.dest.data_ptr()
         nd = len(piece.box.offsets)
         daff = affine_map(piece, t.layout.local_shape, nd)
-        for src, inter in hits:
-            saff = src_aff.get(id(src))
-            if saff is None:
-                saff = src_aff[id(src)] = affine_map(src.piece, src.local_shape, nd)
+        for planned, inter in hits:
+            # Keyed by the planned source (the plan holds it, so its id is stable).
+            got = src_aff.get(id(planned))
+            if got is None:
+                src = planned
+                if src.offset < 0:
+                    assert ck is not None, "a plan with rule positions is expanded with its checkpoint"
+                    src = ck.resolve(src)
+                got = src_aff[id(planned)] = (src, affine_map(src.piece, src.local_shape, nd))
+            src, saff = got
             s_el, d_el, n_el = runs_for(inter, src, piece, t.layout.local_shape, saff, daff)
             acc = per_file.setdefault(src.file, ([], [], [], []))
             if isinstance(s_el, list):
@@ -296,7 +306,7 @@ def read_sharded(
     t_plan = time.perf_counter()
     the_plan = make_plan(ck, targets)
     plan_seconds = time.perf_counter() - t_plan
-    plan = expand_plan(the_plan, targets)
+    plan = expand_plan(the_plan, targets, ck)
     needed = the_plan.needed
     read, checked, blocks = read_plan(ck, plan, verify)
     for t in targets:
@@ -448,7 +458,8 @@ def _check_consolidated_size(d: Path, m: dict[str, Any]) -> None:
     total = 0
     for name, g in m["tensors"].items():
         numel = math.prod(g["shape"])
-        held = sum(math.prod(p[1][1]) for p in g["pieces"])
+        # A rule's positions tile the tensor (proven when the manifest was read).
+        held = numel if "rule" in g else sum(math.prod(p[1][1]) for p in g["pieces"])
         if held != numel:
             raise CoverageError(
                 f"{where}: global tensor {name!r} of shape {tuple(g['shape'])} has {numel} elements but its pieces "

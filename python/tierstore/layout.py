@@ -43,6 +43,8 @@ __all__ = [
     "Layout",
     "LayoutError",
     "Piece",
+    "Rule",
+    "Split",
     "attach",
     "boost_fused_down",
     "boost_stacked_up",
@@ -145,6 +147,215 @@ class Piece:
         return Piece(str(v["tensor"]), Box.from_json(v["box"]), local)
 
 
+SPLIT_MODES = ("even", "pad", "chunk")
+
+
+@dataclass(frozen=True)
+class Split:
+    """One level of a regular sharding: dimension ``dim`` of the current block
+    cut into ``count`` parts.
+
+    - ``even``: equal parts (the length divides);
+    - ``pad``: the dimension padded to ``size`` (a multiple of ``count``) and
+      cut into equal parts; a part's rows past the logical length are padding
+      in the local tensor (a vocabulary padded to a multiple of the TP degree);
+    - ``chunk``: ``torch.chunk``'s cut (DTensor ``Shard``): parts of
+      ``ceil(length / count)``, the last ones shorter or empty.
+    """
+
+    dim: int
+    count: int
+    mode: str = "even"
+    size: int = 0  # pad: the padded length
+
+    def part(self, c: int, offs: list[int], lens: list[int], local: list[int]) -> None:
+        """Narrows the block (``offs``, ``lens``, local ``local``) to part ``c``."""
+        d = self.dim
+        ext = lens[d]
+        if self.mode == "even":
+            per = ext // self.count
+            offs[d] += c * per
+            lens[d] = local[d] = per
+        elif self.mode == "chunk":
+            per = -(-ext // self.count)
+            start = min(c * per, ext)
+            offs[d] += start
+            lens[d] = local[d] = max(0, min(per, ext - c * per))
+        else:
+            per = self.size // self.count
+            start = min(c * per, ext)
+            offs[d] += start
+            lens[d] = max(0, min(per, ext - c * per))
+            local[d] = per
+
+    def per(self, ext: int) -> int:
+        if self.mode == "even":
+            return ext // self.count
+        if self.mode == "chunk":
+            return -(-ext // self.count)
+        return self.size // self.count
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A regular sharding of one global tensor, the same description for every
+    rank that holds part of it: the tensor's ``splits`` applied in order (each
+    cuts the block the previous ones left), then optionally ``flat``: the
+    block's local tensor flattened and cut into ``flat`` parts of
+    ``ceil(numel / flat)`` elements (ZeRO-3 / FSDP1 partitions, padding at
+    the end). A rank's position is one index per axis (the splits' counts,
+    then ``flat``); ranks at the same position hold replicas, which is
+    allowed only when ``replicated``.
+
+    Every position's block is disjoint from the others' and together they
+    tile the tensor by construction, so a checkpoint proves coverage once per
+    rule (every position present exactly once) instead of per piece, and a
+    loading rank finds the positions meeting a box in closed form.
+    """
+
+    tensor: str
+    shape: Shape
+    splits: tuple[Split, ...]
+    flat: int = 0
+    replicated: bool = False
+
+    @property
+    def axes(self) -> tuple[int, ...]:
+        return tuple(s.count for s in self.splits) + ((self.flat,) if self.flat else ())
+
+    def validate(self, what: str = "rule") -> None:
+        """Checks that the rule is well formed (so that it tiles its tensor)."""
+        nd = len(self.shape)
+        if not self.tensor or any(n < 0 for n in self.shape) or self.flat < 0:
+            raise LayoutError(f"{what}: a rule needs a tensor name, a shape of lengths >= 0 and flat >= 0")
+        modes: dict[int, list[str]] = {}
+        ext = list(self.shape)
+        for i, sp in enumerate(self.splits):
+            if not 0 <= sp.dim < nd or sp.count < 1 or sp.mode not in SPLIT_MODES:
+                raise LayoutError(f"{what}: split {i} ({sp}) does not cut a dimension of {list(self.shape)}")
+            prev = modes.setdefault(sp.dim, [])
+            if sp.mode == "pad" and (prev or sp.size < self.shape[sp.dim] or sp.size % sp.count):
+                raise LayoutError(f"{what}: split {i}: a padded split is the first of its dimension, padded to "
+                                  f"a multiple of {sp.count} at least {self.shape[sp.dim]} long")  # fmt: skip
+            if sp.mode == "even" and (any(m != "even" for m in prev) or ext[sp.dim] % sp.count):
+                raise LayoutError(f"{what}: split {i}: {ext[sp.dim]} does not cut evenly into {sp.count}")
+            if sp.mode == "chunk" and "pad" in prev:
+                raise LayoutError(f"{what}: split {i}: a chunked split cannot follow a padded one")
+            if sp.mode == "even":
+                ext[sp.dim] //= sp.count
+            prev.append(sp.mode)
+
+    def _block(self, coords: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+        axes = self.__dict__.get("_axes")
+        if axes is None:
+            axes = self.__dict__["_axes"] = self.axes
+        if len(coords) != len(axes):
+            raise LayoutError(f"rule of {self.tensor!r}: position {list(coords)} is outside its axes {list(axes)}")
+        for c, n in zip(coords, axes, strict=True):
+            if not 0 <= c < n:
+                raise LayoutError(f"rule of {self.tensor!r}: position {list(coords)} is outside its axes {list(axes)}")
+        offs, lens, local = [0] * len(self.shape), list(self.shape), list(self.shape)
+        for sp, c in zip(self.splits, coords, strict=False):
+            sp.part(c, offs, lens, local)
+        return offs, lens, local
+
+    def layout_at(self, coords: Sequence[int]) -> Layout:
+        """The layout of the rank at position ``coords`` (its pieces are made
+        when first asked for: a save needs only the rule and the position)."""
+        coords = tuple(coords)
+        _offs, _lens, local = self._block(coords)
+        shape = (-(-math.prod(local) // self.flat),) if self.flat else tuple(local)
+        return _RuleLayout(shape, None, {self.tensor: self.shape}, self.replicated, frozenset(), self, coords)
+
+    def pieces_at(self, coords: tuple[int, ...]) -> tuple[Piece, ...]:
+        """The pieces of the rank at position ``coords``."""
+        offs, lens, local = self._block(coords)
+        pieces: tuple[Piece, ...] = ()
+        if math.prod(lens):
+            box = Box.trusted(tuple(offs), tuple(lens))
+            pieces = (Piece(self.tensor, box, Box.trusted((0,) * len(lens), tuple(lens))),)
+        if not self.flat:
+            return pieces
+        inner = Layout(tuple(local), pieces, {self.tensor: self.shape})
+        n = math.prod(local)
+        per = -(-n // self.flat)
+        a = coords[-1] * per
+        return tuple(_flat_pieces(inner, a, min(a + per, n), -a)) if a < n else ()
+
+    def coords_meeting(self, box: Box) -> list[tuple[int, ...]]:
+        """The positions whose part meets ``box`` (a superset when ``flat``:
+        every flat part between the box's first and last element)."""
+        nd = len(self.shape)
+        states: list[tuple[tuple[int, ...], list[int], list[int], list[int]]] = [
+            ((), [0] * nd, list(self.shape), list(self.shape))
+        ]
+        for sp in self.splits:
+            d = sp.dim
+            q0, q1 = box.offsets[d], box.offsets[d] + box.lengths[d]
+            nxt = []
+            for coords, offs, lens, local in states:
+                per = sp.per(lens[d])
+                if per <= 0 or q1 <= q0:
+                    continue
+                c0 = max(0, (q0 - offs[d]) // per)
+                c1 = min(sp.count - 1, (q1 - 1 - offs[d]) // per)
+                for c in range(c0, c1 + 1):
+                    o, ln, lc = list(offs), list(lens), list(local)
+                    sp.part(c, o, ln, lc)
+                    if ln[d] > 0 and o[d] < q1 and o[d] + ln[d] > q0:
+                        nxt.append(((*coords, c), o, ln, lc))
+            states = nxt
+        if not self.flat:
+            return [s[0] for s in states]
+        out: list[tuple[int, ...]] = []
+        for coords, offs, lens, local in states:
+            lo = [max(a, b) for a, b in zip(offs, box.offsets, strict=True)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offs, lens, box.offsets, box.lengths, strict=True)]
+            if any(h <= x for x, h in zip(lo, hi, strict=True)):
+                continue
+            strides = [math.prod(local[i + 1 :]) for i in range(nd)]
+            first = sum((x - o) * st for x, o, st in zip(lo, offs, strides, strict=True))
+            last = sum((h - 1 - o) * st for h, o, st in zip(hi, offs, strides, strict=True))
+            per = -(-math.prod(local) // self.flat)
+            out.extend((*coords, f) for f in range(first // per, min(self.flat - 1, last // per) + 1))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tensor": self.tensor,
+            "shape": list(self.shape),
+            "splits": [[s.dim, s.count, s.mode, s.size] for s in self.splits],
+            "flat": self.flat,
+            "replicated": self.replicated,
+        }
+
+    @staticmethod
+    def from_json(v: Any) -> Rule:
+        """The rule ``v`` describes (:meth:`to_json`), checked; LayoutError if not one."""
+
+        def uint(x: Any) -> int:
+            if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+                raise LayoutError(f"rule: {str(x)[:40]!r} is not a non-negative integer")
+            return x
+
+        try:
+            splits = tuple(
+                Split(uint(s[0]), uint(s[1]), str(s[2]), uint(s[3]))
+                for s in v["splits"]
+                if isinstance(s, list) and len(s) == 4 and isinstance(s[2], str)
+            )
+            if len(splits) != len(v["splits"]):
+                raise LayoutError("rule: a split is not [dim, count, mode, size]")
+            name = v["tensor"]
+            if not isinstance(name, str) or not isinstance(v["shape"], list) or not isinstance(v["replicated"], bool):
+                raise LayoutError("rule: tensor, shape or replicated of the wrong type")
+            r = Rule(name, tuple(uint(x) for x in v["shape"]), splits, uint(v["flat"]), v["replicated"])
+        except (KeyError, TypeError) as e:
+            raise LayoutError(f"rule: not a rule ({type(e).__name__}: {str(e)[:80]})") from None
+        r.validate()
+        return r
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where the elements of one local tensor sit in global tensors.
@@ -163,6 +374,52 @@ class Layout:
     #: too (e.g. a TP-replicated norm weight inside a ZeRO flat buffer): only
     #: one copy is referenced by the checkpoint.
     replicated_tensors: frozenset[str] = frozenset()
+    #: The regular sharding this layout is one position of, when it is one
+    #: (:class:`Rule`; the constructors of even splits, ZeRO-3 partitions and
+    #: DTensor placements set it): the checkpoint then stores the rule once
+    #: for every rank instead of every rank's pieces.
+    rule: Rule | None = None
+    #: This rank's position in ``rule`` (one index per axis).
+    coords: tuple[int, ...] = ()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Layout):
+            return NotImplemented
+        return (
+            self.local_shape == other.local_shape
+            and self.pieces == other.pieces
+            and dict(self.global_shapes) == dict(other.global_shapes)
+            and self.replicated == other.replicated
+            and self.replicated_tensors == other.replicated_tensors
+            and self.rule == other.rule
+            and self.coords == other.coords
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # global_shapes is a dict
+
+    def __post_init__(self) -> None:
+        if self.rule is not None and self.rule.replicated != self.replicated:
+            # dataclasses.replace(layout, replicated=...): the rule follows.
+            object.__setattr__(
+                self, "rule", Rule(self.rule.tensor, self.rule.shape, self.rule.splits, self.rule.flat, self.replicated)
+            )
+
+    def rule_holds(self) -> bool:
+        """Whether the layout is exactly its rule's position (False without a
+        rule, or when its pieces were changed after the rule was set);
+        remembered on the layout."""
+        got = self.__dict__.get("_rule_holds")
+        if got is None:
+            got = False
+            if self.rule is not None:
+                try:
+                    want = self.rule.layout_at(self.coords)
+                    got = want.local_shape == self.local_shape and want.pieces == self.pieces
+                    got = got and not self.replicated_tensors and dict(self.global_shapes) == dict(want.global_shapes)
+                except LayoutError:
+                    got = False
+            object.__setattr__(self, "_rule_holds", got)
+        return got
 
     def is_replica(self, p: Piece) -> bool:
         return self.replicated or p.tensor in self.replicated_tensors
@@ -195,22 +452,29 @@ class Layout:
             raise LayoutError(f"{what}: pieces cover {covered} elements of a local tensor of {local_numel}")
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "local_shape": list(self.local_shape),
             "global_shapes": {k: list(v) for k, v in self.global_shapes.items()},
             "pieces": [p.to_json() for p in self.pieces],
             "replicated": self.replicated,
             "replicated_tensors": sorted(self.replicated_tensors),
         }
+        if self.rule is not None and self.rule_holds():
+            out["rule"] = self.rule.to_json()
+            out["coords"] = list(self.coords)
+        return out
 
     @staticmethod
     def from_json(v: Mapping[str, Any]) -> Layout:
+        rule = Rule.from_json(v["rule"]) if v.get("rule") is not None else None
         return Layout(
             local_shape=tuple(int(x) for x in v["local_shape"]),
             pieces=tuple(Piece.from_json(p) for p in v["pieces"]),
             global_shapes={k: tuple(int(x) for x in s) for k, s in v["global_shapes"].items()},
             replicated=bool(v.get("replicated", False)),
             replicated_tensors=frozenset(v.get("replicated_tensors", ())),
+            rule=rule,
+            coords=tuple(int(x) for x in v.get("coords", ())) if rule is not None else (),
         )
 
     # -- constructors for the common cases ------------------------------------------------------
@@ -219,7 +483,11 @@ class Layout:
     def full(name: str, shape: Sequence[int], *, replicated: bool = True) -> Layout:
         """The whole global tensor (replicated on every rank by default)."""
         s = tuple(shape)
-        return Layout(s, (Piece(name, Box.whole(s), Box.whole(s)),), {name: s}, replicated)
+        # Unreplicated, it is the one position of a rule; replicated, each
+        # holder is told on its own whether it writes it (writes balanced
+        # over the ranks per tensor).
+        rule = None if replicated else Rule(name, s, (), 0, False)
+        return Layout(s, (Piece(name, Box.whole(s), Box.whole(s)),), {name: s}, replicated, rule=rule)
 
     @staticmethod
     def block(
@@ -253,6 +521,9 @@ class Layout:
             raise LayoutError(f"{name}: dimension {dim} of size {size} does not split evenly over {world} ranks")
         if padded_size is not None and padded_size < g[dim]:
             raise LayoutError(f"{name}: padded size {padded_size} is smaller than the logical size {g[dim]}")
+        if 0 <= rank < world and 0 <= dim < len(g):
+            mode = "pad" if padded_size is not None and padded_size != g[dim] else "even"
+            return Rule(name, g, (Split(dim, world, mode, size),), 0, replicated).layout_at((rank,))
         per = size // world
         start = rank * per
         local = (*g[:dim], per, *g[dim + 1 :])
@@ -368,6 +639,58 @@ class Layout:
             self.replicated,
             frozenset(fn(k) for k in self.replicated_tensors),
         )
+
+
+class _RuleLayout(Layout):
+    """A position of a :class:`Rule` (made by :meth:`Rule.layout_at`) whose
+    pieces are made when first asked for."""
+
+    def __init__(
+        self,
+        local_shape: Shape,
+        pieces: Sequence[Piece] | None = None,
+        global_shapes: Mapping[str, Shape] | None = None,
+        replicated: bool = False,
+        replicated_tensors: frozenset[str] = frozenset(),
+        rule: Rule | None = None,
+        coords: tuple[int, ...] = (),
+    ) -> None:
+        d = self.__dict__  # frozen: the fields are set as the dataclass's own __init__ does
+        d["local_shape"] = tuple(local_shape)
+        d["global_shapes"] = global_shapes if global_shapes is not None else {}
+        d["replicated"] = replicated
+        d["replicated_tensors"] = frozenset(replicated_tensors)
+        d["rule"] = rule
+        d["coords"] = tuple(coords)
+        if pieces is not None:  # dataclasses.replace(): given pieces, checked by rule_holds
+            self.__dict__["_pieces"] = tuple(pieces)
+        else:
+            self.__dict__["_rule_holds"] = True  # made from the rule
+        if rule is None:
+            self.__dict__["_pieces"] = tuple(pieces or ())
+        self.__post_init__()
+
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        got = self.__dict__.get("_pieces")
+        if got is None:
+            assert self.rule is not None
+            got = self.__dict__["_pieces"] = self.rule.pieces_at(self.coords)
+        return got
+
+
+def position_inside(coords: Sequence[int], axes: Sequence[int]) -> bool:
+    """Whether ``coords`` is a position of a rule with ``axes``."""
+    return len(coords) == len(axes) and all(0 <= c < n for c, n in zip(coords, axes, strict=True))
+
+
+def _whole(lay: Layout) -> bool:
+    """Whether ``lay`` is one whole global tensor (:meth:`Layout.full`)."""
+    if len(lay.pieces) != 1 or lay.replicated_tensors:
+        return False
+    p = lay.pieces[0]
+    whole = Box.whole(lay.local_shape)
+    return p.box == whole and p.local == whole and lay.global_shapes.get(p.tensor) == lay.local_shape
 
 
 def _box_layout(param: tuple[str, Sequence[int]] | tuple[str, Sequence[int], Box]) -> Layout:
@@ -499,6 +822,17 @@ def zero_partition(
         part = padded // dp_size
         return Layout.flat_buffer(params, dp_rank * part, part)
     if stage == 3:
+        one = params[0] if len(params) == 1 else None
+        rule = one.rule if isinstance(one, Layout) else None
+        if isinstance(one, tuple) and len(one) == 2:
+            rule, one = Rule(one[0], tuple(one[1]), ()), Layout.full(one[0], one[1], replicated=False)
+        elif isinstance(one, Layout) and rule is None and _whole(one):
+            rule = Rule(one.pieces[0].tensor, one.local_shape, (), 0, one.replicated)
+        if rule is not None and not rule.flat and isinstance(one, Layout) and 0 <= dp_rank < dp_size:
+            # One parameter of a regular sharding: the partition is a position of its rule.
+            return Rule(rule.tensor, rule.shape, rule.splits, dp_size, rule.replicated).layout_at(
+                (*one.coords, dp_rank)
+            )
         pieces: list[Piece] = []
         shapes: dict[str, Shape] = {}
         reps: set[str] = set()

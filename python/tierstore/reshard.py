@@ -37,6 +37,8 @@ class Source:
     itemsize: int
     piece: Piece
     stored: int = -1  # index of the stored local tensor in the manifest
+    key: str = ""  # a rule position's: the key its data file holds it under (offset -1 until resolved)
+    coords: tuple[int, ...] = ()  # ... and its position in the rule
 
 
 @dataclass

@@ -24,6 +24,7 @@ checkpoint in place and loadable.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -52,7 +53,8 @@ from tierstore._sharded_read import (
     read_sharded,
 )
 from tierstore.errors import LayoutError, NotFoundError, TierstoreError
-from tierstore.layout import Box, Layout
+from tierstore.layout import Box, Layout, Rule
+from tierstore.layout import position_inside as _inside
 from tierstore.optim_state import (
     init_optimizer_state,
     load_optimizer_state_dict,
@@ -144,6 +146,14 @@ def _warn_unreplicated(metas: list[dict[str, Any]], d: Path) -> None:
             first = seen.setdefault(info["replica_id"], (r, info["sample"], key))
             if first[1] != info["sample"] and len(odd) < 5:
                 odd.append(f"{key!r} (ranks {first[0]} and {r})")
+    firsts: dict[str, tuple[int, Any]] = {}
+    for r, m in enumerate(metas):
+        for g in m.get("groups", ()):
+            if g[3] is None:
+                continue
+            held = firsts.setdefault(_group_key(g), (r, g[3]))
+            if held[1] != g[3] and len(odd) < 5:
+                odd.append(f"replicated tensors at position {g[0]} of a sharding rule (ranks {held[0]} and {r})")
     if odd:
         warnings.warn(
             f"save_sharded({d}): plain tensors differ between ranks: {', '.join(odd)}; a plain tensor stands for "
@@ -157,8 +167,10 @@ def _warn_unreplicated(metas: list[dict[str, Any]], d: Path) -> None:
 def _assign_writers(metas: list[dict[str, Any]]) -> dict[tuple[int, str], bool]:
     """For replicated tensors held by several ranks, one holder writes: the
     one with the fewest bytes assigned so far (largest tensors first), so that
-    writes are balanced. Returns {(rank, key): writes?} (on rank 0, from the
-    gathered metadata; each rank is sent only its own part)."""
+    writes are balanced. Ranks at the same position of the same rules are
+    replicas of that position (:func:`_group_key`). Returns {(rank, key):
+    writes?} (on rank 0, from the gathered metadata; each rank is sent only
+    its own part)."""
     load = [0] * len(metas)
     groups: dict[str, list[tuple[int, str, int]]] = {}
     decide: dict[tuple[int, str], bool] = {}
@@ -169,7 +181,14 @@ def _assign_writers(metas: list[dict[str, Any]]) -> dict[tuple[int, str], bool]:
             else:
                 decide[(rank, key)] = True
                 load[rank] += info["nbytes"]
+        for g in m.get("groups", ()):
+            gk = _group_key(g)
+            groups.setdefault(gk, []).append((rank, gk, g[2]))
     for _rid, holders in sorted(groups.items(), key=lambda kv: -kv[1][0][2]):
+        if len(holders) == 1:
+            decide[(holders[0][0], holders[0][1])] = True
+            load[holders[0][0]] += holders[0][2]
+            continue
         best = min(holders, key=lambda h: (load[h[0]], h[0]))
         for h in holders:
             decide[(h[0], h[1])] = h is best
@@ -177,10 +196,39 @@ def _assign_writers(metas: list[dict[str, Any]]) -> dict[tuple[int, str], bool]:
     return decide
 
 
-def holdings_meta(tensors: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout], world: int) -> dict[str, Any]:
-    """What a rank tells rank 0 before writing: per tensor, whether it is a
-    replica, of what, its size, and (replicated plain tensors) a fingerprint."""
-    return {
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def rule_table(tensors: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout]) -> dict[tuple[int, ...], list[Any]]:
+    """The tensors whose layout is a position of a :class:`~tierstore.layout.Rule`,
+    grouped by position: ``{coords: [[key, rule JSON, dtype], ...]}`` sorted
+    by key. Every rank at the same position of the same rules holds the same
+    table, so rank 0 is sent a digest of it, and one rank's copy."""
+    groups: dict[tuple[int, ...], list[Any]] = {}
+    for k in sorted(tensors):
+        lay = layouts[k]
+        if lay.rule is not None and lay.rule_holds():
+            groups.setdefault(lay.coords, []).append([k, lay.rule.to_json(), _dtype_name(tensors[k])])
+    return groups
+
+
+def _digest(entries: list[Any]) -> str:
+    return hashlib.blake2b(json.dumps(entries, separators=(",", ":")).encode(), digest_size=16).hexdigest()
+
+
+def holdings_meta(
+    tensors: Mapping[str, torch.Tensor],
+    layouts: Mapping[str, Layout],
+    world: int,
+    table: dict[tuple[int, ...], list[Any]] | None = None,
+) -> dict[str, Any]:
+    """What a rank tells rank 0 before writing. Tensors of a rule: per
+    position, the digest of their rule table (:func:`rule_table`), their
+    bytes and (replicated ones) a fingerprint of their values. Other tensors:
+    per tensor, whether it is a replica, of what, its size, and (replicated
+    plain tensors) a fingerprint."""
+    out: dict[str, Any] = {
         "tensors": {
             k: {
                 "replicated": layouts[k].replicated,
@@ -189,20 +237,55 @@ def holdings_meta(tensors: Mapping[str, torch.Tensor], layouts: Mapping[str, Lay
                 **({"sample": _sample_crc(t)} if world > 1 and layouts[k].replicated else {}),
             }
             for k, t in tensors.items()
+            if not (layouts[k].rule is not None and layouts[k].rule_holds())
         },
     }
+    groups = []
+    for coords, entries in (table if table is not None else rule_table(tensors, layouts)).items():
+        keys = [e[0] for e in entries]
+        reps = [k for k in keys if layouts[k].replicated]
+        sample = (
+            zlib.crc32(json.dumps([_sample_crc(tensors[k]) for k in reps]).encode()) if reps and world > 1 else None
+        )
+        nbytes = sum(tensors[k].numel() * tensors[k].element_size() for k in keys)
+        groups.append([list(coords), _digest(entries), nbytes, sample])
+    if groups:
+        out["groups"] = groups
+    return out
 
 
 def decide_writers(metas: list[dict[str, Any]] | None, d: Path, save_id: str) -> list[dict[str, Any]]:
-    """On rank 0: each rank's decisions (the save id, the tensors it does not
-    write because another holder of the replica does)."""
+    """On rank 0: each rank's decisions: the save id, the tensors it does not
+    write because another holder of the replica does (``skip``; ``skip_groups``
+    for positions of rules), and the rule tables it describes in full
+    (``describe``: one holder per distinct table)."""
     assert metas is not None
     if len(metas) > 1:
         _warn_unreplicated(metas, d)
     writes = _assign_writers(metas)
-    return [
-        {"save_id": save_id, "skip": sorted(k for k in m["tensors"] if not writes[(r, k)])} for r, m in enumerate(metas)
-    ]
+    describe: dict[str, int] = {}
+    for r, m in enumerate(metas):
+        for g in m.get("groups", ()):
+            describe.setdefault(g[1], r)
+    asked: dict[int, list[str]] = {}
+    for digest, r in describe.items():
+        asked.setdefault(r, []).append(digest)
+    out = []
+    for r, m in enumerate(metas):
+        dec: dict[str, Any] = {
+            "save_id": save_id,
+            "skip": sorted(k for k in m["tensors"] if not writes[(r, k)]),
+        }
+        if m.get("groups"):
+            dec["skip_groups"] = [[g[0], g[1]] for g in m["groups"] if not writes[(r, _group_key(g))]]
+            dec["describe"] = asked.get(r, [])
+        out.append(dec)
+    return out
+
+
+def _group_key(g: list[Any]) -> str:
+    """A rule position's replica id: the digest of its table and the position."""
+    return f"\0rule:{g[1]}:{','.join(map(str, g[0]))}"
 
 
 def tensor_file_info(fname: str, written: api.Written, layouts: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
@@ -214,6 +297,8 @@ def tensor_file_info(fname: str, written: api.Written, layouts: Mapping[str, dic
         if len(t["path"]) != 2 or t["path"][0] != "tensors":
             continue
         key = t["path"][1]
+        if layouts[key].get("rule") is not None:
+            continue  # a position of a rule: the file's own manifest says where it is
         rec = recs[t["record"]]
         item = torch.empty((), dtype=dtype_of(t["dtype"])).element_size()
         out["tensors"][key] = {
@@ -295,13 +380,19 @@ def write_sharded(
     # Rank 0 learns what every rank holds and decides who writes each
     # replicated tensor; each rank is sent only its own decisions (no rank's
     # metadata goes to every rank).
-    metas = _gather(holdings_meta(tensors, layouts, world), world, pg)
+    table = rule_table(tensors, layouts)
+    metas = _gather(holdings_meta(tensors, layouts, world, table), world, pg)
     decisions = decide_writers(metas, d, save_id) if rank == 0 else None
     decision = _scatter(decisions, world, pg)
     save_id = decision["save_id"]
     skip = set(decision["skip"])
+    for coords, _dg in decision.get("skip_groups", ()):
+        skip.update(e[0] for e in table[tuple(coords)])
     mine = {k: t for k, t in tensors.items() if k not in skip}
     file_info: dict[str, Any] = {"rank": rank, "tensors": {}, "objects_file": None, "paths": paths}
+    if decision.get("describe"):
+        by_digest = {_digest(entries): entries for entries in table.values()}
+        file_info["rules"] = {dg: by_digest[dg] for dg in decision["describe"]}
     fname = f"rank-{rank:05d}.{save_id}.pt"
 
     keep_objects = dict(per_rank)
@@ -347,7 +438,7 @@ def write_sharded(
     if rank == 0:
         assert infos is not None
         try:
-            m = build_manifest(d, save_id, world, infos)
+            m = build_manifest(d, save_id, world, infos, metas, decisions)
             m["attachments"] = {}
             for name in attachments:
                 data = (d / name).read_bytes()
@@ -364,16 +455,29 @@ def write_sharded(
         raise _error_named(outcome[0])(f"save_sharded({d}): rank 0 could not commit the checkpoint: {outcome[1]}")
 
 
-def build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any]]) -> dict[str, Any]:
+def build_manifest(
+    d: Path,
+    save_id: str,
+    world: int,
+    infos: list[dict[str, Any]],
+    metas: list[dict[str, Any]] | None = None,
+    decisions: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """On rank 0: the manifest of the checkpoint from what every rank reported
+    (``infos``; ``metas`` and ``decisions``: the holdings gathered before
+    writing and rank 0's decisions on them, which place the positions of
+    rules). Proves that the saved pieces tile every global tensor."""
     from tierstore import __version__
 
     files: list[dict[str, Any]] = []
     stored: list[dict[str, Any]] = []
     globals_: dict[str, dict[str, Any]] = {}
+    file_of_rank: dict[int, int] = {}
     for info in infos:
         if not info.get("file"):
             continue
         fidx = len(files)
+        file_of_rank[info["rank"]] = fidx
         files.append(
             {
                 "rank": info["rank"],
@@ -403,8 +507,11 @@ def build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any]
                 g["pieces"].append([sidx, pj["box"], local, every or name in some])
             for name, shape in shapes.items():
                 globals_.setdefault(name, {"shape": list(shape), "dtype": t["dtype"], "pieces": []})
+    groups = _place_rules(globals_, infos, metas or [], decisions or [], file_of_rank)
     # Replicas of one box (held by several ranks) are referenced once.
     for g in globals_.values():
+        if "rule" in g:
+            continue
         kept: dict[tuple[tuple[int, ...], tuple[int, ...]], list[Any]] = {}
         pieces = []
         for pc in g["pieces"]:
@@ -416,8 +523,11 @@ def build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any]
             kept[key] = pc
             pieces.append(pc)
         g["pieces"] = [pc[:3] for pc in pieces]
-    # Every global tensor must be covered exactly once by what was written.
+    # Every global tensor must be covered exactly once by what was written
+    # (a rule's tensors: every position of the rule placed once, above).
     for name, g in globals_.items():
+        if "rule" in g:
+            continue
         want = math.prod(g["shape"])
         ps = g["pieces"]
         if len(ps) == 1 and ps[0][1][1] == g["shape"] and not any(ps[0][1][0]):
@@ -450,6 +560,7 @@ def build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any]
     for info in infos:
         paths.update(info.get("paths", {}))
     held = {s["key"] for s in stored} | set(objects) | set(per_rank)
+    held.update(key for g in globals_.values() for _gi, key in g.get("parts", ()))
     out = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -460,6 +571,7 @@ def build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any]
         "files": files,
         "stored": stored,
         "tensors": globals_,
+        "groups": groups,
         "objects": objects,
         "per_rank_objects": per_rank,
         "object_files": object_files,
@@ -470,6 +582,110 @@ def build_manifest(d: Path, save_id: str, world: int, infos: list[dict[str, Any]
     if rebuild:
         out["paths"] = rebuild
     return out
+
+
+def _place_rules(
+    globals_: dict[str, dict[str, Any]],
+    infos: list[dict[str, Any]],
+    metas: list[dict[str, Any]],
+    decisions: list[dict[str, Any]],
+    file_of_rank: dict[int, int],
+) -> list[dict[str, Any]]:
+    """The global tensors of rules (added to ``globals_``) and their groups:
+    per distinct rule table, the position of each writing rank and its file.
+    Proves coverage per rule: every position of its axes placed exactly once,
+    and positions held by several ranks only for replicated rules."""
+    tables: dict[str, list[Any]] = {}
+    for info in infos:
+        tables.update(info.get("rules", {}))
+    placed: dict[str, dict[tuple[int, ...], int]] = {}
+    holders: dict[str, dict[tuple[int, ...], list[int]]] = {}
+    for r, m in enumerate(metas):
+        skipped = {(tuple(c), dg) for c, dg in decisions[r].get("skip_groups", ())} if r < len(decisions) else set()
+        for g in m.get("groups", ()):
+            coords, dg = tuple(g[0]), g[1]
+            holders.setdefault(dg, {}).setdefault(coords, []).append(r)
+            if (coords, dg) not in skipped:
+                if r not in file_of_rank:
+                    raise TierstoreError(f"rank {r} was to write position {list(coords)} of a rule but wrote no file")
+                placed.setdefault(dg, {})[coords] = file_of_rank[r]
+    out: list[dict[str, Any]] = []
+    positions: dict[str, list[list[tuple[int, ...]]]] = {}
+    for dg, where in sorted(placed.items()):
+        entries = tables.get(dg)
+        if entries is None:
+            raise TierstoreError(f"no rank described the rule table {dg} (its holders: {sorted(holders[dg])[:4]})")
+        gi = len(out)
+        coords_list = sorted(where)
+        out.append({"coords": [list(c) for c in coords_list], "files": [where[c] for c in coords_list]})
+        shared = [c for c, hs in holders[dg].items() if len(hs) > 1]
+        for key, rj, dtype in entries:
+            rule = Rule.from_json(rj)
+            if shared and not rule.replicated:
+                c = shared[0]
+                raise CoverageError(
+                    f"save: global tensor {rule.tensor!r}: ranks {holders[dg][c][:2]} both hold position {list(c)} "
+                    "of its sharding rule and it is not replicated; check the layouts"
+                )
+            have = globals_.get(rule.tensor)
+            if have is None:
+                globals_[rule.tensor] = {"shape": list(rule.shape), "dtype": dtype, "rule": rj, "parts": [[gi, key]]}
+                positions[rule.tensor] = [coords_list]
+            elif "rule" in have and have["rule"] == rj and have["dtype"] == dtype:
+                # More positions of the rule, held under another key (one process
+                # holding several positions) or by ranks of another rule table.
+                have["parts"].append([gi, key])
+                positions[rule.tensor].append(coords_list)
+            else:
+                raise CoverageError(
+                    f"save: global tensor {rule.tensor!r} is described by two layouts that do not agree "
+                    f"(key {key!r}: {json.dumps(rj)[:200]}); check the layouts"
+                )
+    proven: set[tuple[tuple[int, ...], tuple[int, ...], bool]] = set()
+    for name, parts in positions.items():
+        g = globals_[name]
+        rule = Rule.from_json(g["rule"])
+        memo = (tuple(p[0] for p in g["parts"]), rule.axes, rule.replicated)  # the same groups, the same proof
+        if memo not in proven:
+            _prove_positions(rule, parts)
+            proven.add(memo)
+        if len(parts) > 1 and rule.replicated:
+            g["parts"] = _drop_replicas(g["parts"], parts)
+    return out
+
+
+def _drop_replicas(refs: list[list[Any]], parts: list[list[tuple[int, ...]]]) -> list[list[Any]]:
+    """Of the parts of a replicated rule's tensor (a tied weight held by two
+    pipeline stages), those that add positions not held before."""
+    seen: set[tuple[int, ...]] = set()
+    keep = []
+    for ref, coords in zip(refs, parts, strict=True):
+        if not seen.issuperset(coords):
+            keep.append(ref)
+            seen.update(coords)
+    return keep
+
+
+def _prove_positions(rule: Rule, parts: list[list[tuple[int, ...]]]) -> None:
+    """Every position of ``rule``'s axes is held exactly once by ``parts``
+    (each a sorted list of distinct positions; a replicated rule's parts may
+    repeat positions): with the rule's own proof of tiling, its pieces then
+    cover the tensor exactly."""
+    axes = rule.axes
+    want = math.prod(axes)
+    if len(parts) == 1:
+        got: Any = parts[0]
+        count = len(got)
+    else:
+        got = {c for p in parts for c in p} if rule.replicated else [c for p in parts for c in p]
+        count = len(got) if rule.replicated else len(set(got))
+        if not rule.replicated and count != len(got):
+            raise CoverageError(f"save: global tensor {rule.tensor!r}: a position of its sharding rule is held twice")
+    if count != want or not all(_inside(c, axes) for c in got):
+        raise CoverageError(
+            f"save: global tensor {rule.tensor!r} of shape {tuple(rule.shape)}: its sharding rule has {want} "
+            f"positions (axes {list(axes)}) and {count} were written; check the layouts"
+        )
 
 
 def _error_named(name: str) -> type[TierstoreError]:

@@ -22,6 +22,8 @@ and checked against its CRC-32 (``verify="touched"``).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
 import zlib
@@ -33,15 +35,16 @@ import torch
 
 from tierstore import _archive, _metadata, _paths, manifest
 from tierstore._fs import write_atomic
-from tierstore.errors import ManifestError, NotFoundError
-from tierstore.layout import Box, Piece
+from tierstore.errors import LayoutError, ManifestError, NotFoundError
+from tierstore.layout import Box, Layout, Piece, Rule
+from tierstore.layout import position_inside as _inside
 from tierstore.reshard import GlobalIndex, Source, prove_tiling_arrays
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "Checkpoint", "dtype_of", "read_manifest", "write_manifest"]
 
 MANIFEST = "manifest.json"
 FORMAT = "tierstore-sharded"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # The largest manifest.json read (a damaged or hostile one is refused before
 # it is read).
 MAX_MANIFEST_BYTES = 4 << 30
@@ -92,7 +95,7 @@ def _validate(m: dict[str, Any], d: Path, where: str, data: bytes) -> dict[str, 
             path=where,
         )
     if v < 1:
-        f.fail("format_version", "1 or 2", v)
+        f.fail("format_version", "1, 2 or 3", v)
     if v >= 2 and not _metadata._TRAILER.search(data):
         raise ManifestError(f"{where}: format_version {v} requires a checksum and the file has none", path=where)
     f.string(f.get(m, "save_id", "save_id"), "save_id", most=64)
@@ -133,11 +136,16 @@ def _validate(m: dict[str, Any], d: Path, where: str, data: bytes) -> dict[str, 
         if roff + rsize > files[fi]["bytes"]:
             f.fail(f"{fld}.record_offset", f"a record inside its file ({files[fi]['bytes']} bytes)", roff)
     tensors = f.mapping(f.get(m, "tensors", "tensors"), "tensors")
+    groups = _groups(f, m.get("groups", []) if v >= 3 else [], len(files))
+    proven: set[tuple[int, tuple[int, ...]]] = set()
     for name, g in tensors.items():
         fld = f"tensors[{name[:100]!r}]"
         f.mapping(g, fld)
         gshape = f.shape(f.get(g, "shape", f"{fld}.shape"), f"{fld}.shape")
         dtype_of(f.get(g, "dtype", f"{fld}.dtype"), where, f"{fld}.dtype")
+        if v >= 3 and "rule" in g:
+            _rule_entry(f, name, g, gshape, groups, proven, fld)
+            continue
         pieces = f.array(f.get(g, "pieces", f"{fld}.pieces"), f"{fld}.pieces")
         for j, pc in enumerate(pieces):
             pf = f"{fld}.pieces[{j}]"
@@ -189,6 +197,8 @@ def _validate(m: dict[str, Any], d: Path, where: str, data: bytes) -> dict[str, 
 
     paths = f.mapping(m.get("paths", {}), "paths")
     held = {s.get("key") for s in stored} | set(tensors) | set(objects) | set(per_rank) if paths else set()
+    if paths:
+        held.update(p[1] for g in tensors.values() for p in g.get("parts", ()))
     for k, pth in paths.items():
         fld = f"paths[{k[:100]!r}]"
         if k not in held:
@@ -202,6 +212,75 @@ def _validate(m: dict[str, Any], d: Path, where: str, data: bytes) -> dict[str, 
     m.setdefault("objects", {})
     m.setdefault("per_rank_objects", {})
     return m
+
+
+def _groups(f: _metadata.Fields, v: Any, nfiles: int) -> list[dict[tuple[int, ...], int]]:
+    """The placements of rule positions: per group, {position: file index}."""
+    out = []
+    for i, g in enumerate(f.array(v, "groups")):
+        fld = f"groups[{i}]"
+        f.mapping(g, fld)
+        coords = f.array(f.get(g, "coords", f"{fld}.coords"), f"{fld}.coords")
+        fis = f.array(f.get(g, "files", f"{fld}.files"), f"{fld}.files", length=len(coords))
+        where: dict[tuple[int, ...], int] = {}
+        for j, (c, fi) in enumerate(zip(coords, fis, strict=True)):
+            pos = tuple(f.shape(c, f"{fld}.coords[{j}]"))
+            if f.uint(fi, f"{fld}.files[{j}]") >= nfiles:
+                f.fail(f"{fld}.files[{j}]", f"an index into files (of {nfiles})", fi)
+            if pos in where:
+                f.fail(f"{fld}.coords[{j}]", "each position once", list(pos))
+            where[pos] = fi
+        out.append(where)
+    return out
+
+
+def _rule_entry(
+    f: _metadata.Fields,
+    name: str,
+    g: dict[str, Any],
+    gshape: tuple[int, ...],
+    groups: list[dict[tuple[int, ...], int]],
+    proven: set[tuple[int, tuple[int, ...]]],
+    fld: str,
+) -> None:
+    """A global tensor stored by a rule: the rule well formed and of this
+    tensor, its group's positions exactly the rule's (so its pieces tile the
+    tensor), its key a string."""
+    try:
+        rule = Rule.from_json(g["rule"])
+    except LayoutError as e:
+        f.fail(f"{fld}.rule", "a sharding rule", f"{e}")
+    if rule.tensor != name or rule.shape != tuple(gshape):
+        f.fail(
+            f"{fld}.rule", f"a rule of {name[:100]!r} with shape {list(gshape)}", [rule.tensor[:100], list(rule.shape)]
+        )
+    parts = f.array(f.get(g, "parts", f"{fld}.parts"), f"{fld}.parts")
+    if not parts:
+        f.fail(f"{fld}.parts", "at least one [group, key]", parts)
+    gis = []
+    for j, part in enumerate(parts):
+        f.array(part, f"{fld}.parts[{j}]", length=2)
+        gi = f.uint(part[0], f"{fld}.parts[{j}][0]")
+        if gi >= len(groups):
+            f.fail(f"{fld}.parts[{j}][0]", f"an index into groups (of {len(groups)})", gi)
+        f.string(part[1], f"{fld}.parts[{j}][1]", most=1 << 16)
+        gis.append(gi)
+    axes = rule.axes
+    if len(gis) == 1 and (gis[0], axes) in proven:
+        return
+    held: Any = groups[gis[0]].keys() if len(gis) == 1 else {c for gi in gis for c in groups[gi]}
+    total = sum(len(groups[gi]) for gi in gis)
+    if len(gis) > 1 and not rule.replicated and total != len(held):
+        f.fail(f"{fld}.parts", "groups holding each position of the rule once", gis)
+    want = 1
+    for n in axes:
+        want *= n
+        if want > len(held):
+            break
+    if want != len(held) or not all(_inside(c, axes) for c in held):
+        f.fail(f"{fld}.parts", f"groups holding each of the {want} positions of axes {list(axes)} once", gis)
+    if len(gis) == 1:
+        proven.add((gis[0], axes))
 
 
 def _box(f: _metadata.Fields, v: Any, field: str, ndim: int) -> Box:
@@ -254,6 +333,74 @@ class ChunkTable:
         return (self.record, self.data_offset, self.size, self.chunk, self.algo, self.sums)
 
 
+@dataclass
+class _FileView:
+    """A data file of the checkpoint, opened: its zip directory, its own
+    manifest, and that manifest's records and tensors by name."""
+
+    path: str
+    arch: _archive.Archive
+    fm: dict[str, Any]
+    offsets: dict[str, int]
+    recs: dict[str, dict[str, Any]]
+    tensors: dict[str, dict[str, Any]]
+
+    def bad(self, detail: str) -> ManifestError:
+        return ManifestError(
+            f"{self.path}: the shard file does not match manifest.json: {detail}; the file is damaged or from "
+            "another checkpoint or rank",
+            path=self.path,
+        )
+
+
+class RuleIndex:
+    """The saved pieces of a global tensor stored by a rule: the positions
+    meeting a box are found in closed form (:meth:`Rule.coords_meeting`), and
+    only their data files are opened."""
+
+    def __init__(self, ck: Checkpoint, name: str, rule: Rule, g: dict[str, Any]) -> None:
+        self.ck = ck
+        self.name = name
+        self.rule = rule
+        self.shape = tuple(rule.shape)
+        self.dtype = g["dtype"]
+        self.itemsize = _itemsize(dtype_of(self.dtype))
+        parts = g["parts"]
+        # position -> (file, key): one part's group as it is, several merged.
+        self.key = parts[0][1] if len(parts) == 1 else None
+        self.where: dict[tuple[int, ...], Any] = ck.placements[parts[0][0]]
+        if len(parts) > 1:
+            self.where = {}
+            for gi, key in parts:
+                for c, fi in ck.placements[gi].items():
+                    self.where.setdefault(c, (fi, key))
+        self._sources: dict[tuple[int, ...], list[Source]] = {}
+
+    def sources_at(self, coords: tuple[int, ...]) -> list[Source]:
+        """The pieces of position ``coords``, from the rule alone: their
+        ``offset`` is -1 until :meth:`Checkpoint.resolve` finds it in the data
+        file's own manifest (planning reads no file)."""
+        got = self._sources.get(coords)
+        if got is None:
+            fi, key = (self.where[coords], self.key) if self.key is not None else self.where[coords]
+            lay = self.rule.layout_at(coords)
+            got = [Source(fi, -1, lay.local_shape, self.itemsize, p, key=key, coords=coords) for p in lay.pieces]
+            self._sources[coords] = got
+        return got
+
+    def all_sources(self) -> list[Source]:
+        return [s for c in sorted(self.where) for s in self.sources_at(c)]
+
+    def overlapping(self, box: Box) -> list[tuple[Source, Box]]:
+        out = []
+        for coords in self.rule.coords_meeting(box):
+            for src in self.sources_at(coords):
+                inter = src.piece.box.intersect(box)
+                if inter is not None:
+                    out.append((src, inter))
+        return out
+
+
 class Checkpoint:
     """A committed sharded checkpoint: its checked manifest, indexed for
     planning, and its data files, each checked against the manifest when it
@@ -268,49 +415,82 @@ class Checkpoint:
         self.files = [self.dir / f["name"] for f in m["files"]]
         stored = m["stored"]
         self.stored = stored
+        self._stored_in: dict[int, list[int]] = {}
+        for si, s in enumerate(stored):
+            self._stored_in.setdefault(s["file"], []).append(si)
         self._checked: dict[int, dict[str, ChunkTable]] = {}
+        self._views: dict[int, _FileView] = {}
         self._tiled: set[str] = set()
+        # Per group of rule positions: {position: file index} (version 3).
+        self.placements = [
+            {tuple(c): fi for c, fi in zip(g["coords"], g["files"], strict=True)} for g in m.get("groups", [])
+        ]
         # stored index -> the pieces manifest.json says it holds, in a form
         # comparable with the layout the data file recorded for the tensor.
         self._pieces_of: dict[int, list[tuple[Any, ...]]] = {}
         for name, g in m["tensors"].items():
-            for sidx, box, local in g["pieces"]:
+            for sidx, box, local in g.get("pieces", ()):
                 self._pieces_of.setdefault(sidx, []).append(_piece_key(name, box, local))
-        self.index: dict[str, GlobalIndex] = {}
-        items = {name: _itemsize(dtype_of(g["dtype"])) for name, g in m["tensors"].items()}
-        for name, g in m["tensors"].items():
+        self._index: dict[str, GlobalIndex | RuleIndex] = {}
+        self._resolved: dict[tuple[int, str], int] = {}
+
+    def lookup(self, name: str) -> GlobalIndex | RuleIndex | None:
+        """The saved pieces of global tensor ``name``, indexed for queries by
+        box (built when first asked for: a loading rank pays for the tensors
+        it loads, not for every tensor of the checkpoint); None if absent."""
+        got = self._index.get(name)
+        if got is not None:
+            return got
+        g = self.manifest["tensors"].get(name)
+        if g is None:
+            return None
+        if "rule" in g:
+            got = RuleIndex(self, name, Rule.from_json(g["rule"]), g)
+        else:
+            item = _itemsize(dtype_of(g["dtype"]))
             sources = []
             for sidx, box, local in g["pieces"]:
-                s = stored[sidx]
+                s = self.stored[sidx]
                 piece_local: Box | int = Box.from_json(local) if isinstance(local, list) else int(local)
                 sources.append(
                     Source(
                         file=s["file"],
                         offset=s["offset"],
                         local_shape=tuple(s["shape"]),
-                        itemsize=items[name],
+                        itemsize=item,
                         piece=Piece(name, Box.from_json(box), piece_local),
                         stored=sidx,
                     )
                 )
-            self.index[name] = GlobalIndex.build(g["shape"], sources)
+            got = GlobalIndex.build(g["shape"], sources)
+        self._index[name] = got
+        return got
+
+    @property
+    def index(self) -> dict[str, GlobalIndex | RuleIndex]:
+        """Every global tensor's index (builds them all; planning uses :meth:`lookup`)."""
+        for name in self.manifest["tensors"]:
+            self.lookup(name)
+        return self._index
 
     def dtype_of(self, name: str) -> torch.dtype:
         return dtype_of(self.manifest["tensors"][name]["dtype"])
 
     def check_tensor(self, name: str) -> None:
         """Proves (once) that the saved pieces of global tensor ``name`` tile
-        it exactly: the planner relies on it for every region it reads."""
+        it exactly: the planner relies on it for every region it reads. (A
+        rule's positions were proven complete when the manifest was read.)"""
         if name in self._tiled:
             return
-        idx = self.index[name]
-        prove_tiling_arrays(name, idx.shape, idx.lo, idx.hi, self.manifest_path)
+        idx = self.lookup(name)
+        if isinstance(idx, GlobalIndex):
+            prove_tiling_arrays(name, idx.shape, idx.lo, idx.hi, self.manifest_path)
         self._tiled.add(name)
 
-    def check_file(self, fi: int) -> dict[str, ChunkTable]:
-        """Checks data file ``fi`` against the manifest (once) and returns the
-        chunk table of each record its stored tensors are in."""
-        got = self._checked.get(fi)
+    def _view(self, fi: int) -> _FileView:
+        """Data file ``fi`` opened and checked against its files[] entry (its
+        length and its manifest record's CRC-32), once."""
+        got = self._views.get(fi)
         if got is not None:
             return got
         fe = self.manifest["files"][fi]
@@ -319,37 +499,40 @@ class Checkpoint:
             raise NotFoundError(f"{p}: shard file of the checkpoint is missing", path=p)
         arch, fm, offsets = _archive.open_archive(p)
         where = f"{self.manifest_path}: files[{fi}] ({fe['name']})"
-
-        def bad(detail: str) -> ManifestError:
-            return ManifestError(
-                f"{p}: the shard file does not match manifest.json: {detail}; the file is damaged or from another "
-                "checkpoint or rank",
-                path=p,
-            )
-
+        view = _FileView(p, arch, fm or {}, offsets, {}, {})
         if arch.file_len != fe["bytes"]:
-            raise bad(f"it is {arch.file_len} bytes long, the manifest says {fe['bytes']} ({where})")
+            raise view.bad(f"it is {arch.file_len} bytes long, the manifest says {fe['bytes']} ({where})")
         if fm is None:
-            raise bad("it has no tierstore manifest record")
+            raise view.bad("it has no tierstore manifest record")
         if self.version >= 2:
             mcrc = arch.records[manifest.MANIFEST_NAME].crc32
             if mcrc != fe["manifest_crc32"]:
-                raise bad(
+                raise view.bad(
                     f"its manifest record has crc32 {mcrc:08x}, manifest.json recorded {fe['manifest_crc32']:08x}"
                 )
-        recs = {r["name"]: r for r in fm["records"] if isinstance(r, dict)}
-        tens: dict[str, dict[str, Any]] = {}
+        view.recs.update({r["name"]: r for r in fm["records"] if isinstance(r, dict)})
         for t in fm.get("tensors", []):
             path = t.get("path") if isinstance(t, dict) else None
             if isinstance(path, list) and len(path) == 2 and path[0] == "tensors" and isinstance(path[1], str):
-                tens[path[1]] = t
+                view.tensors[path[1]] = t
+        self._views[fi] = view
+        return view
+
+    def check_file(self, fi: int) -> dict[str, ChunkTable]:
+        """Checks data file ``fi`` against the manifest (once) and returns the
+        chunk table of each record its stored tensors are in (and of those
+        of rule positions looked up so far)."""
+        got = self._checked.get(fi)
+        if got is not None:
+            return got
+        view = self._view(fi)
+        p, bad = view.path, view.bad
         tables: dict[str, ChunkTable] = {}
-        for si, s in enumerate(self.stored):
-            if s["file"] != fi:
-                continue
+        for si in self._stored_in.get(fi, ()):
+            s = self.stored[si]
             key, rname = s["key"], s["record"]
-            t = tens.get(key)
-            r = recs.get(rname)
+            t = view.tensors.get(key)
+            r = view.recs.get(rname)
             if t is None or r is None:
                 raise bad(f"stored[{si}] names tensor {key!r} in record '{rname}', which the file does not hold")
             dt = dtype_of(s["dtype"], p, f"stored[{si}].dtype")
@@ -380,15 +563,82 @@ class Checkpoint:
             if self.version >= 2:
                 self._check_layout(si, s, t.get("layout"), bad)
             if rname not in tables:
-                tables[rname] = self._table(p, arch, fm, offsets, r)
+                tables[rname] = self._table(p, view.arch, view.fm, view.offsets, r)
         self._checked[fi] = tables
         return tables
 
+    def resolve(self, src: Source) -> Source:
+        """``src`` with its offset in its data file: a rule position's found
+        (and checked) in the file's own manifest; others as they are."""
+        if src.offset >= 0:
+            return src
+        got = self._resolved.get((src.file, src.key))
+        if got is None:
+            idx = self.lookup(src.piece.tensor)
+            assert isinstance(idx, RuleIndex)
+            got = self._resolved[(src.file, src.key)] = self.rule_source(
+                src.file, src.key, idx.rule, src.coords, idx.dtype
+            )[0]
+        return dataclasses.replace(src, offset=got)
+
+    def rule_source(self, fi: int, key: str, rule: Rule, coords: tuple[int, ...], dtype: str) -> tuple[int, Layout]:
+        """Where the tensor of rule position ``coords`` starts in data file
+        ``fi`` (stored under ``key``), and its layout, checked against the
+        file's own manifest: the file must record that key with the same
+        rule and position, the dtype, the rule's local shape, stored
+        contiguously inside a storage record (whose chunk table joins the
+        file's tables)."""
+        view = self._view(fi)
+        tables = self.check_file(fi)
+        bad = view.bad
+        t = view.tensors.get(key)
+        what = f"position {list(coords)} of the rule of {rule.tensor!r} (key {key!r})"
+        if t is None:
+            raise bad(f"{what}: the file holds no tensor {key!r}")
+        try:
+            lay = Layout.from_json(t["layout"])
+        except Exception as e:  # any malformed layout in the data file
+            raise bad(f"{what}: the file records no valid layout for it ({type(e).__name__})") from None
+        if lay.rule != rule:
+            got = json.dumps(lay.rule.to_json())[:200] if lay.rule is not None else "no rule"
+            raise bad(f"{what}: the file records another layout for it ({got})")
+        if lay.coords != coords:
+            raise bad(f"{what}: the file records it at position {list(lay.coords)}")
+        local = rule.layout_at(coords)
+        shape = list(local.local_shape)
+        r = view.recs.get(str(t.get("record")))
+        so = t.get("storage_offset")
+        item = _itemsize(dtype_of(dtype, view.path))
+        contiguous = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+        checks = [
+            (t.get("dtype") == dtype, f"dtype {t.get('dtype')!r}, not {dtype!r}"),
+            (t.get("shape") == shape, f"shape {t.get('shape')!r}, not the rule's {shape}"),
+            (t.get("stride") == contiguous or math.prod(shape) <= 1, f"stride {t.get('stride')!r}, not contiguous"),
+            (isinstance(so, int) and not isinstance(so, bool) and so >= 0, "a bad storage_offset"),
+            (r is not None and r.get("kind") == "storage", f"record {t.get('record')!r}, not a storage"),
+        ]
+        for ok, detail in checks:
+            if not ok:
+                raise bad(f"{what}: the file's tensor has {detail}")
+        assert r is not None and isinstance(so, int)
+        if (so + math.prod(shape)) * item > r["size"]:
+            raise bad(f"{what}: the tensor runs past the end of its record '{r['name']}'")
+        if r["name"] not in tables:
+            tables[r["name"]] = self._table(view.path, view.arch, view.fm, view.offsets, r)
+        return r["offset"] + so * item, local
+
     def check_all_files(self) -> None:
         """Checks every data file against the manifest (for readers that take
-        the manifest's word for whole tensors: consolidate, verify)."""
+        the manifest's word for whole tensors: consolidate, verify), every
+        rule position included."""
         for fi in range(len(self.files)):
             self.check_file(fi)
+        for name, g in self.manifest["tensors"].items():
+            if "rule" in g:
+                idx = self.lookup(name)
+                assert isinstance(idx, RuleIndex)
+                for src in idx.all_sources():
+                    self.resolve(src)
 
     def _check_layout(self, si: int, s: dict[str, Any], lay_json: Any, bad: Any) -> None:
         """The pieces manifest.json gives stored tensor ``si`` against the

@@ -1722,6 +1722,19 @@ def manifest_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[str, 
         if not cands:
             return j_digit()
         n, g = rng.choice(cands)
+        if "rule" in g:
+            # A rule's tensor: the entry's shape, the rule's, or both (with
+            # the splits' dimensions mirrored): every one contradicts the
+            # rule the data files recorded.
+            how = rng.choice(["global", "rule", "both"])
+            if how in ("global", "both"):
+                g["shape"] = g["shape"][::-1]
+            if how in ("rule", "both"):
+                r = g["rule"]
+                r["shape"] = r["shape"][::-1]
+                for sp in r["splits"]:
+                    sp[0] = len(r["shape"]) - 1 - sp[0]
+            return done(m, f"tensor {n}: shape transposed ({how}, a rule)")
         how = rng.choice(["global", "global+boxes", "stored", "all"])
 
         def sq(v: list[int]) -> list[int]:
@@ -1772,7 +1785,7 @@ def manifest_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[str, 
         if how in ("global", "both"):
             g["dtype"] = new
         if how in ("stored", "both"):
-            for pc in g["pieces"]:
+            for pc in g.get("pieces", []):
                 m["stored"][pc[0]]["dtype"] = new
         return done(m, f"tensor {n}: dtype {new} ({how})")
 
@@ -1814,8 +1827,10 @@ def manifest_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[str, 
         big = rng.choice([[1 << 40], [1 << 31, 1 << 31], [1 << 62], [3, 1 << 61], [0], [1 << 20] * 40])
         g["shape"] = big
         if rng.random() < 0.5:
-            for pc in g["pieces"]:
+            for pc in g.get("pieces", []):
                 pc[1] = [[0] * len(big), big]
+            if "rule" in g:
+                g["rule"]["shape"] = big
         return done(m, f"tensor {n}: shape {big}")
 
     def j_wrong_type() -> str:
@@ -1865,14 +1880,66 @@ def manifest_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[str, 
         which = rng.choice(["files", "stored", "piece"])
         if which == "piece" and m.get("tensors"):
             n, g = rng.choice(sorted(m["tensors"].items()))
-            if g["pieces"]:
+            if g.get("pieces"):
                 g["pieces"].append(copy.deepcopy(rng.choice(g["pieces"])))
                 return done(m, f"tensor {n}: a piece duplicated")
+            if g.get("parts"):
+                g["parts"].append(copy.deepcopy(rng.choice(g["parts"])))
+                return done(m, f"tensor {n}: a part of its rule duplicated")
         lst = m.get(which if which != "piece" else "stored", [])
         if not lst:
             return j_digit()
         lst.append(copy.deepcopy(rng.choice(lst)))
         return done(m, f"an entry of {which} duplicated")
+
+    def j_rule() -> str:
+        """A sharding rule, its groups of positions or its parts changed."""
+        m, _o = load()
+        ruled = [(n, g) for n, g in sorted(m.get("tensors", {}).items()) if "rule" in g]
+        if not ruled:
+            return j_digit()
+        n, g = rng.choice(ruled)
+        r = g["rule"]
+        grp = m["groups"][g["parts"][0][0]] if m.get("groups") and g["parts"][0][0] < len(m["groups"]) else None
+        what = rng.choice(["count", "dim", "mode", "size", "add_split", "drop_split", "flat", "replicated",
+                           "coords", "coord_value", "files", "swap_files", "key", "group", "drop_part"])  # fmt: skip
+        sp = r["splits"][rng.randrange(len(r["splits"]))] if r["splits"] else None
+        if what == "count" and sp is not None:
+            sp[1] = rng.choice([1, 2, 3, sp[1] * 2, max(1, sp[1] - 1), 1 << 40])
+        elif what == "dim" and sp is not None:
+            sp[0] = rng.choice([0, 1, 2, 7, len(r["shape"])])
+        elif what == "mode" and sp is not None:
+            sp[2] = rng.choice(["even", "pad", "chunk", "zigzag"])
+        elif what == "size" and sp is not None:
+            sp[3] = rng.choice([0, 1, sp[3] + sp[1], sp[3] * 2, 1 << 50])
+        elif what == "add_split" and r["shape"]:
+            r["splits"].append([rng.randrange(len(r["shape"])), rng.choice([2, 3, 4]), "chunk", 0])
+        elif what == "drop_split" and r["splits"]:
+            r["splits"].pop()
+        elif what == "flat":
+            r["flat"] = rng.choice([0, 1, 2, 3, 1 << 40])
+        elif what == "replicated":
+            r["replicated"] = not r["replicated"]
+        elif what == "coords" and grp is not None and grp["coords"]:
+            grp["coords"][rng.randrange(len(grp["coords"]))] = rng.choice([[], [0], [0, 0], [1 << 40], [3, 1]])
+        elif what == "coord_value" and grp is not None and grp["coords"] and grp["coords"][0]:
+            c = grp["coords"][rng.randrange(len(grp["coords"]))]
+            if c:
+                c[rng.randrange(len(c))] += rng.choice([1, -1, 1 << 31])
+        elif what == "files" and grp is not None and grp["files"]:
+            grp["files"][rng.randrange(len(grp["files"]))] = rng.choice([0, 1, len(m["files"]), 1 << 40])
+        elif what == "swap_files" and grp is not None and len(grp["files"]) >= 2:
+            i, j = rng.sample(range(len(grp["files"])), 2)
+            grp["files"][i], grp["files"][j] = grp["files"][j], grp["files"][i]
+        elif what == "key":
+            g["parts"][0][1] = rng.choice(["", "x", n + ".other", "../" + n])
+        elif what == "group":
+            g["parts"][0][0] = rng.choice([0, 1, 2, 1 << 40])
+        elif what == "drop_part" and len(g["parts"]) > 1:
+            g["parts"].pop()
+        else:
+            return j_digit()
+        return done(m, f"tensor {n}: rule {what} changed")
 
     def j_version() -> str:
         m, _o = load()
@@ -1977,6 +2044,7 @@ def manifest_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[str, 
         ("json_toplevel", 2, j_toplevel),
         ("json_drop_member", 2, j_drop),
         ("json_duplicate", 2, j_dup),
+        ("json_rule", 6, j_rule),
         ("json_version", 2, j_version),
         ("json_world_size", 1, j_world),
         ("json_names", 5, j_names),
