@@ -25,8 +25,8 @@ import tierstore
 import tierstore.cli
 from tierstore import _metadata
 from tierstore.errors import CoverageError, LayoutError
-from tierstore.sharded import consolidate
 from tierstore.layout import Box, Layout, Rule, Split, attach, tp_column, tp_row, tp_vocab, zero_partition
+from tierstore.sharded import consolidate
 
 
 def _explicit(lay: Layout) -> Layout:
@@ -239,7 +239,10 @@ def test_manifest_of_a_rule_does_not_grow_with_the_ranks(tmp_path: pathlib.Path)
     for n in (2, 8, 32):
         d = tmp_path / f"n{n}"
         full = torch.randn(64, 4)
-        sd = {f"p{r}": attach(full[r * 64 // n : (r + 1) * 64 // n].clone(), tp_column("w", (64, 4), r, n)) for r in range(n)}
+        sd = {
+            f"p{r}": attach(full[r * 64 // n : (r + 1) * 64 // n].clone(), tp_column("w", (64, 4), r, n))
+            for r in range(n)
+        }
         tierstore.save_sharded(sd, d)
         m, _ = _metadata.loads((d / "manifest.json").read_bytes(), "m", required=True)
         g = m["tensors"]["w"]

@@ -249,6 +249,8 @@ class Cascade:
         ]
         if self.rank == 0 and (src / META).exists():
             mine.append(META)
+        if self.rank == 0 and "index" in m:
+            mine.append(m["index"]["name"])  # a large manifest's index, committed with it
         err: BaseException | None = None
         try:
             for f in mine:

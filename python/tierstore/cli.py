@@ -6,7 +6,9 @@
 ``tierstore verify FILE``
     Checks every record's CRC-32; exits 1 naming the damaged record.
 ``tierstore inspect DIR`` / ``tierstore verify DIR``
-    The same for a sharded checkpoint (global tensors, layouts, coverage).
+    The same for a sharded checkpoint (global tensors, layouts, coverage);
+    ``inspect --manifest DIR`` prints its manifest as JSON (an indexed
+    manifest's sections included).
 ``tierstore consolidate DIR OUT.pt``
     One full state dict from a sharded (or DCP) checkpoint.
 ``tierstore convert SRC DST``
@@ -89,12 +91,30 @@ def _engine() -> Any:
     return get_engine()
 
 
+def _print_manifest(path: str) -> int:
+    """The checked manifest of a sharded checkpoint as one JSON document:
+    an indexed manifest's global tensors and groups read from its index."""
+    from tierstore.shardmeta import read_manifest
+
+    m = read_manifest(path)
+    out = {k: v for k, v in m.items() if k not in ("tensors", "groups", "index_file")}
+    out["tensors"] = {n: m["tensors"][n] for n in m["tensors"]}
+    groups = m["groups"]
+    out["groups"] = [
+        {"coords": [list(c) for c in groups[i]], "files": list(groups[i].values())} for i in range(len(groups))
+    ]
+    print(json.dumps(out, indent=1))
+    return 0
+
+
 def _inspect_dir(args: argparse.Namespace) -> int:
     from tierstore import dcp
     from tierstore.layout import Box, Rule
     from tierstore.shardmeta import read_manifest
 
     path = args.file
+    if getattr(args, "manifest", False) and os.path.exists(os.path.join(path, "manifest.json")):
+        return _print_manifest(path)
     rows: list[dict[str, Any]]
     if dcp.is_dcp(path) and not os.path.exists(os.path.join(path, "manifest.json")):
         ck = dcp.DcpCheckpoint(path, weights_only=not args.unsafe)
@@ -401,6 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--no-verify", action="store_true", help="do not read the data to check checksums")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.add_argument("--unsafe", action="store_true", help="DCP metadata: allow globals outside DCP's own classes")
+    i.add_argument(
+        "--manifest", action="store_true",
+        help="sharded checkpoint: print its manifest as one JSON document (an indexed one's sections included)",
+    )  # fmt: skip
     i.set_defaults(func=cmd_inspect)
     v = sub.add_parser("verify", help="check every checksum and everything a load relies on; exit 1 on damage")
     v.add_argument("file")

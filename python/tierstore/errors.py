@@ -53,6 +53,7 @@ __all__ = [
     "InvalidArgumentTypeError",
     "LayoutError",
     "ManifestError",
+    "MissingKeyError",
     "MissingRecordError",
     "NoSpaceError",
     "NotAContainerError",
@@ -157,6 +158,11 @@ class ManifestError(CorruptFileError):
 
 class MissingRecordError(FormatError):
     """A record the file needs is absent."""
+
+
+class MissingKeyError(TierstoreError, KeyError):
+    """A name a checkpoint's table does not hold (a ``KeyError``, as a
+    mapping raises)."""
 
 
 class ChecksumError(FormatError):

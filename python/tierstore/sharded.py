@@ -66,6 +66,7 @@ from tierstore.shardmeta import (
     FORMAT,
     FORMAT_VERSION,
     dtype_of,
+    index_name,
     write_manifest,
 )
 
@@ -700,5 +701,7 @@ def _error_named(name: str) -> type[TierstoreError]:
 def _collect_garbage(d: Path, save_id: str) -> None:
     for f in d.iterdir():
         n = f.name
-        if (n.startswith(("rank-", "objects-"))) and n.endswith(".pt") and f".{save_id}." not in n:
+        data = n.startswith(("rank-", "objects-")) and n.endswith(".pt") and f".{save_id}." not in n
+        index = n.startswith("index.") and n.endswith(".bin") and n != index_name(save_id)
+        if data or index:
             f.unlink(missing_ok=True)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tierstore import _archive, _metadata, _paths, manifest
+from tierstore import _archive, _index, _metadata, _paths, manifest
 from tierstore._fs import write_atomic
 from tierstore.errors import LayoutError, ManifestError, NotFoundError
 from tierstore.layout import Box, Layout, Piece, Rule
@@ -62,7 +62,38 @@ def _itemsize(dt: torch.dtype) -> int:
     return torch.empty((), dtype=dt).element_size()
 
 
+# manifest.json holds its global tensors inline up to this many bytes of
+# them; beyond, they go to an index file a loading rank reads in part
+# (:mod:`tierstore._index`). TIERSTORE_MANIFEST_INDEX_BYTES overrides it.
+INDEX_MIN_BYTES = 1 << 20
+
+
+def _index_min_bytes() -> int:
+    v = os.environ.get("TIERSTORE_MANIFEST_INDEX_BYTES")
+    return int(v) if v is not None and v.strip().isdigit() else INDEX_MIN_BYTES
+
+
+def index_name(save_id: str) -> str:
+    return f"index.{save_id}.bin"
+
+
 def write_manifest(d: Path, m: dict[str, Any], durable: bool = True) -> None:
+    """Commits manifest ``m`` (an atomic replace of manifest.json). A large
+    one's global tensors and rule groups go to an index file first
+    (written and made durable before the manifest that names it)."""
+    tensors, groups = m.get("tensors", {}), m.get("groups", [])
+    threshold = _index_min_bytes()
+    size = 0
+    for name, g in tensors.items():
+        size += len(name) + 64 + (len(g["pieces"]) * 48 if "pieces" in g else 160)
+        if size > threshold:
+            break
+    if size > threshold or len(groups) * 32 > threshold:
+        data, rec = _index.build(tensors, groups)
+        name = index_name(str(m["save_id"]))
+        write_atomic(d / name, data, durable)
+        m = {k: v for k, v in m.items() if k not in ("tensors", "groups")}
+        m["index"] = {"name": name, **rec}
     write_atomic(d / MANIFEST, _metadata.dumps(m), durable)
 
 
@@ -135,41 +166,26 @@ def _validate(m: dict[str, Any], d: Path, where: str, data: bytes) -> dict[str, 
             )
         if roff + rsize > files[fi]["bytes"]:
             f.fail(f"{fld}.record_offset", f"a record inside its file ({files[fi]['bytes']} bytes)", roff)
-    tensors = f.mapping(f.get(m, "tensors", "tensors"), "tensors")
-    groups = _groups(f, m.get("groups", []) if v >= 3 else [], len(files))
+    indexed = v >= 3 and "index" in m
     proven: set[tuple[int, tuple[int, ...]]] = set()
-    for name, g in tensors.items():
-        fld = f"tensors[{name[:100]!r}]"
-        f.mapping(g, fld)
-        gshape = f.shape(f.get(g, "shape", f"{fld}.shape"), f"{fld}.shape")
-        dtype_of(f.get(g, "dtype", f"{fld}.dtype"), where, f"{fld}.dtype")
-        if v >= 3 and "rule" in g:
-            _rule_entry(f, name, g, gshape, groups, proven, fld)
-            continue
-        pieces = f.array(f.get(g, "pieces", f"{fld}.pieces"), f"{fld}.pieces")
-        for j, pc in enumerate(pieces):
-            pf = f"{fld}.pieces[{j}]"
-            f.array(pc, pf, length=3)
-            si = f.uint(pc[0], f"{pf}[0]")
-            if si >= len(stored):
-                f.fail(f"{pf}[0]", f"an index into stored (of {len(stored)})", si)
-            s = stored[si]
-            if s["dtype"] != g["dtype"]:
-                f.fail(f"{fld}.dtype", f"the dtype of stored[{si}] ({s['dtype']})", g["dtype"])
-            box = _box(f, pc[1], f"{pf}[1]", len(gshape))
-            if not box.within(gshape):
-                f.fail(f"{pf}[1]", f"a box inside the global shape {list(gshape)}", pc[1])
-            lshape = tuple(s["shape"])
-            if isinstance(pc[2], list):
-                lbox = _box(f, pc[2], f"{pf}[2]", len(lshape))
-                if not lbox.within(lshape):
-                    f.fail(f"{pf}[2]", f"a box inside the stored shape {list(lshape)}", pc[2])
-                if [n for n in lbox.lengths if n != 1] != [n for n in box.lengths if n != 1]:
-                    f.fail(f"{pf}[2]", f"a box of the global box's shape {list(box.lengths)}", pc[2])
-            else:
-                at = f.uint(pc[2], f"{pf}[2]")
-                if at + box.numel > math.prod(lshape):
-                    f.fail(f"{pf}[2]", f"a flat offset with {box.numel} elements inside stored[{si}]", at)
+    groups: Any
+    if indexed:
+        idx = _open_index(f, m, d, where)
+        groups = _Groups(idx, f, len(files))
+
+        def check(name: str, g: Any) -> Any:
+            _tensor_entry(f, name, g, v, groups, proven, stored, where)
+            return g
+
+        tensors: Any = _index.Sections(idx, check)
+        m["index_file"] = idx
+    else:
+        tensors = f.mapping(f.get(m, "tensors", "tensors"), "tensors")
+        groups = _groups(f, m.get("groups", []) if v >= 3 else [], len(files))
+        for name, g in tensors.items():
+            _tensor_entry(f, name, g, v, groups, proven, stored, where)
+    m["tensors"] = tensors
+    m["groups"] = groups
     objects = f.mapping(m.get("objects", {}), "objects")
     for k, name in objects.items():
         _paths.member(d, name, source=where, field=f"objects[{k[:100]!r}]")
@@ -197,11 +213,11 @@ def _validate(m: dict[str, Any], d: Path, where: str, data: bytes) -> dict[str, 
 
     paths = f.mapping(m.get("paths", {}), "paths")
     held = {s.get("key") for s in stored} | set(tensors) | set(objects) | set(per_rank) if paths else set()
-    if paths:
+    if paths and not indexed:
         held.update(p[1] for g in tensors.values() for p in g.get("parts", ()))
     for k, pth in paths.items():
         fld = f"paths[{k[:100]!r}]"
-        if k not in held:
+        if k not in held and not indexed:  # (an indexed manifest's keys are in sections not read here)
             f.fail(fld, "the path of a key the checkpoint holds", k[:100])
         got = _tree.check_path(pth, k)
         if got is None:
@@ -212,6 +228,82 @@ def _validate(m: dict[str, Any], d: Path, where: str, data: bytes) -> dict[str, 
     m.setdefault("objects", {})
     m.setdefault("per_rank_objects", {})
     return m
+
+
+def _tensor_entry(
+    f: _metadata.Fields,
+    name: str,
+    g: Any,
+    v: int,
+    groups: Any,
+    proven: set[tuple[int, tuple[int, ...]]],
+    stored: list[Any],
+    where: str,
+) -> None:
+    """Checks one global tensor's entry: a rule's (version 3), or its pieces'."""
+    fld = f"tensors[{name[:100]!r}]"
+    f.mapping(g, fld)
+    gshape = f.shape(f.get(g, "shape", f"{fld}.shape"), f"{fld}.shape")
+    dtype_of(f.get(g, "dtype", f"{fld}.dtype"), where, f"{fld}.dtype")
+    if v >= 3 and "rule" in g:
+        _rule_entry(f, name, g, gshape, groups, proven, fld)
+        return
+    pieces = f.array(f.get(g, "pieces", f"{fld}.pieces"), f"{fld}.pieces")
+    for j, pc in enumerate(pieces):
+        pf = f"{fld}.pieces[{j}]"
+        f.array(pc, pf, length=3)
+        si = f.uint(pc[0], f"{pf}[0]")
+        if si >= len(stored):
+            f.fail(f"{pf}[0]", f"an index into stored (of {len(stored)})", si)
+        s = stored[si]
+        if s["dtype"] != g["dtype"]:
+            f.fail(f"{fld}.dtype", f"the dtype of stored[{si}] ({s['dtype']})", g["dtype"])
+        box = _box(f, pc[1], f"{pf}[1]", len(gshape))
+        if not box.within(gshape):
+            f.fail(f"{pf}[1]", f"a box inside the global shape {list(gshape)}", pc[1])
+        lshape = tuple(s["shape"])
+        if isinstance(pc[2], list):
+            lbox = _box(f, pc[2], f"{pf}[2]", len(lshape))
+            if not lbox.within(lshape):
+                f.fail(f"{pf}[2]", f"a box inside the stored shape {list(lshape)}", pc[2])
+            if [n for n in lbox.lengths if n != 1] != [n for n in box.lengths if n != 1]:
+                f.fail(f"{pf}[2]", f"a box of the global box's shape {list(box.lengths)}", pc[2])
+        else:
+            at = f.uint(pc[2], f"{pf}[2]")
+            if at + box.numel > math.prod(lshape):
+                f.fail(f"{pf}[2]", f"a flat offset with {box.numel} elements inside stored[{si}]", at)
+
+
+def _open_index(f: _metadata.Fields, m: dict[str, Any], d: Path, where: str) -> _index.Index:
+    rec = f.mapping(m["index"], "index")
+    name = f.get(rec, "name", "index.name")
+    p = _paths.member(d, name, source=where, field="index.name")
+    for k in ("bytes", "table_bytes", "tensors", "groups"):
+        f.uint(f.get(rec, k, f"index.{k}"), f"index.{k}")
+    f.uint(f.get(rec, "table_crc32", "index.table_crc32"), "index.table_crc32", most=_U32)
+    return _index.Index(p, rec, where)
+
+
+class _Groups:
+    """The rule groups of an indexed manifest, each read and checked when
+    first asked for: ``{position: file index}``."""
+
+    def __init__(self, idx: _index.Index, f: _metadata.Fields, nfiles: int) -> None:
+        self.idx, self.f, self.nfiles = idx, f, nfiles
+        self._n = sum(1 for k, _n in idx.keys if k == _index.GROUP)
+        self._got: dict[int, dict[tuple[int, ...], int]] = {}
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, gi: int) -> dict[tuple[int, ...], int]:
+        got = self._got.get(gi)
+        if got is None:
+            i = self.idx.find(_index.GROUP, str(gi))
+            if i is None:
+                self.f.fail("index", f"a section for group {gi}", "none")
+            got = self._got[gi] = _groups(self.f, [self.idx.section(i)], self.nfiles)[0]
+        return got
 
 
 def _groups(f: _metadata.Fields, v: Any, nfiles: int) -> list[dict[tuple[int, ...], int]]:
@@ -422,15 +514,18 @@ class Checkpoint:
         self._views: dict[int, _FileView] = {}
         self._tiled: set[str] = set()
         # Per group of rule positions: {position: file index} (version 3).
-        self.placements = [
-            {tuple(c): fi for c, fi in zip(g["coords"], g["files"], strict=True)} for g in m.get("groups", [])
-        ]
+        self.placements: Any = m["groups"]
+        self.index_file: _index.Index | None = m.get("index_file")
         # stored index -> the pieces manifest.json says it holds, in a form
         # comparable with the layout the data file recorded for the tensor.
         self._pieces_of: dict[int, list[tuple[Any, ...]]] = {}
-        for name, g in m["tensors"].items():
-            for sidx, box, local in g.get("pieces", ()):
-                self._pieces_of.setdefault(sidx, []).append(_piece_key(name, box, local))
+        if self.index_file is None:
+            for name, g in m["tensors"].items():
+                for sidx, box, local in g.get("pieces", ()):
+                    self._pieces_of.setdefault(sidx, []).append(_piece_key(name, box, local))
+        # (An indexed manifest's explicit pieces are checked against their files
+        # as their tensors are looked up: see _check_piece.)
+        self._file_layouts: dict[int, Layout] = {}
         self._index: dict[str, GlobalIndex | RuleIndex] = {}
         self._resolved: dict[tuple[int, str], int] = {}
 
@@ -451,6 +546,8 @@ class Checkpoint:
             sources = []
             for sidx, box, local in g["pieces"]:
                 s = self.stored[sidx]
+                if self.index_file is not None:
+                    self._check_piece(sidx, name, box, local, g["shape"])
                 piece_local: Box | int = Box.from_json(local) if isinstance(local, list) else int(local)
                 sources.append(
                     Source(
@@ -640,6 +737,33 @@ class Checkpoint:
                 for src in idx.all_sources():
                     self.resolve(src)
 
+    def _check_piece(self, si: int, name: str, box: Any, local: Any, shape: Any) -> None:
+        """One piece an indexed manifest gives stored tensor ``si``, against the
+        layout its data file recorded (as :meth:`_check_layout` does for the
+        pieces of a manifest read whole)."""
+        lay = self._file_layouts.get(si)
+        s = self.stored[si]
+        view = self._view(s["file"])
+        if lay is None:
+            t = view.tensors.get(s["key"])
+            try:
+                lay = Layout.from_json(t["layout"] if isinstance(t, dict) else None)  # type: ignore[arg-type]
+            except Exception as e:  # any malformed layout in the data file
+                raise view.bad(f"stored[{si}] ({s['key']!r}): the file records no valid layout for it "
+                               f"({type(e).__name__})") from None  # fmt: skip
+            self._file_layouts[si] = lay
+        held = {_piece_key(p.tensor, p.box.to_json(), _local_json(p)) for p in lay.pieces}
+        if _piece_key(name, box, local) not in held:
+            raise view.bad(
+                f"stored[{si}] ({s['key']!r}): manifest.json says it holds {name!r} box {box}, which its data "
+                "file's layout does not"
+            )
+        if tuple(shape) != tuple(lay.global_shapes.get(name, ())):
+            raise view.bad(
+                f"stored[{si}] ({s['key']!r}): global tensor {name!r} has shape {list(shape)} in manifest.json "
+                f"and {list(lay.global_shapes.get(name, ()))} in the data file's layout"
+            )
+
     def _check_layout(self, si: int, s: dict[str, Any], lay_json: Any, bad: Any) -> None:
         """The pieces manifest.json gives stored tensor ``si`` against the
         layout its data file recorded for it: every piece it names must be
@@ -656,6 +780,8 @@ class Checkpoint:
             raise bad(f"stored[{si}] ({key!r}): the file records no valid layout for it ({type(e).__name__})") from None
         if lay.local_shape != tuple(s["shape"]):
             raise bad(f"stored[{si}] ({key!r}): the file's layout is for a local shape {list(lay.local_shape)}")
+        if self.index_file is not None:
+            return  # each piece is checked as its tensor is looked up (_check_piece)
         held = {_piece_key(p.tensor, p.box.to_json(), _local_json(p)): p for p in lay.pieces}
         named = self._pieces_of.get(si, [])
         tensors = self.manifest["tensors"]

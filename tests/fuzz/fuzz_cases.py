@@ -1659,11 +1659,21 @@ def sharded_build(ctx: Ctx, d: Path) -> Sharded:
     if ctx.env.template is not None:
         opts.append(("dist", 0.25))
     v = pick(ctx.rng, [(n, w, n) for n, w in opts])[0]
-    if v == "whole":
-        return sharded_variant_whole(ctx, d)
-    if v == "pieces":
-        return sharded_variant_pieces(ctx, d)
-    return sharded_variant_dist(ctx, d)
+    if v == "dist":
+        return sharded_variant_dist(ctx, d)
+    # A third of the one-process saves write an indexed manifest (global
+    # tensors in index.<id>.bin, read in part), as large checkpoints do.
+    indexed = ctx.rng.random() < 0.33
+    old = os.environ.get("TIERSTORE_MANIFEST_INDEX_BYTES")
+    if indexed:
+        os.environ["TIERSTORE_MANIFEST_INDEX_BYTES"] = "0"
+    try:
+        return sharded_variant_whole(ctx, d) if v == "whole" else sharded_variant_pieces(ctx, d)
+    finally:
+        if old is None:
+            os.environ.pop("TIERSTORE_MANIFEST_INDEX_BYTES", None)
+        else:
+            os.environ["TIERSTORE_MANIFEST_INDEX_BYTES"] = old
 
 
 def data_files(d: Path, prefix: str) -> list[Path]:
@@ -2070,6 +2080,24 @@ def sharded_file_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[s
         p = one(ranks())
         return f"{p.name}: " + flip_bits(p, rng)
 
+    def f_index() -> str:
+        """An indexed manifest's index file: bits flipped in its table or a
+        section, cut short, extended, or swapped for another save's."""
+        idx = sorted(d.glob("index.*.bin"))
+        if not idx:
+            return f_rank_flip()
+        p = idx[0]
+        how = rng.choice(["flip", "flip_table", "truncate", "extend", "zero"])
+        if how == "flip":
+            return f"{p.name}: " + flip_bits(p, rng)
+        if how == "flip_table":
+            return f"{p.name} table: " + flip_bits(p, rng, 0, min(p.stat().st_size, 16 + 29 * 4), n=1)
+        if how == "truncate":
+            return f"{p.name}: " + truncate(p, rng, None)
+        if how == "extend":
+            return f"{p.name}: " + extend(p, rng)
+        return f"{p.name}: " + zero_block(p, rng)
+
     def f_rank_data_flip() -> str:
         p = one(ranks())
         zm = zip_map(p.read_bytes())
@@ -2226,6 +2254,7 @@ def sharded_file_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[s
 
     return [
         ("rank_flip", 8, f_rank_flip),
+        ("index_damage", 3, f_index),
         ("rank_data_flip", 8, f_rank_data_flip),
         ("rank_meta_flip", 4, f_rank_meta_flip),
         ("rank_truncate", 5, f_rank_trunc),
