@@ -89,6 +89,8 @@ bench-checkpoint: setup ## training loop with torch.save, DCP async_save and the
 
 bench-scale: setup ## sharded metadata of W ranks x T tensors, simulated (commit, manifest, planning; DCP's planner)
 	$(VPY) benches/bench_scale.py --ranks 64,256,1024 --tensors 100 --memory --json docs/bench/scale.json --out docs/bench/scale.txt
+	$(VPY) benches/bench_scale.py --ranks 16384 --tensors 1000 --tp 8 --pp 16 --families zero3 --memory \
+		--json docs/bench/scale_16k.json --out docs/bench/scale_16k.txt  # about 20 minutes on 2 cores
 
 bench-offload: setup ## optimizer offload: in memory, naive, tierstore on 1 and 2 paths, DeepSpeed (needs root for loop devices)
 	$(VPY) benches/bench_offload.py --json docs/bench/offload.json | tee docs/bench/offload.txt

@@ -41,6 +41,34 @@ def member(root: str | os.PathLike[str], name: Any, *, source: str, field: str, 
     returned as it is, for the caller to report.
     """
     rootp = Path(root)
+    text: str = check_name(rootp, name, source=source, field=field)
+
+    def bad(why: str) -> UnsafePathError:
+        return UnsafePathError(
+            f"{source}: {field}: {why}; a checkpoint may only name files inside {rootp}", path=source, record=field
+        )
+
+    p = rootp / text
+    if not inside(rootp, p):
+        raise bad(f"name {text[:200]!r} leads outside the checkpoint (through a symlink)")
+    if regular:
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            return p
+        except OSError as e:
+            raise os_error(e, str(p), "stat") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise bad(f"{text[:200]!r} is not a regular file ({_kind(st.st_mode)})")
+    return p
+
+
+def check_name(root: Path, name: Any, *, source: str, field: str) -> str:
+    """The checks of :func:`member` that need no file system: ``name`` is a
+    relative path with no empty, '.' or '..' component (a reader that checks
+    a table of many names this way checks each with :func:`member` before
+    it opens it)."""
+    rootp = root
 
     def bad(why: str) -> UnsafePathError:
         return UnsafePathError(
@@ -56,19 +84,7 @@ def member(root: str | os.PathLike[str], name: Any, *, source: str, field: str, 
     parts = name.replace("\\", "/").split("/")
     if any(p in ("", ".", "..") for p in parts):
         raise bad(f"name {name[:200]!r} has an empty, '.' or '..' component")
-    p = rootp / name
-    if not inside(rootp, p):
-        raise bad(f"name {name[:200]!r} leads outside the checkpoint (through a symlink)")
-    if regular:
-        try:
-            st = os.stat(p)
-        except FileNotFoundError:
-            return p
-        except OSError as e:
-            raise os_error(e, str(p), "stat") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise bad(f"{name[:200]!r} is not a regular file ({_kind(st.st_mode)})")
-    return p
+    return name
 
 
 def _kind(mode: int) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierstore import _core, _dist, _limits, _tree
+from tierstore import _core, _dist, _limits, _paths, _tree
 from tierstore._engine import get_engine
 from tierstore._leaves import flatten, is_dtensor, tensor_and_layout
 from tierstore.errors import FormatError, InvalidArgumentError, LayoutError, MissingRecordError, NotFoundError
@@ -468,7 +468,7 @@ def _check_consolidated_size(d: Path, m: dict[str, Any]) -> None:
         total += numel * torch.empty((), dtype=_dtype(g["dtype"])).element_size()
     on_disk = 0
     for i, fe in enumerate(m["files"]):
-        p = d / fe["name"]
+        p = _paths.member(d, fe["name"], source=where, field=f"files[{i}].name")
         try:
             on_disk += p.stat().st_size
         except FileNotFoundError:

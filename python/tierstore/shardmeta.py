@@ -138,7 +138,8 @@ def _validate(m: dict[str, Any], d: Path, where: str, data: bytes) -> dict[str, 
         fld = f"files[{i}]"
         f.mapping(fe, fld)
         f.uint(f.get(fe, "rank", f"{fld}.rank"), f"{fld}.rank", most=world - 1)
-        _paths.member(d, f.get(fe, "name", f"{fld}.name"), source=where, field=f"{fld}.name")
+        # The name's text here; the file system (symlinks, file type) when the file is first used.
+        _paths.check_name(d, f.get(fe, "name", f"{fld}.name"), source=where, field=f"{fld}.name")
         f.uint(f.get(fe, "bytes", f"{fld}.bytes"), f"{fld}.bytes")
         if v >= 2:
             f.uint(f.get(fe, "manifest_crc32", f"{fld}.manifest_crc32"), f"{fld}.manifest_crc32", most=_U32)
@@ -591,7 +592,7 @@ class Checkpoint:
         if got is not None:
             return got
         fe = self.manifest["files"][fi]
-        p = str(self.files[fi])
+        p = str(_paths.member(self.dir, fe["name"], source=self.manifest_path, field=f"files[{fi}].name"))
         if not os.path.exists(p):
             raise NotFoundError(f"{p}: shard file of the checkpoint is missing", path=p)
         arch, fm, offsets = _archive.open_archive(p)
