@@ -224,7 +224,14 @@ class Rule:
         return tuple(s.count for s in self.splits) + ((self.flat,) if self.flat else ())
 
     def validate(self, what: str = "rule") -> None:
-        """Checks that the rule is well formed (so that it tiles its tensor)."""
+        """Checks that the rule is well formed (so that it tiles its tensor);
+        remembered on the rule."""
+        if self.__dict__.get("_valid"):
+            return
+        self._validate(what)
+        self.__dict__["_valid"] = True
+
+    def _validate(self, what: str) -> None:
         nd = len(self.shape)
         if not self.tensor or any(n < 0 for n in self.shape) or self.flat < 0:
             raise LayoutError(f"{what}: a rule needs a tensor name, a shape of lengths >= 0 and flat >= 0")
@@ -425,6 +432,10 @@ class Layout:
         return self.replicated or p.tensor in self.replicated_tensors
 
     def validate(self, what: str = "layout") -> None:
+        if self.rule is not None and self.__dict__.get("_rule_holds"):
+            # Made by its rule and never changed: the rule's checks cover it.
+            self.rule.validate(what)
+            return
         local_numel = math.prod(self.local_shape)
         covered = 0
         for p in self.pieces:
@@ -486,8 +497,9 @@ class Layout:
         # Unreplicated, it is the one position of a rule; replicated, each
         # holder is told on its own whether it writes it (writes balanced
         # over the ranks per tensor).
-        rule = None if replicated else Rule(name, s, (), 0, False)
-        return Layout(s, (Piece(name, Box.whole(s), Box.whole(s)),), {name: s}, replicated, rule=rule)
+        if not replicated:
+            return Rule(name, s, (), 0, False).layout_at(())
+        return Layout(s, (Piece(name, Box.whole(s), Box.whole(s)),), {name: s}, replicated)
 
     @staticmethod
     def block(

@@ -215,7 +215,13 @@ def rule_table(tensors: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout
 
 
 def _digest(entries: list[Any]) -> str:
-    return hashlib.blake2b(json.dumps(entries, separators=(",", ":")).encode(), digest_size=16).hexdigest()
+    """A rule table's digest (BLAKE2b-128 of a canonical text of its entries;
+    every rank runs the same code, so equal tables give equal digests)."""
+    parts = []
+    for key, rj, dtype in entries:
+        sp = ";".join(f"{d},{c},{m},{z}" for d, c, m, z in rj["splits"])
+        parts.append(f"{key!r}|{rj['tensor']!r}|{rj['shape']}|{sp}|{rj['flat']}|{rj['replicated']}|{dtype}")
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
 
 
 def holdings_meta(
@@ -382,7 +388,8 @@ def write_sharded(
     # replicated tensor; each rank is sent only its own decisions (no rank's
     # metadata goes to every rank).
     table = rule_table(tensors, layouts)
-    metas = _gather(holdings_meta(tensors, layouts, world, table), world, pg)
+    my_meta = holdings_meta(tensors, layouts, world, table)
+    metas = _gather(my_meta, world, pg)
     decisions = decide_writers(metas, d, save_id) if rank == 0 else None
     decision = _scatter(decisions, world, pg)
     save_id = decision["save_id"]
@@ -392,7 +399,7 @@ def write_sharded(
     mine = {k: t for k, t in tensors.items() if k not in skip}
     file_info: dict[str, Any] = {"rank": rank, "tensors": {}, "objects_file": None, "paths": paths}
     if decision.get("describe"):
-        by_digest = {_digest(entries): entries for entries in table.values()}
+        by_digest = {g[1]: table[tuple(g[0])] for g in my_meta.get("groups", ())}
         file_info["rules"] = {dg: by_digest[dg] for dg in decision["describe"]}
     fname = f"rank-{rank:05d}.{save_id}.pt"
 
@@ -612,6 +619,7 @@ def _place_rules(
                 placed.setdefault(dg, {})[coords] = file_of_rank[r]
     out: list[dict[str, Any]] = []
     positions: dict[str, list[list[tuple[int, ...]]]] = {}
+    parsed: dict[str, Rule] = {}
     for dg, where in sorted(placed.items()):
         entries = tables.get(dg)
         if entries is None:
@@ -622,6 +630,7 @@ def _place_rules(
         shared = [c for c, hs in holders[dg].items() if len(hs) > 1]
         for key, rj, dtype in entries:
             rule = Rule.from_json(rj)
+            parsed[rule.tensor] = rule
             if shared and not rule.replicated:
                 c = shared[0]
                 raise CoverageError(
@@ -645,7 +654,7 @@ def _place_rules(
     proven: set[tuple[tuple[int, ...], tuple[int, ...], bool]] = set()
     for name, parts in positions.items():
         g = globals_[name]
-        rule = Rule.from_json(g["rule"])
+        rule = parsed[name]
         memo = (tuple(p[0] for p in g["parts"]), rule.axes, rule.replicated)  # the same groups, the same proof
         if memo not in proven:
             _prove_positions(rule, parts)
