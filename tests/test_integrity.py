@@ -244,7 +244,8 @@ def test_resealed_metadata_is_checked_against_the_data_files(tmp_path: Path, edi
 
 
 @pytest.mark.parametrize(
-    "edit", ["split_count", "split_dim", "swap_files", "move_position", "drop_position", "key", "dtype", "shape"]
+    "edit",
+    ["split_count", "split_dim", "swap_files", "move_position", "drop_position", "key", "dtype", "shape", "empty"],
 )
 def test_a_resealed_rule_is_checked_against_the_data_files(tmp_path: Path, edit: str) -> None:
     """A tensor stored by a sharding rule: manifest.json holds the rule and
@@ -274,6 +275,10 @@ def test_a_resealed_rule_is_checked_against_the_data_files(tmp_path: Path, edit:
     elif edit == "shape":
         g["shape"] = [8, 16]
         g["rule"]["shape"] = [8, 16]
+    elif edit == "empty":  # no element left to read: each position is still checked against its file
+        g["shape"] = [0, 8]
+        g["rule"]["shape"] = [0, 8]
+        g["rule"]["splits"][0][3] = 0
     _reseal(d, m)
     with pytest.raises(TierstoreError):
         consolidate(d, per_rank_policy="rank0")

@@ -484,6 +484,14 @@ class RuleIndex:
     def all_sources(self) -> list[Source]:
         return [s for c in sorted(self.where) for s in self.sources_at(c)]
 
+    def check_positions(self) -> None:
+        """Every position against its data file (the rule, position, dtype
+        and shape the file recorded), those that hold no element included:
+        a manifest that shrinks a tensor to nothing is refused too."""
+        for c in sorted(self.where):
+            fi, key = (self.where[c], self.key) if self.key is not None else self.where[c]
+            self.ck.rule_source(fi, key, self.rule, c, self.dtype)
+
     def overlapping(self, box: Box) -> list[tuple[Source, Box]]:
         out = []
         for coords in self.rule.coords_meeting(box):
@@ -735,8 +743,7 @@ class Checkpoint:
             if "rule" in g:
                 idx = self.lookup(name)
                 assert isinstance(idx, RuleIndex)
-                for src in idx.all_sources():
-                    self.resolve(src)
+                idx.check_positions()
 
     def _check_piece(self, si: int, name: str, box: Any, local: Any, shape: Any) -> None:
         """One piece an indexed manifest gives stored tensor ``si``, against the
