@@ -249,6 +249,9 @@ def planning_simulation(n_tensors: int = 10_000, ranks: int = 64) -> tuple[float
         def __init__(self) -> None:
             self.index: dict[str, GlobalIndex] = {}
 
+        def lookup(self, name: str) -> GlobalIndex | None:
+            return self.index.get(name)
+
         def check_tensor(self, name: str) -> None:  # as Checkpoint does: the saved pieces tile the tensor
             idx = self.index[name]
             prove_tiling_arrays(name, idx.shape, idx.lo, idx.hi, "simulation")

@@ -26,6 +26,7 @@ __all__ = [
     "join_halves",
     "open_container",
     "probe_path",
+    "read_blocks",
     "read_directory_stream",
     "read_ranges_verified",
     "split_halves",
@@ -263,5 +264,15 @@ def read_ranges_verified(
     full: bool = False,
     background: bool = False,
 ) -> tuple[int, int]: ...
+def read_blocks(
+    engine: Engine,
+    path: _PathLike,
+    blocks: bytes,
+    dims: int,
+    tables: list[tuple[str, int, int, int, str, bytes]],
+    *,
+    verify: str = "touched",
+    background: bool = False,
+) -> tuple[int, int, int]: ...
 def split_halves(src: int, hi: int, lo: int, n: int, threads: int = 1) -> None: ...
 def join_halves(hi: int, lo: int, out: int, n: int, threads: int = 1) -> None: ...

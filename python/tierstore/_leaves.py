@@ -7,6 +7,7 @@ through these."""
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeGuard
@@ -88,12 +89,12 @@ def _dtensor_rule(key: str, t: Any, gshape: tuple[int, ...], replicated: bool) -
 
 
 def is_dtensor(v: Any) -> TypeGuard[DTensor]:
-    """Whether ``v`` is a DTensor (False where torch has no distributed tensors)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(v, DTensor)
+    """Whether ``v`` is a DTensor (False where torch has no distributed
+    tensors). No DTensor exists until ``torch.distributed.tensor`` has been
+    imported, so this never imports it (that import costs about a second)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    dt = getattr(mod, "DTensor", None) if mod is not None else None
+    return dt is not None and isinstance(v, dt)
 
 
 def tensor_and_layout(key: str, v: torch.Tensor, world: int) -> tuple[torch.Tensor, Layout]:

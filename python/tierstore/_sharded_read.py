@@ -22,11 +22,10 @@ from tierstore._engine import get_engine
 from tierstore._leaves import flatten, is_dtensor, tensor_and_layout
 from tierstore.errors import FormatError, InvalidArgumentError, LayoutError, MissingRecordError, NotFoundError
 from tierstore.layout import Box, Layout, Piece, layout_of
-from tierstore.reshard import CoverageError, Source, merge_runs, prove_coverage, runs_for
+from tierstore.reshard import CoverageError, Source, block_for, prove_coverage
 from tierstore.shardmeta import (
     MANIFEST,
     Checkpoint,
-    ChunkTable,
     dtype_of,
 )
 
@@ -86,17 +85,35 @@ def make_plan(ck: Checkpoint, targets: list[Target]) -> Plan:
     return Plan(steps, needed)
 
 
-def expand_plan(
-    plan: Plan, targets: list[Target], ck: Checkpoint | None = None
-) -> dict[int, tuple[list[int], list[int], list[int]]]:
-    """Turns a plan into byte ranges per file: (file offsets, lengths,
-    destination addresses), merged where contiguous on both sides. Sources of
-    rule positions get their offsets from their data files' manifests
-    (through ``ck``)."""
+@dataclass
+class FileBlocks:
+    """The copy blocks of one data file: rows of 64-bit integers ``[file
+    offset, address, run bytes, then per outer dimension (count, file stride,
+    memory stride)]`` with ``dims`` outer dimensions per row (unused ones have
+    count 1), as ``_core.read_blocks`` takes them."""
+
+    rows: np.ndarray
+    dims: int
+
+    @property
+    def bytes_needed(self) -> int:
+        r = self.rows
+        if not len(r):
+            return 0
+        n = r[:, 2].copy()
+        for k in range(self.dims):
+            n *= r[:, 3 + 3 * k]
+        return int(n.sum())
+
+
+def expand_plan(plan: Plan, targets: list[Target], ck: Checkpoint | None = None) -> dict[int, FileBlocks]:
+    """Turns a plan into copy blocks per file: one block (an affine grid of
+    byte runs) per pair of saved and target pieces, however many runs it
+    holds; the engine expands and merges them. Sources of rule positions get
+    their offsets from their data files' manifests (through ``ck``)."""
     from tierstore.reshard import affine_map
 
-    # Per file: flat Python lists for small results, NumPy arrays for large ones.
-    per_file: dict[int, tuple[list[int], list[int], list[int], list[Any]]] = {}
+    per_file: dict[int, list[tuple[int, int, int, list[tuple[int, int, int]]]]] = {}
     src_aff: dict[int, tuple[Source, tuple[int, list[int]]]] = {}
     for ti, piece, hits in plan.steps:
         t = targets[ti]
@@ -114,22 +131,20 @@ def expand_plan(
                     src = ck.resolve(src)
                 got = src_aff[id(planned)] = (src, affine_map(src.piece, src.local_shape, nd))
             src, saff = got
-            s_el, d_el, n_el = runs_for(inter, src, piece, t.layout.local_shape, saff, daff)
-            acc = per_file.setdefault(src.file, ([], [], [], []))
-            if isinstance(s_el, list):
-                so = src.offset
-                acc[0].extend([so + x * item for x in s_el])
-                acc[1].extend([base + x * item for x in d_el])
-                acc[2].extend([x * item for x in n_el])
-            else:
-                acc[3].append((src.offset + s_el * item, base + d_el * item, n_el * item))
-    out: dict[int, tuple[list[int], list[int], list[int]]] = {}
-    for f, (ps, pd, pl, arrays) in per_file.items():
-        ss = [np.array(ps, dtype=np.int64)] + [a[0] for a in arrays]
-        ds = [np.array(pd, dtype=np.int64)] + [a[1] for a in arrays]
-        ls = [np.array(pl, dtype=np.int64)] + [a[2] for a in arrays]
-        r = merge_runs(np.concatenate(ss), np.concatenate(ds), np.concatenate(ls))
-        out[f] = (r.src.tolist(), r.length.tolist(), r.dst.tolist())
+            s0, d0, run, outer = block_for(inter, src, piece, t.layout.local_shape, saff, daff)
+            per_file.setdefault(src.file, []).append((
+                src.offset + s0 * item, base + d0 * item, run * item,
+                [(n, ss * item, ds * item) for n, ss, ds in outer],
+            ))  # fmt: skip
+    out: dict[int, FileBlocks] = {}
+    for f, blocks in per_file.items():
+        dims = max(len(b[3]) for b in blocks)
+        rows = np.ones((len(blocks), 3 + 3 * dims), dtype=np.int64)
+        for i, (so, do, run, outer) in enumerate(blocks):
+            rows[i, :3] = (so, do, run)
+            for k, dim in enumerate(outer):
+                rows[i, 3 + 3 * k : 6 + 3 * k] = dim
+        out[f] = FileBlocks(rows, dims)
     return out
 
 
@@ -323,60 +338,28 @@ def read_sharded(
     return state_dict
 
 
-def _blocks(offs: np.ndarray, lens: np.ndarray, block: int = 4096) -> int:
-    """Bytes of the ``block``-byte blocks the ranges touch (each block once)."""
-    keep = lens > 0
-    if not keep.any():
-        return 0
-    lo = offs[keep] // block
-    hi = -(-(offs[keep] + lens[keep]) // block)
-    order = np.argsort(lo, kind="stable")
-    lo, hi = lo[order], hi[order]
-    reach = np.maximum.accumulate(hi)
-    # A block run starts where a range begins past everything before it.
-    start = np.concatenate(([True], lo[1:] >= reach[:-1]))
-    group = np.cumsum(start) - 1
-    first = lo[start]
-    last = np.zeros(len(first), dtype=np.int64)
-    np.maximum.at(last, group, hi)
-    return int((last - first).sum()) * block
-
-
-def read_plan(
-    ck: Checkpoint, plan: dict[int, tuple[list[int], list[int], list[int]]], verify: str | bool
-) -> tuple[int, int, int]:
-    """Reads every file's ranges, each file checked against the manifest
-    first and every touched chunk verified (per ``verify``). Returns the
-    bytes read, verified, and those of the 4 KiB blocks the ranges touch."""
+def read_plan(ck: Checkpoint, plan: dict[int, FileBlocks], verify: str | bool) -> tuple[int, int, int]:
+    """Reads every file's blocks, each file checked against the manifest
+    first and its chunks verified per ``verify`` (the runs expanded, merged
+    and read in the engine, through reused windows where they are short).
+    Returns the bytes read, verified, and those of the 4 KiB blocks the runs
+    touch."""
     engine = get_engine()
     read = checked = blocks = 0
-    for f, (offs, lens, dests) in plan.items():
-        fp = ck.files[f]
+    mode = "none" if verify is False else str(verify)
+    for f, fb in plan.items():
         tables = ck.check_file(f)
-        o = np.asarray(offs, dtype=np.int64)
-        n = np.asarray(lens, dtype=np.int64)
-        blocks += _blocks(o, n)
-        if verify is False:
-            read += _core.transfer_ranges(engine, str(fp), offs, lens, dests)
-            continue
-        tl: list[ChunkTable] = sorted(tables.values(), key=lambda t: t.data_offset)
-        starts = np.array([t.data_offset for t in tl], dtype=np.int64)
-        ids = np.searchsorted(starts, o, side="right") - 1
-        if len(ids) and int(ids.min()) < 0:
-            raise CoverageError(f"{fp}: a read lies before the first stored record; the manifest is damaged")
-        used, local = np.unique(ids, return_inverse=True)
-        r, c = _core.read_ranges_verified(
+        r, c, b = _core.read_blocks(
             engine,
-            str(fp),
-            offs,
-            lens,
-            dests,
-            local.tolist(),
-            [tl[i].as_tuple() for i in used.tolist()],
-            full=verify == "full",
+            str(ck.files[f]),
+            fb.rows.tobytes(),
+            fb.dims,
+            [t.as_tuple() for t in tables.values()],
+            verify=mode,
         )
         read += r
         checked += c
+        blocks += b
     return read, checked, blocks
 
 

@@ -2,9 +2,10 @@
 
 Planning uses metadata alone (the checkpoint manifest and the target layouts)
 and no collectives. For each target piece it intersects the saved pieces of
-the same global tensor (vectorised with NumPy), then turns each intersection
-into runs of bytes that are contiguous both in the source file and in the
-destination tensor, merging neighbouring runs.
+the same global tensor (vectorised with NumPy), then describes each
+intersection as one copy block (an affine grid of byte runs, contiguous both
+in the source file and in the destination tensor) that the engine expands,
+merges and reads in Rust.
 
 Before the data is used, :func:`prove_coverage` shows that every element of
 the target came from exactly one saved element: saved pieces are checked to be
@@ -17,14 +18,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from tierstore.errors import CoverageError
 from tierstore.layout import Box, Layout, Piece
 
-__all__ = ["CoverageError", "GlobalIndex", "Source", "merge_runs", "prove_coverage", "runs_for"]
+__all__ = ["CoverageError", "GlobalIndex", "Source", "block_for", "prove_coverage"]
 
 
 @dataclass(frozen=True)
@@ -126,27 +126,19 @@ def affine_map(piece: Piece, local_shape: Sequence[int], nd: int) -> tuple[int, 
     return base, strides
 
 
-@dataclass
-class Runs:
-    """Byte runs: ``src`` (file offsets), ``dst`` (offsets in the destination
-    tensor, in elements), ``length`` (elements)."""
-
-    src: np.ndarray
-    dst: np.ndarray
-    length: np.ndarray
-
-
-def runs_for(
+def block_for(
     inter: Box,
     src: Source,
     dst_piece: Piece,
     dst_shape: Sequence[int],
     src_affine: tuple[int, list[int]] | None = None,
     dst_affine: tuple[int, list[int]] | None = None,
-) -> tuple[Any, Any, Any]:
-    """Element runs (source local flat, destination local flat, length) that
-    copy ``inter`` from the saved piece to the target piece. Small results
-    are lists, large ones NumPy arrays."""
+) -> tuple[int, int, int, list[tuple[int, int, int]]]:
+    """The copy of ``inter`` from the saved piece to the target piece as one
+    block, in elements: ``(source local flat index, destination local flat
+    index, run length, [(count, source stride, destination stride), ...])``,
+    the runs of ``run`` elements laid out in an affine grid on both sides
+    (the engine expands it; see ``tierstore_core::gather``)."""
     nd = len(inter.offsets)
     sbase, sstr = src_affine or affine_map(src.piece, src.local_shape, nd)
     dbase, dstr = dst_affine or affine_map(dst_piece, dst_shape, nd)
@@ -159,53 +151,13 @@ def runs_for(
         d0 += (o - dbox[d]) * dstr[d]
         if inter.lengths[d] != 1:
             nonunit.append(d)
-    if not nonunit:
-        return [s0], [d0], [1]
-    if _contiguous(inter.lengths, nonunit, sstr) and _contiguous(inter.lengths, nonunit, dstr):
-        # One run in both memories (row blocks, whole flat ranges): the common case.
-        return [s0], [d0], [inter.numel]
-    k = nonunit[-1]
-    if sstr[k] == 1 and dstr[k] == 1:
-        run = inter.lengths[k]
-        outer = nonunit[:-1]
-    else:
-        run = 1
-        outer = nonunit
-    if len(outer) == 1:
-        d = outer[0]
-        n = inter.lengths[d]
-        ss, ds = sstr[d], dstr[d]
-        if n <= 64:
-            return [s0 + i * ss for i in range(n)], [d0 + i * ds for i in range(n)], [run] * n
-        steps = np.arange(n, dtype=np.int64)
-        return s0 + steps * ss, d0 + steps * ds, np.full(n, run, dtype=np.int64)
-    grids = np.indices([inter.lengths[d] for d in outer]).reshape(len(outer), -1)
-    so = s0 + sum(grids[i] * sstr[d] for i, d in enumerate(outer))
-    do = d0 + sum(grids[i] * dstr[d] for i, d in enumerate(outer))
-    return np.asarray(so, dtype=np.int64), np.asarray(do, dtype=np.int64), np.full(len(so), run, dtype=np.int64)
-
-
-def _contiguous(lengths: Sequence[int], nonunit: list[int], strides: list[int]) -> bool:
-    """True when a box of ``lengths`` is one contiguous run under ``strides``."""
-    expect = 1
-    for d in reversed(nonunit):
-        if strides[d] != expect:
-            return False
-        expect *= lengths[d]
-    return True
-
-
-def merge_runs(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Runs:
-    """Joins runs that continue one another in both the file and memory."""
-    if len(src) <= 1:
-        return Runs(src, dst, length)
-    order = np.argsort(dst, kind="stable")
-    src, dst, length = src[order], dst[order], length[order]
-    cont = (src[1:] == src[:-1] + length[:-1]) & (dst[1:] == dst[:-1] + length[:-1])
-    starts = np.concatenate(([True], ~cont))
-    group = np.cumsum(starts) - 1
-    out_len = np.bincount(group, weights=length).astype(np.int64)
-    return Runs(src[starts], dst[starts], out_len)
+    # The innermost dimensions contiguous on both sides make the run.
+    run = 1
+    i = len(nonunit)
+    while i and sstr[nonunit[i - 1]] == run and dstr[nonunit[i - 1]] == run:
+        run *= inter.lengths[nonunit[i - 1]]
+        i -= 1
+    return s0, d0, run, [(inter.lengths[d], sstr[d], dstr[d]) for d in nonunit[:i]]
 
 
 def prove_coverage(name: str, target: Layout, inters: list[list[Box]]) -> None:

@@ -18,7 +18,14 @@
 //! - any other touched chunk (the partial chunks at the ends of a range, the
 //!   chunks that many short ranges share in a column shard) is checksummed
 //!   whole in a read-only mapping of the file, and the ranges' parts of it
-//!   are copied from there.
+//!   are copied from there, in file order, window by window (8 MiB): the
+//!   next windows are asked of the kernel ahead while one is checked, so the
+//!   device streams, and pages a neighbour rank already brought into the
+//!   page cache are used in place.
+//!
+//! Without verification ([`Coverage::None`]) long ranges are read into place
+//! and short ones copied through the same windows; exactly the ranges' bytes
+//! are read.
 //!
 //! A record without chunk checksums (files written before they existed) is
 //! one chunk as long as the record, checked against the record's CRC-32.
@@ -211,6 +218,8 @@ pub enum Coverage {
     Touched,
     /// Every chunk of every table given.
     Full,
+    /// None: the ranges are read, checked only to lie inside their records.
+    None,
 }
 
 /// What a verified read did.
@@ -231,6 +240,167 @@ pub struct TableRange {
 
 /// Bytes of direct reads per batch (verified while the next batch is read).
 const DIRECT_BATCH: usize = 8 << 20;
+
+/// Bytes of a window of [`stream`].
+const WINDOW: u64 = 8 << 20;
+
+/// Windows of [`stream`] asked of the kernel ahead of the one checked.
+const AHEAD: usize = 4;
+
+/// Unverified ranges at least this long are read into place; shorter ones
+/// are copied out of windows.
+const DIRECT_MIN: usize = 64 << 10;
+
+/// A span of the file read into a window: checked as chunk `check` (table,
+/// chunk) where given, then its `parts` copied out to caller memory.
+struct Unit {
+    off: u64,
+    len: u64,
+    check: Option<(usize, u64)>,
+    parts: std::ops::Range<usize>,
+}
+
+/// Bytes `[off, off + len)` of the file, for caller memory `mem`.
+#[derive(Clone, Copy)]
+struct Part {
+    off: u64,
+    len: usize,
+    mem: SendPtr,
+}
+
+/// Reads `units` (sorted by offset, disjoint) window by window from a
+/// read-only mapping of the file: the next [`AHEAD`] windows are asked of
+/// the kernel (`MADV_WILLNEED`, so the device streams) while one is checked
+/// and copied out on `threads` threads. Pages the page cache already holds (a
+/// neighbour rank read them) are used in place, with no copy into a buffer.
+/// Returns the bytes read.
+fn stream(
+    file: &Arc<EngineFile>,
+    units: &[Unit],
+    parts: &[Part],
+    tables: &[ChunkTable],
+    threads: usize,
+) -> Result<u64> {
+    if units.is_empty() {
+        return Ok(0);
+    }
+    let mut windows: Vec<std::ops::Range<usize>> = Vec::new();
+    let (mut first, mut bytes) = (0usize, 0u64);
+    for (k, u) in units.iter().enumerate() {
+        if k > first && bytes + u.len > WINDOW {
+            windows.push(first..k);
+            (first, bytes) = (k, 0);
+        }
+        bytes += u.len;
+    }
+    windows.push(first..units.len());
+    let map = Mapping::new(file)?;
+    // The spans of a window's units, joined across gaps of under 64 KiB
+    // (a hint: the kernel reads whole pages and around them anyway).
+    let spans = |w: usize, f: &dyn Fn(u64, u64)| {
+        let Some(r) = windows.get(w) else { return };
+        let us = &units[r.clone()];
+        let (mut s, mut e) = (us[0].off, us[0].off + us[0].len);
+        for u in &us[1..] {
+            if u.off > e + (64 << 10) {
+                f(s, e - s);
+                s = u.off;
+            }
+            e = e.max(u.off + u.len);
+        }
+        f(s, e - s);
+    };
+    for w in 0..AHEAD {
+        spans(w, &|s, n| map.will_need(s, n));
+    }
+    for w in 0..windows.len() {
+        spans(w + AHEAD, &|s, n| map.will_need(s, n));
+        par_each(&units[windows[w].clone()], threads, 16, |u| {
+            let data = map.slice(u.off, u.len);
+            if let Some((ti, i)) = u.check {
+                tables[ti].verify(file, i, data)?;
+            }
+            for p in &parts[u.parts.clone()] {
+                let from = (p.off - u.off) as usize;
+                // SAFETY: the part lies inside the unit (built so); the
+                // destination is the caller's (contract of the public functions).
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr().add(from), p.mem.0, p.len) };
+            }
+            Ok(())
+        })?;
+    }
+    Ok(units.iter().map(|u| u.len).sum())
+}
+
+/// Unverified reads: long ranges into place, short ones through windows.
+fn read_unverified(
+    engine: &Arc<Engine>,
+    file: &Arc<EngineFile>,
+    ranges: &[TableRange],
+    class: Class,
+    threads: usize,
+) -> Result<Verified> {
+    let mut direct: Vec<IoRange> = Vec::new();
+    let mut short: Vec<IoRange> = Vec::new();
+    for r in ranges.iter().filter(|r| r.range.len > 0) {
+        if r.range.len >= DIRECT_MIN {
+            direct.push(r.range);
+        } else {
+            short.push(r.range);
+        }
+    }
+    short.sort_unstable_by_key(|r| r.offset);
+    let mut units: Vec<Unit> = Vec::new();
+    let mut parts: Vec<Part> = Vec::with_capacity(short.len());
+    for r in &short {
+        let end = r.offset + r.len as u64;
+        match units.last_mut() {
+            Some(u) if r.offset <= u.off + u.len => {
+                u.len = u.len.max(end - u.off);
+                u.parts.end += 1;
+            }
+            _ => units.push(Unit {
+                off: r.offset,
+                len: r.len as u64,
+                check: None,
+                parts: parts.len()..parts.len() + 1,
+            }),
+        }
+        parts.push(Part {
+            off: r.offset,
+            len: r.len,
+            mem: SendPtr(r.buf),
+        });
+    }
+    let direct_bytes: u64 = direct.iter().map(|r| r.len as u64).sum();
+    let task = if direct.is_empty() {
+        None
+    } else {
+        // SAFETY: the destinations are the caller's (contract of
+        // `read_ranges_verified`); the task is joined (or, on an error,
+        // dropped: cancelled and joined) before this function returns.
+        Some(unsafe {
+            ranges::transfer_ranges(
+                engine,
+                Arc::clone(file),
+                direct,
+                Op::Read,
+                class,
+                TaskState::new(),
+                None,
+                None,
+            )
+        }?)
+    };
+    let streamed = stream(file, &units, &parts, &[], threads)?;
+    if let Some(t) = task {
+        t.join()?;
+    }
+    Ok(Verified {
+        read: direct_bytes + streamed,
+        checked: 0,
+    })
+}
 
 /// A read-only shared mapping of a whole file, unmapped on drop.
 pub(crate) struct Mapping {
@@ -449,6 +619,9 @@ pub unsafe fn read_ranges_verified(
             tc.whole[i] = rs <= cs && re >= ce;
         }
     }
+    if coverage == Coverage::None {
+        return read_unverified(engine, file, ranges, class, threads);
+    }
     let direct_chunk = |ti: usize, i: usize| touch[ti].count[i] == 1 && touch[ti].whole[i];
     // Split each range into runs of direct chunks (read into place by the
     // engine) and parts of shared or partial chunks (copied from the mapping).
@@ -600,45 +773,34 @@ pub unsafe fn read_ranges_verified(
     }
     out.read += direct_bytes;
     out.checked += direct_bytes;
-    if !mapped.is_empty() {
-        let map = Mapping::new(file)?;
-        // Start the reads of every record span the mapped chunks lie in, so
-        // that the disk works while the first chunks are checksummed
-        // (`mapped` is in table order).
-        let mut k = 0;
-        while k < mapped.len() {
-            let ti = mapped[k].0;
-            let mut j = k;
-            while j + 1 < mapped.len() && mapped[j + 1].0 == ti {
-                j += 1;
-            }
-            let t = &tables[ti];
-            let (s, _) = t.chunk_span(mapped[k].1);
-            let (_, e) = t.chunk_span(mapped[j].1);
-            map.will_need(t.data_offset + s, e - s);
-            k = j + 1;
-        }
-        par_each(&mapped, threads, 64, |&(ti, i, from, to)| {
+    let mut units: Vec<Unit> = mapped
+        .iter()
+        .map(|&(ti, i, from, to)| {
             let t = &tables[ti];
             let (cs, ce) = t.chunk_span(i);
-            t.verify(file, i, map.slice(t.data_offset + cs, ce - cs))?;
-            for &(_, _, off, len, mem) in &staged[from..to] {
-                let src = map.slice(off, len as u64);
-                // SAFETY: destination per the contract; source inside the mapping.
-                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), mem.0, len) };
+            Unit {
+                off: t.data_offset + cs,
+                len: ce - cs,
+                check: Some((ti, i)),
+                parts: from..to,
             }
-            Ok(())
-        })?;
-        let bytes: u64 = mapped
-            .iter()
-            .map(|&(ti, i, ..)| {
-                let (cs, ce) = tables[ti].chunk_span(i);
-                ce - cs
-            })
-            .sum();
-        out.read += bytes;
-        out.checked += bytes;
+        })
+        .collect();
+    units.sort_unstable_by_key(|u| u.off);
+    if units.windows(2).any(|w| w[0].off + w[0].len > w[1].off) {
+        return Err(Error::corrupt(
+            &file.path,
+            None,
+            "records whose data overlap in the file".to_owned(),
+        ));
     }
+    let parts: Vec<Part> = staged
+        .iter()
+        .map(|&(_, _, off, len, mem)| Part { off, len, mem })
+        .collect();
+    let streamed = stream(file, &units, &parts, tables, threads)?;
+    out.read += streamed;
+    out.checked += streamed;
     Ok(out)
 }
 

@@ -12,6 +12,7 @@
 //! - [`file`]: O_DIRECT opening and the atomic-replace protocol.
 //! - [`copy`]: whole-file copies (reflink or engine requests) for tier promotion.
 //! - [`chunks`]: checksums per 4 KiB chunk of a record, and verified partial reads.
+//! - [`gather`]: copy blocks (affine grids of byte runs) expanded into merged runs.
 //! - [`crc`]: a record's CRC-32 and its chunks' in one pass (CRC combination).
 //! - [`halves`]: 32-bit words split into 16-bit halves and joined (the offload's split masters).
 
@@ -23,6 +24,7 @@ pub mod crc;
 pub mod engine;
 pub mod error;
 pub mod file;
+pub mod gather;
 pub mod halves;
 pub mod io;
 pub mod plan;

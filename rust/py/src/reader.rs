@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tierstore_core::chunks;
 use tierstore_core::file::EngineFile;
+use tierstore_core::gather;
 use tierstore_core::io::{Class, Op};
 use tierstore_core::ranges;
 use tierstore_core::reader::{self, ReadSpec};
@@ -382,25 +383,7 @@ fn read_ranges_verified(
             "offsets, lengths, addresses and table ids differ in length",
         ));
     }
-    let mut tabs = Vec::with_capacity(tables.len());
-    for (record, data_offset, size, chunk, algo, sums) in tables {
-        if sums.len() % 4 != 0 {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "record '{record}': chunk sums are not a whole number of 32-bit words"
-            )));
-        }
-        tabs.push(chunks::ChunkTable {
-            record,
-            data_offset,
-            size,
-            chunk,
-            algo: parse_algo(&algo)?,
-            sums: sums
-                .chunks_exact(4)
-                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        });
-    }
+    let tabs = chunk_tables(tables)?;
     let ranges: Vec<chunks::TableRange> = offsets
         .iter()
         .zip(&lengths)
@@ -433,7 +416,81 @@ fn read_ranges_verified(
     Ok((v.read, v.checked))
 }
 
+/// Reads the runs of copy blocks from `path` into memory and verifies them
+/// against `tables` (the chunk tables of the file's records): `blocks` holds
+/// rows of little-endian 64-bit integers `[file offset, address, run bytes,
+/// then per outer dimension count, file stride, memory stride]` with `dims`
+/// outer dimensions per row (see `tierstore_core::gather`); `verify` is
+/// `"touched"`, `"full"` or `"none"`. The runs are expanded, merged and read
+/// in Rust. Returns `(bytes read, bytes verified, bytes of the 4 KiB blocks
+/// the runs touch)`.
+///
+/// The caller keeps the destination memory alive and untouched during the
+/// call, and the runs must not overlap in memory.
+#[pyfunction]
+#[pyo3(signature = (engine, path, blocks, dims, tables, *, verify="touched", background=false))]
+#[allow(clippy::too_many_arguments)]
+fn read_blocks(
+    py: Python<'_>,
+    engine: &PyEngine,
+    path: PathBuf,
+    blocks: &[u8],
+    dims: usize,
+    tables: Vec<TableTuple>,
+    verify: &str,
+    background: bool,
+) -> PyResult<(u64, u64, u64)> {
+    let coverage = match verify {
+        "touched" => chunks::Coverage::Touched,
+        "full" => chunks::Coverage::Full,
+        "none" => chunks::Coverage::None,
+        other => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "verify must be 'touched', 'full' or 'none', not {other:?}"
+            )))
+        }
+    };
+    let blocks = gather::decode(blocks, dims).py_err(py)?;
+    let tabs = chunk_tables(tables)?;
+    let e = &engine.inner;
+    let class = class_of(background);
+    let got = py
+        .detach(|| {
+            let file = Arc::new(EngineFile::open_read(&path, false)?);
+            // SAFETY: the caller's contract above (the Python side passes the
+            // data pointers of tensors it holds for the duration of this call).
+            unsafe { gather::read_blocks(e, &file, &blocks, tabs, coverage, class) }
+        })
+        .py_err(py)?;
+    Ok((got.verified.read, got.verified.checked, got.blocks_4k))
+}
+
+/// Chunk tables from their Python tuples.
+fn chunk_tables(tables: Vec<TableTuple>) -> PyResult<Vec<chunks::ChunkTable>> {
+    let mut tabs = Vec::with_capacity(tables.len());
+    for (record, data_offset, size, chunk, algo, sums) in tables {
+        if sums.len() % 4 != 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "record '{record}': chunk sums are not a whole number of 32-bit words"
+            )));
+        }
+        tabs.push(chunks::ChunkTable {
+            record,
+            data_offset,
+            size,
+            chunk,
+            algo: parse_algo(&algo)?,
+            sums: sums
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        });
+    }
+    Ok(tabs)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(read_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(split_halves, m)?)?;
     m.add_function(wrap_pyfunction!(join_halves, m)?)?;
     m.add_function(wrap_pyfunction!(read_directory_stream, m)?)?;
