@@ -27,6 +27,7 @@ import json
 import math
 import os
 import zlib
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -400,6 +401,24 @@ def read_attachment(d: Path, m: dict[str, Any], name: str, limit: int = 1 << 30)
     return data
 
 
+def _check_named(
+    si: int, key: str, lay: Layout, held: Container[Any], pk: tuple[Any, ...], shape: Sequence[int], bad: Any
+) -> None:
+    """A piece ``pk`` that manifest.json gives stored tensor ``si`` (key
+    ``key``) is one its data file's layout ``lay`` holds (``held``), with the
+    global shape ``shape`` manifest.json gives its tensor."""
+    if pk not in held:
+        raise bad(
+            f"stored[{si}] ({key!r}): manifest.json says it holds {pk[0]!r} box {list(pk[1])}, which its data "
+            "file's layout does not"
+        )
+    if tuple(shape) != tuple(lay.global_shapes.get(pk[0], ())):
+        raise bad(
+            f"stored[{si}] ({key!r}): global tensor {pk[0]!r} has shape {list(shape)} in manifest.json and "
+            f"{list(lay.global_shapes.get(pk[0], ()))} in the data file's layout"
+        )
+
+
 def _piece_key(name: str, box: Any, local: Any) -> tuple[Any, ...]:
     """A piece as ``(tensor, box, local)`` of tuples, comparable and hashable."""
     b = (tuple(box[0]), tuple(box[1]))
@@ -761,16 +780,7 @@ class Checkpoint:
                                f"({type(e).__name__})") from None  # fmt: skip
             self._file_layouts[si] = lay
         held = {_piece_key(p.tensor, p.box.to_json(), _local_json(p)) for p in lay.pieces}
-        if _piece_key(name, box, local) not in held:
-            raise view.bad(
-                f"stored[{si}] ({s['key']!r}): manifest.json says it holds {name!r} box {box}, which its data "
-                "file's layout does not"
-            )
-        if tuple(shape) != tuple(lay.global_shapes.get(name, ())):
-            raise view.bad(
-                f"stored[{si}] ({s['key']!r}): global tensor {name!r} has shape {list(shape)} in manifest.json "
-                f"and {list(lay.global_shapes.get(name, ()))} in the data file's layout"
-            )
+        _check_named(si, s["key"], lay, held, _piece_key(name, box, local), shape, view.bad)
 
     def _check_layout(self, si: int, s: dict[str, Any], lay_json: Any, bad: Any) -> None:
         """The pieces manifest.json gives stored tensor ``si`` against the
@@ -779,8 +789,6 @@ class Checkpoint:
         the file's no global tensor references must be a replica (held and
         referenced elsewhere). So no manifest can move, drop, reshape or
         transpose what a data file says it holds."""
-        from tierstore.layout import Layout
-
         key = s["key"]
         try:
             lay = Layout.from_json(lay_json)
@@ -794,16 +802,7 @@ class Checkpoint:
         named = self._pieces_of.get(si, [])
         tensors = self.manifest["tensors"]
         for pk in named:
-            if pk not in held:
-                raise bad(
-                    f"stored[{si}] ({key!r}): manifest.json says it holds {pk[0]!r} box {list(pk[1])}, which its "
-                    "data file's layout does not"
-                )
-            if tuple(tensors[pk[0]]["shape"]) != tuple(lay.global_shapes.get(pk[0], ())):
-                raise bad(
-                    f"stored[{si}] ({key!r}): global tensor {pk[0]!r} has shape {tensors[pk[0]]['shape']} in "
-                    f"manifest.json and {list(lay.global_shapes.get(pk[0], ()))} in the data file's layout"
-                )
+            _check_named(si, key, lay, held, pk, tensors[pk[0]]["shape"], bad)
         left = set(held) - set(named)
         for pk in left:
             p = held[pk]
