@@ -1418,12 +1418,21 @@ def other_layout(rng: random.Random, name: str, shape: tuple[int, ...]) -> Layou
     opts = ["whole", "flat", "block"]
     if len(shape) >= 2 and any(shape[1] % n == 0 for n in (2, 3)):
         opts += ["col", "col"]
+    if len(shape) >= 2 and shape[0] > 1 and shape[-1] > 1:
+        opts += ["strided"]
     kind = rng.choice(opts)
     if kind == "whole":
         return None
     if kind == "col":
         n = rng.choice([n for n in (2, 3) if shape[1] % n == 0])
         return Layout.shard(name, shape, 1, rng.randrange(n), n)
+    if kind == "strided":
+        # Every row's part of the last dimension: one copy block of many short
+        # runs, all read through the engine's shared-chunk windows.
+        c = rng.randrange(shape[-1] - 1)
+        offs = (rng.randrange(2) if shape[0] > 2 else 0,) + (0,) * (len(shape) - 2) + (c,)
+        lens = (shape[0] - offs[0], *shape[1:-1], rng.randint(1, shape[-1] - c - 1))
+        return Layout.block(name, shape, offs, lens)
     if kind == "flat":
         start = rng.randrange(numel)
         length = rng.randint(1, numel - start)

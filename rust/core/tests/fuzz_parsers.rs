@@ -1620,11 +1620,16 @@ fn check_unverified(
         union <= v.read && v.read <= sum && v.checked == 0,
         "unverified read counts {v:?}, union {union}, sum {sum}"
     );
+    assert_ranges_read(dests, file_ranges, bytes);
+}
+
+/// Every range's memory holds the file's bytes `bytes` at its offset.
+fn assert_ranges_read(dests: &Dests, file_ranges: &[(usize, u64, usize)], bytes: &[u8]) {
     for (i, &(_, off, len)) in file_ranges.iter().enumerate() {
         let off = off as usize;
         assert!(
             dests.data(i) == &bytes[off..off + len],
-            "range {i} read wrong bytes"
+            "range {i} [{off}, +{len}) read wrong bytes"
         );
     }
 }
@@ -1705,13 +1710,7 @@ fn fuzz_chunks_verified_reads() {
                 v.checked >= touched_bytes && v.read >= touched_bytes,
                 "{v:?}"
             );
-            for (i, &(_, off, len)) in file_ranges.iter().enumerate() {
-                let off = off as usize;
-                assert!(
-                    dests.data(i) == &original[off..off + len],
-                    "range {i} [{off}, +{len}) read wrong bytes"
-                );
-            }
+            assert_ranges_read(&dests, &file_ranges, &original);
         }
         counts.set(c);
     });
