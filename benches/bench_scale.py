@@ -19,6 +19,9 @@ Layout families:
 - ``zero3``: Megatron TP (even parameters split on rows, odd on columns, a
   norm every tenth replicated over TP) inside ZeRO-3 flat partitions over
   DP (``zero_partition(stage=3)``), one pipeline stage per PP rank;
+- ``zero1``: the same TP shards in one ZeRO-1 flat partition per rank over
+  DP (``zero_partition(stage=1)``: the group's buffer padded and cut into DP
+  parts, stored as one rule per member);
 - ``fsdp2``: the same with FSDP2's row split over DP (DTensor
   ``Shard(0)`` boxes), also saved as PyTorch DCP would plan it (its planner
   functions run on the same chunks: local plans, ``dedup_save_plans``,
@@ -79,6 +82,14 @@ def rank_layouts(family: str, rank: int, world: int, n: int, tp: int, pp: int) -
     dp = world // (tp * pp)
     tp_rank, dp_rank, stage = rank % tp, (rank // tp) % dp, rank // (tp * dp)
     out: dict[str, Layout] = {}
+    if family == "zero1":
+        # One ZeRO-1 flat partition of the stage's TP shards (one rule per member).
+        params = []
+        for i in range(n):
+            name, shape, tdim = f"s{stage}.p{i}", _shape(i), _tp_dim(i)
+            params.append(Layout.full(name, shape) if tdim is None else Layout.shard(name, shape, tdim, tp_rank, tp))
+        out[f"s{stage}.zero1"] = zero_partition(params, dp_rank, dp, stage=1)
+        return out
     for i in range(n):
         name = f"s{stage}.p{i}"
         shape = _shape(i)
@@ -159,9 +170,7 @@ def _infos_range(
         lay = rank_layouts(family, r, world, n, tp, pp)
         tensors = {k: torch.empty(v.local_shape, device="meta") for k, v in lay.items()}
         table = sharded.rule_table(tensors, lay)
-        skip = set(dec["skip"])
-        for coords, _dg in dec.get("skip_groups", ()):
-            skip.update(e[0] for e in table[tuple(coords)])
+        skip = sharded.skipped_keys(table, dec)
         mine = {k: v for k, v in lay.items() if k not in skip}
         info: dict[str, Any] = {"rank": r, "tensors": {}, "objects_file": None, "paths": {}}
         if dec.get("describe"):
@@ -322,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensors", default="100")
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--pp", type=int, default=4)
-    ap.add_argument("--families", default="zero3,fsdp2")
+    ap.add_argument("--families", default="zero3,zero1,fsdp2")
     ap.add_argument("--no-dcp", action="store_true")
     ap.add_argument("--memory", action="store_true", help="also measure rank 0's peak memory (a second pass)")
     ap.add_argument(

@@ -34,17 +34,22 @@ def _refused(doc: Any, name: str) -> None:
 
 
 def _save_two_ranks(rank: int, world: int, d: str) -> None:
-    from tierstore.layout import tp_column, zero_partition
+    from tierstore.layout import Layout, tp_column, zero_partition
 
     w = torch.arange(64.0).reshape(8, 8)
     local = w.chunk(world)[rank].clone()
     tierstore.attach(local, tp_column("w", (8, 8), rank, world))
-    flat_lay = zero_partition([("master.w", (8, 8)), ("master.b", (5,))], rank, world, stage=1)
+    # A flat buffer of explicit pieces, and a ZeRO-1 partition (stored as its members' rules).
+    flat_lay = Layout.flat_buffer([("master.w", (8, 8)), ("master.b", (5,))], rank * 35, 35)
     flat = torch.zeros(flat_lay.local_shape)
     tierstore.attach(flat, flat_lay)
+    zero_lay = zero_partition([("zero.w", (8, 8)), ("zero.b", (5,))], rank, world, stage=1)
+    zero = torch.zeros(zero_lay.local_shape)
+    tierstore.attach(zero, zero_lay)
     sd = {
         "w": local,
         "flat": flat,
+        "zero": zero,
         "bias": torch.ones(3),  # replicated: one rank writes it
         "step": 7,
         "rng": tierstore.PerRank(rank),
@@ -61,6 +66,7 @@ def test_sharded_manifest_follows_its_schema(tmp_path: Path) -> None:
     assert m["world_size"] == 2 and set(m["per_rank_objects"]["rng"]) == {"0", "1"}
     assert any(isinstance(p[2], int) for p in m["tensors"]["master.w"]["pieces"] + m["tensors"]["master.b"]["pieces"])
     assert "optim.state.0.exp_avg" in m["paths"]
+    assert m["tensors"]["zero.b"]["rule"]["flat_per"] == 36 and m["tensors"]["zero.b"]["rule"]["flat_at"] == 64
     assert m["tensors"]["w"]["rule"]["splits"] == [[0, 2, "even", 8]], "a TP split is stored as its rule"
     for mutate in (
         lambda x: x.pop("files"),

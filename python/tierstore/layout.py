@@ -29,6 +29,7 @@ checkpoint's manifest; docs/FORMAT.md describes the form.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -207,6 +208,13 @@ class Rule:
     then ``flat``); ranks at the same position hold replicas, which is
     allowed only when ``replicated``.
 
+    With ``flat_per``, the flat cut is of a buffer several tensors share
+    (ZeRO-1/2 partitions of a parameter group): the block's local tensor
+    sits at element ``flat_at`` of a buffer cut into ``flat`` parts of
+    ``flat_per`` elements, and a position's local tensor is its part of the
+    buffer (one such rule per member, the same for every data-parallel rank:
+    the flattening order, alignment and world size give every rank's ranges).
+
     Every position's block is disjoint from the others' and together they
     tile the tensor by construction, so a checkpoint proves coverage once per
     rule (every position present exactly once) instead of per piece, and a
@@ -218,6 +226,8 @@ class Rule:
     splits: tuple[Split, ...]
     flat: int = 0
     replicated: bool = False
+    flat_at: int = 0
+    flat_per: int = 0
 
     @property
     def axes(self) -> tuple[int, ...]:
@@ -251,6 +261,19 @@ class Rule:
             if sp.mode == "even":
                 ext[sp.dim] //= sp.count
             prev.append(sp.mode)
+        if self.flat_per or self.flat_at:
+            # A member of a shared flat buffer: every position's block has the
+            # same local size (no chunked cut), and the buffer holds it.
+            if not self.flat or not self.flat_per or any(sp.mode == "chunk" for sp in self.splits):
+                raise LayoutError(f"{what}: a flat buffer's member needs flat > 0, flat_per > 0, no chunked split")
+            offs, lens, local = [0] * nd, list(self.shape), list(self.shape)
+            for sp in self.splits:
+                sp.part(0, offs, lens, local)
+            if self.flat_at + math.prod(local) > self.flat * self.flat_per:
+                raise LayoutError(
+                    f"{what}: {math.prod(local)} elements at {self.flat_at} overrun a flat buffer of "
+                    f"{self.flat} x {self.flat_per}"
+                )
 
     def _block(self, coords: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
         axes = self.__dict__.get("_axes")
@@ -271,7 +294,7 @@ class Rule:
         when first asked for: a save needs only the rule and the position)."""
         coords = tuple(coords)
         _offs, _lens, local = self._block(coords)
-        shape = (-(-math.prod(local) // self.flat),) if self.flat else tuple(local)
+        shape = (self.flat_per or -(-math.prod(local) // self.flat),) if self.flat else tuple(local)
         return _RuleLayout(shape, None, {self.tensor: self.shape}, self.replicated, frozenset(), self, coords)
 
     def pieces_at(self, coords: tuple[int, ...]) -> tuple[Piece, ...]:
@@ -285,6 +308,13 @@ class Rule:
             return pieces
         inner = Layout(tuple(local), pieces, {self.tensor: self.shape})
         n = math.prod(local)
+        if self.flat_per:
+            # Part coords[-1] of a shared buffer holding the block at flat_at.
+            start = coords[-1] * self.flat_per
+            lo, hi = max(self.flat_at, start), min(self.flat_at + n, start + self.flat_per)
+            if lo >= hi:
+                return ()
+            return tuple(_flat_pieces(inner, lo - self.flat_at, hi - self.flat_at, self.flat_at - start))
         per = -(-n // self.flat)
         a = coords[-1] * per
         return tuple(_flat_pieces(inner, a, min(a + per, n), -a)) if a < n else ()
@@ -323,18 +353,23 @@ class Rule:
             strides = [math.prod(local[i + 1 :]) for i in range(nd)]
             first = sum((x - o) * st for x, o, st in zip(lo, offs, strides, strict=True))
             last = sum((h - 1 - o) * st for h, o, st in zip(hi, offs, strides, strict=True))
-            per = -(-math.prod(local) // self.flat)
-            out.extend((*coords, f) for f in range(first // per, min(self.flat - 1, last // per) + 1))
+            per = self.flat_per or -(-math.prod(local) // self.flat)
+            at = self.flat_at if self.flat_per else 0
+            out.extend((*coords, f) for f in range((at + first) // per, min(self.flat - 1, (at + last) // per) + 1))
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "tensor": self.tensor,
             "shape": list(self.shape),
             "splits": [[s.dim, s.count, s.mode, s.size] for s in self.splits],
             "flat": self.flat,
             "replicated": self.replicated,
         }
+        if self.flat_per:
+            out["flat_at"] = self.flat_at
+            out["flat_per"] = self.flat_per
+        return out
 
     @staticmethod
     def from_json(v: Any) -> Rule:
@@ -356,7 +391,15 @@ class Rule:
             name = v["tensor"]
             if not isinstance(name, str) or not isinstance(v["shape"], list) or not isinstance(v["replicated"], bool):
                 raise LayoutError("rule: tensor, shape or replicated of the wrong type")
-            r = Rule(name, tuple(uint(x) for x in v["shape"]), splits, uint(v["flat"]), v["replicated"])
+            r = Rule(
+                name,
+                tuple(uint(x) for x in v["shape"]),
+                splits,
+                uint(v["flat"]),
+                v["replicated"],
+                uint(v.get("flat_at", 0)),
+                uint(v.get("flat_per", 0)),
+            )
         except (KeyError, TypeError) as e:
             raise LayoutError(f"rule: not a rule ({type(e).__name__}: {str(e)[:80]})") from None
         r.validate()
@@ -388,6 +431,10 @@ class Layout:
     rule: Rule | None = None
     #: This rank's position in ``rule`` (one index per axis).
     coords: tuple[int, ...] = ()
+    #: A local tensor several rules share (a ZeRO-1/2 partition of a
+    #: parameter group: one rule per member, :attr:`Rule.flat_per`): each
+    #: member's rule and this rank's position in it, in buffer order.
+    rules: tuple[tuple[Rule, tuple[int, ...]], ...] = ()
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Layout):
@@ -400,6 +447,7 @@ class Layout:
             and self.replicated_tensors == other.replicated_tensors
             and self.rule == other.rule
             and self.coords == other.coords
+            and self.rules == other.rules
         )
 
     __hash__ = None  # type: ignore[assignment]  # global_shapes is a dict
@@ -407,9 +455,7 @@ class Layout:
     def __post_init__(self) -> None:
         if self.rule is not None and self.rule.replicated != self.replicated:
             # dataclasses.replace(layout, replicated=...): the rule follows.
-            object.__setattr__(
-                self, "rule", Rule(self.rule.tensor, self.rule.shape, self.rule.splits, self.rule.flat, self.replicated)
-            )
+            object.__setattr__(self, "rule", dataclasses.replace(self.rule, replicated=self.replicated))
 
     def rule_holds(self) -> bool:
         """Whether the layout is exactly its rule's position (False without a
@@ -427,6 +473,38 @@ class Layout:
                     got = False
             object.__setattr__(self, "_rule_holds", got)
         return got
+
+    def rule_positions(self) -> tuple[tuple[Rule, tuple[int, ...]], ...]:
+        """The rule positions that describe this layout exactly: its rule's,
+        or those of the rules of a shared buffer (:attr:`rules`) when their
+        pieces are exactly the layout's; empty otherwise (explicit pieces)."""
+        if self.rule is not None:
+            return ((self.rule, self.coords),) if self.rule_holds() else ()
+        if not self.rules:
+            return ()
+        got = self.__dict__.get("_rules_hold")
+        if got is None:
+            got = False
+            try:
+                names = [r.tensor for r, _c in self.rules]
+                shapes_ok = len(set(names)) == len(names) and dict(self.global_shapes) == {
+                    r.tensor: r.shape for r, _c in self.rules
+                }
+                reps = frozenset(r.tensor for r, _c in self.rules if r.replicated)
+                if shapes_ok and not self.replicated and reps == self.replicated_tensors:
+                    pieces: list[Piece] = []
+                    for r, c in self.rules:
+                        r.validate()
+                        want = r.layout_at(c)
+                        if want.local_shape != self.local_shape:
+                            break
+                        pieces.extend(want.pieces)
+                    else:
+                        got = tuple(pieces) == tuple(self.pieces)
+            except LayoutError:
+                got = False
+            object.__setattr__(self, "_rules_hold", got)
+        return self.rules if got else ()
 
     def is_replica(self, p: Piece) -> bool:
         return self.replicated or p.tensor in self.replicated_tensors
@@ -473,11 +551,22 @@ class Layout:
         if self.rule is not None and self.rule_holds():
             out["rule"] = self.rule.to_json()
             out["coords"] = list(self.coords)
+        elif self.rule_positions():
+            out["rules"] = [[r.to_json(), list(c)] for r, c in self.rules]
         return out
 
     @staticmethod
     def from_json(v: Mapping[str, Any]) -> Layout:
         rule = Rule.from_json(v["rule"]) if v.get("rule") is not None else None
+        rules: list[tuple[Rule, tuple[int, ...]]] = []
+        for item in v.get("rules") or ():
+            if not isinstance(item, list) or len(item) != 2 or not isinstance(item[1], list):
+                raise LayoutError("layout: a shared-buffer rule is not [rule, position]")
+            r = Rule.from_json(item[0])
+            c = tuple(int(x) for x in item[1])
+            if not position_inside(c, r.axes):
+                raise LayoutError(f"layout: position {list(c)[:8]} is outside the axes of the rule of {r.tensor!r}")
+            rules.append((r, c))
         return Layout(
             local_shape=tuple(int(x) for x in v["local_shape"]),
             pieces=tuple(Piece.from_json(p) for p in v["pieces"]),
@@ -486,6 +575,7 @@ class Layout:
             replicated_tensors=frozenset(v.get("replicated_tensors", ())),
             rule=rule,
             coords=tuple(int(x) for x in v.get("coords", ())) if rule is not None else (),
+            rules=tuple(rules) if rule is None else (),
         )
 
     # -- constructors for the common cases ------------------------------------------------------
@@ -666,6 +756,7 @@ class _RuleLayout(Layout):
         replicated_tensors: frozenset[str] = frozenset(),
         rule: Rule | None = None,
         coords: tuple[int, ...] = (),
+        rules: tuple[tuple[Rule, tuple[int, ...]], ...] = (),
     ) -> None:
         d = self.__dict__  # frozen: the fields are set as the dataclass's own __init__ does
         d["local_shape"] = tuple(local_shape)
@@ -674,6 +765,7 @@ class _RuleLayout(Layout):
         d["replicated_tensors"] = frozenset(replicated_tensors)
         d["rule"] = rule
         d["coords"] = tuple(coords)
+        d["rules"] = tuple(rules)
         if pieces is not None:  # dataclasses.replace(): given pieces, checked by rule_holds
             self.__dict__["_pieces"] = tuple(pieces)
         else:
@@ -832,7 +924,15 @@ def zero_partition(
         align = alignment_factor * dp_size
         padded = -(-total // align) * align
         part = padded // dp_size
-        return Layout.flat_buffer(params, dp_rank * part, part)
+        lay = Layout.flat_buffer(params, dp_rank * part, part)
+        members = _member_rules(params, dp_size, part) if 0 <= dp_rank < dp_size else None
+        if members:
+            # One rule per member, the same on every data-parallel rank: the
+            # checkpoint stores the group once, not every rank's ranges.
+            lay = dataclasses.replace(lay, rules=tuple((r, (*c, dp_rank)) for r, c in members))
+            if not lay.rule_positions():
+                lay = dataclasses.replace(lay, rules=())
+        return lay
     if stage == 3:
         one = params[0] if len(params) == 1 else None
         rule = one.rule if isinstance(one, Layout) else None
@@ -860,6 +960,35 @@ def zero_partition(
             at += ps
         return Layout((at,), tuple(pieces), shapes, replicated_tensors=frozenset(reps))
     raise LayoutError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
+
+
+def _member_rules(
+    params: Sequence[tuple[str, Sequence[int]] | tuple[str, Sequence[int], Box] | Layout], dp_size: int, part: int
+) -> list[tuple[Rule, tuple[int, ...]]] | None:
+    """The rules of the members of a flat buffer cut into ``dp_size`` parts
+    of ``part`` elements, and each member's position before the cut; None
+    when a member is not a regular sharding every rank cuts alike (explicit
+    pieces, a chunked split, a layout of several tensors)."""
+    out: list[tuple[Rule, tuple[int, ...]]] = []
+    pos = 0
+    for param in params:
+        if isinstance(param, Layout):
+            rule, coords = param.rule, param.coords
+            if rule is None and _whole(param):
+                rule, coords = Rule(param.pieces[0].tensor, param.local_shape, (), 0, param.replicated), ()
+            elif rule is None or not param.rule_holds() or param.replicated_tensors:
+                return None
+            n = math.prod(param.local_shape)
+        elif len(param) == 2:
+            rule, coords = Rule(param[0], tuple(param[1]), ()), ()
+            n = math.prod(param[1])
+        else:
+            return None
+        if rule.flat or any(sp.mode == "chunk" for sp in rule.splits):
+            return None
+        out.append((dataclasses.replace(rule, flat=dp_size, flat_at=pos, flat_per=part), coords))
+        pos += n
+    return out
 
 
 def tp_column(name: str, shape: Sequence[int], tp_rank: int, tp: int) -> Layout:

@@ -208,9 +208,9 @@ def rule_table(tensors: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout
     table, so rank 0 is sent a digest of it, and one rank's copy."""
     groups: dict[tuple[int, ...], list[Any]] = {}
     for k in sorted(tensors):
-        lay = layouts[k]
-        if lay.rule is not None and lay.rule_holds():
-            groups.setdefault(lay.coords, []).append([k, lay.rule.to_json(), _dtype_name(tensors[k])])
+        # A shared flat buffer (ZeRO-1/2) is in one table per position of its members' rules.
+        for rule, coords in layouts[k].rule_positions():
+            groups.setdefault(coords, []).append([k, rule.to_json(), _dtype_name(tensors[k])])
     return groups
 
 
@@ -220,7 +220,8 @@ def _digest(entries: list[Any]) -> str:
     parts = []
     for key, rj, dtype in entries:
         sp = ";".join(f"{d},{c},{m},{z}" for d, c, m, z in rj["splits"])
-        parts.append(f"{key!r}|{rj['tensor']!r}|{rj['shape']}|{sp}|{rj['flat']}|{rj['replicated']}|{dtype}")
+        flat = f"{rj['flat']}@{rj.get('flat_at', 0)}/{rj.get('flat_per', 0)}"
+        parts.append(f"{key!r}|{rj['tensor']!r}|{rj['shape']}|{sp}|{flat}|{rj['replicated']}|{dtype}")
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
 
 
@@ -244,12 +245,12 @@ def holdings_meta(
                 **({"sample": _sample_crc(t)} if world > 1 and layouts[k].replicated else {}),
             }
             for k, t in tensors.items()
-            if not (layouts[k].rule is not None and layouts[k].rule_holds())
+            if not layouts[k].rule_positions()
         },
     }
     groups = []
     for coords, entries in (table if table is not None else rule_table(tensors, layouts)).items():
-        keys = [e[0] for e in entries]
+        keys = list(dict.fromkeys(e[0] for e in entries))
         reps = [k for k in keys if layouts[k].replicated]
         sample = (
             zlib.crc32(json.dumps([_sample_crc(tensors[k]) for k in reps]).encode()) if reps and world > 1 else None
@@ -290,6 +291,17 @@ def decide_writers(metas: list[dict[str, Any]] | None, d: Path, save_id: str) ->
     return out
 
 
+def skipped_keys(table: dict[tuple[int, ...], list[Any]], decision: dict[str, Any]) -> set[str]:
+    """The keys a rank does not write: those rank 0 gave another holder, and
+    those whose every rule table another rank writes (a shared buffer's
+    replicated members are one table, its other members another)."""
+    skip = set(decision["skip"])
+    skipped = {tuple(c) for c, _dg in decision.get("skip_groups", ())}
+    written = {e[0] for c, entries in table.items() if c not in skipped for e in entries}
+    skip.update(e[0] for c in skipped for e in table[c] if e[0] not in written)
+    return skip
+
+
 def _group_key(g: list[Any]) -> str:
     """A rule position's replica id: the digest of its table and the position."""
     return f"\0rule:{g[1]}:{','.join(map(str, g[0]))}"
@@ -304,7 +316,7 @@ def tensor_file_info(fname: str, written: api.Written, layouts: Mapping[str, dic
         if len(t["path"]) != 2 or t["path"][0] != "tensors":
             continue
         key = t["path"][1]
-        if layouts[key].get("rule") is not None:
+        if layouts[key].get("rule") is not None or layouts[key].get("rules"):
             continue  # a position of a rule: the file's own manifest says where it is
         rec = recs[t["record"]]
         item = torch.empty((), dtype=dtype_of(t["dtype"])).element_size()
@@ -393,9 +405,7 @@ def write_sharded(
     decisions = decide_writers(metas, d, save_id) if rank == 0 else None
     decision = _scatter(decisions, world, pg)
     save_id = decision["save_id"]
-    skip = set(decision["skip"])
-    for coords, _dg in decision.get("skip_groups", ()):
-        skip.update(e[0] for e in table[tuple(coords)])
+    skip = skipped_keys(table, decision)
     mine = {k: t for k, t in tensors.items() if k not in skip}
     file_info: dict[str, Any] = {"rank": rank, "tensors": {}, "objects_file": None, "paths": paths}
     if decision.get("describe"):

@@ -555,7 +555,10 @@ class Checkpoint:
         # as their tensors are looked up: see _check_piece.)
         self._file_layouts: dict[int, Layout] = {}
         self._index: dict[str, GlobalIndex | RuleIndex] = {}
-        self._resolved: dict[tuple[int, str], int] = {}
+        self._resolved: dict[tuple[int, str, str], int] = {}
+        # (file, key) -> the layout the data file recorded for a rule
+        # position, and its rules by rule (a shared buffer's members).
+        self._rule_layouts: dict[tuple[int, str], tuple[Layout, dict[Rule, tuple[int, ...]]]] = {}
 
     def lookup(self, name: str) -> GlobalIndex | RuleIndex | None:
         """The saved pieces of global tensor ``name``, indexed for queries by
@@ -697,11 +700,12 @@ class Checkpoint:
         (and checked) in the file's own manifest; others as they are."""
         if src.offset >= 0:
             return src
-        got = self._resolved.get((src.file, src.key))
+        # Per tensor: a shared buffer holds several rules under one key, each checked.
+        got = self._resolved.get((src.file, src.key, src.piece.tensor))
         if got is None:
             idx = self.lookup(src.piece.tensor)
             assert isinstance(idx, RuleIndex)
-            got = self._resolved[(src.file, src.key)] = self.rule_source(
+            got = self._resolved[(src.file, src.key, src.piece.tensor)] = self.rule_source(
                 src.file, src.key, idx.rule, src.coords, idx.dtype
             )[0]
         return dataclasses.replace(src, offset=got)
@@ -720,14 +724,25 @@ class Checkpoint:
         what = f"position {list(coords)} of the rule of {rule.tensor!r} (key {key!r})"
         if t is None:
             raise bad(f"{what}: the file holds no tensor {key!r}")
-        try:
-            lay = Layout.from_json(t["layout"])
-        except Exception as e:  # any malformed layout in the data file
-            raise bad(f"{what}: the file records no valid layout for it ({type(e).__name__})") from None
-        if lay.rule != rule:
+        known = self._rule_layouts.get((fi, key))
+        if known is None:
+            try:
+                lay = Layout.from_json(t["layout"])
+            except Exception as e:  # any malformed layout in the data file
+                raise bad(f"{what}: the file records no valid layout for it ({type(e).__name__})") from None
+            known = self._rule_layouts[(fi, key)] = (lay, {r: c for r, c in lay.rules})
+        lay, members = known
+        if lay.rule is None and lay.rules:
+            # A buffer several rules share (ZeRO-1/2): this member's rule at this position.
+            at = members.get(rule)
+            if at is None:
+                raise bad(f"{what}: the file records no such rule among the {len(lay.rules)} of its buffer")
+            if at != coords:
+                raise bad(f"{what}: the file records it at position {list(at)}")
+        elif lay.rule != rule:
             got = json.dumps(lay.rule.to_json())[:200] if lay.rule is not None else "no rule"
             raise bad(f"{what}: the file records another layout for it ({got})")
-        if lay.coords != coords:
+        elif lay.coords != coords:
             raise bad(f"{what}: the file records it at position {list(lay.coords)}")
         local = rule.layout_at(coords)
         shape = list(local.local_shape)

@@ -50,6 +50,7 @@ import tierstore.dcp
 import tierstore.sharded
 from tierstore import Layout, attach, cli
 from tierstore.errors import TierstoreError, UnsafeObjectError
+from tierstore.layout import zero_partition
 
 # 8 random bytes: the secret planted outside every checkpoint (and the fill of
 # every "foreign" tensor) is made of them; finding them in a result means that
@@ -1517,7 +1518,7 @@ def sharded_variant_whole(ctx: Ctx, d: Path) -> Sharded:
 def sharded_variant_pieces(ctx: Ctx, d: Path) -> Sharded:
     """One process, several pieces per global tensor: row shards under two
     keys, column shards under three, flat ranges, a flat buffer of two
-    parameters split in two, padding."""
+    parameters split in two, padding, a ZeRO-1/2 group partition."""
     rng, g = ctx.rng, ctx.gen
     r = rng.choice([2, 4, 6])
     c = rng.randint(1, 7)
@@ -1538,6 +1539,12 @@ def sharded_variant_pieces(ctx: Ctx, d: Path) -> Sharded:
     npq = math.prod(pa) + math.prod(pb)
     split = rng.randint(1, npq - 1)
     pad = rng.choice([0, 2, 5])
+    # A ZeRO-1/2 partition of a group of two parameters over 1-3 data-parallel
+    # parts, held by this one process: one rule per member (flat_at, flat_per).
+    za, zb = (rng.randint(1, 5), rng.randint(1, 4)), (rng.randint(1, 7),)
+    zdp, zstage = rng.randint(1, 3), rng.choice([1, 2])
+    globals_["Z"] = rand_tensor(g, za, dts[2])
+    globals_["Y"] = rand_tensor(g, zb, dts[2])
 
     def layouts() -> list[tuple[str, Layout, torch.dtype]]:
         out: list[tuple[str, Layout, torch.dtype]] = []
@@ -1557,6 +1564,8 @@ def sharded_variant_pieces(ctx: Ctx, d: Path) -> Sharded:
                 dts[3],
             )
         )
+        for i in range(zdp):
+            out.append((f"zg.part{i}", zero_partition([("Z", za), ("Y", zb)], i, zdp, stage=zstage), dts[2]))
         return out
 
     objects = {"step": rng.randint(0, 1000), "note": "pieces"}
@@ -1921,7 +1930,8 @@ def manifest_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[str, 
         r = g["rule"]
         grp = m["groups"][g["parts"][0][0]] if m.get("groups") and g["parts"][0][0] < len(m["groups"]) else None
         what = rng.choice(["count", "dim", "mode", "size", "add_split", "drop_split", "flat", "replicated",
-                           "coords", "coord_value", "files", "swap_files", "key", "group", "drop_part"])  # fmt: skip
+                           "coords", "coord_value", "files", "swap_files", "key", "group", "drop_part",
+                           "flat_at", "flat_per"])  # fmt: skip
         sp = r["splits"][rng.randrange(len(r["splits"]))] if r["splits"] else None
         if what == "count" and sp is not None:
             sp[1] = rng.choice([1, 2, 3, sp[1] * 2, max(1, sp[1] - 1), 1 << 40])
@@ -1937,6 +1947,8 @@ def manifest_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[str, 
             r["splits"].pop()
         elif what == "flat":
             r["flat"] = rng.choice([0, 1, 2, 3, 1 << 40])
+        elif what in ("flat_at", "flat_per"):  # a member of a ZeRO-1/2 buffer moved or the buffer recut
+            r[what] = max(0, r.get(what, 0) + rng.choice([1, -1, 2, 7, 1 << 40, -(1 << 20)]))
         elif what == "replicated":
             r["replicated"] = not r["replicated"]
         elif what == "coords" and grp is not None and grp["coords"]:
