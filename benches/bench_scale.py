@@ -338,9 +338,26 @@ def main(argv: list[str] | None = None) -> int:
         "--dcp-max-entries", type=int, default=1_100_000,
         help="run DCP's planner (one object per rank x tensor, in this one process) up to this W x T",
     )  # fmt: skip
+    ap.add_argument(
+        "--index-bytes", type=int, default=None,
+        help="index the manifest above this many bytes (TIERSTORE_MANIFEST_INDEX_BYTES; default 1 MiB)",
+    )  # fmt: skip
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default=None, help="write the table here too")
     args = ap.parse_args(argv)
+    was = os.environ.get("TIERSTORE_MANIFEST_INDEX_BYTES")
+    if args.index_bytes is not None:
+        os.environ["TIERSTORE_MANIFEST_INDEX_BYTES"] = str(args.index_bytes)
+    try:
+        return _run(args)
+    finally:
+        if was is None:
+            os.environ.pop("TIERSTORE_MANIFEST_INDEX_BYTES", None)
+        else:
+            os.environ["TIERSTORE_MANIFEST_INDEX_BYTES"] = was
+
+
+def _run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     printed: list[str] = []
 

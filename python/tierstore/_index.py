@@ -34,16 +34,35 @@ from tierstore.errors import ManifestError, MissingKeyError
 MAGIC = b"TSINDEX1"
 _HEAD = struct.Struct("<8sQ")
 _ENTRY = struct.Struct("<BQIQII")
-TENSOR, GROUP = 0, 1
+TENSOR, GROUP, FILES = 0, 1, 2
+# files[] entries per section (kind 2, named by the section's number), when
+# there are more files than that; TIERSTORE_INDEX_FILES_PER_SECTION overrides it.
+FILES_PER_SECTION = 256
+
+
+def files_per_section() -> int:
+    v = os.environ.get("TIERSTORE_INDEX_FILES_PER_SECTION")
+    return max(1, int(v)) if v is not None and v.strip().isdigit() else FILES_PER_SECTION
+
+
 # The largest section a reader decodes (one tensor's entry or one group).
 MAX_SECTION = 256 << 20
 
 
-def build(tensors: Mapping[str, Any], groups: list[Any]) -> tuple[bytes, dict[str, Any]]:
-    """The index of ``tensors`` (global name -> entry) and ``groups``, and
-    what manifest.json records of it (without its file name)."""
+def build(
+    tensors: Mapping[str, Any], groups: list[Any], files: list[Any] | None = None
+) -> tuple[bytes, dict[str, Any]]:
+    """The index of ``tensors`` (global name -> entry), ``groups`` and
+    (when given) the ``files`` entries in sections of
+    :data:`FILES_PER_SECTION`, and what manifest.json records of it
+    (without its file name)."""
     items = [(TENSOR, n.encode(), json.dumps(g, separators=(",", ":")).encode()) for n, g in tensors.items()]
     items += [(GROUP, str(i).encode(), json.dumps(g, separators=(",", ":")).encode()) for i, g in enumerate(groups)]
+    per = files_per_section()
+    for b in range(-(-len(files) // per) if files is not None else 0):
+        assert files is not None
+        run = json.dumps(files[b * per : (b + 1) * per], separators=(",", ":")).encode()
+        items.append((FILES, str(b).encode(), run))
     items.sort(key=lambda it: (it[0], it[1]))
     names = b"".join(it[1] for it in items)
     table_bytes = _HEAD.size + _ENTRY.size * len(items) + len(names)
@@ -55,13 +74,17 @@ def build(tensors: Mapping[str, Any], groups: list[Any]) -> tuple[bytes, dict[st
         sec_at += len(sec)
     head = b"".join(table) + names
     data = head + b"".join(it[2] for it in items)
-    return data, {
+    rec = {
         "bytes": len(data),
         "table_bytes": table_bytes,
         "table_crc32": zlib.crc32(head),
         "tensors": len(tensors),
         "groups": len(groups),
     }
+    if files is not None:
+        rec["files"] = len(files)
+        rec["files_per_section"] = per
+    return data, rec
 
 
 class Index:
@@ -89,7 +112,8 @@ class Index:
         prev: tuple[int, bytes] | None = None
         for i in range(count):
             kind, no, nl, so, sl, crc = _ENTRY.unpack_from(head, _HEAD.size + i * _ENTRY.size)
-            if names_at + no + nl > tb or so < tb or so + sl > size or sl > MAX_SECTION or kind not in (TENSOR, GROUP):
+            outside = names_at + no + nl > tb or so < tb or so + sl > size or sl > MAX_SECTION
+            if outside or kind not in (TENSOR, GROUP, FILES):
                 self._fail(f"entry {i} lies outside the file")
             raw = head[names_at + no : names_at + no + nl]
             if prev is not None and (kind, raw) <= prev:
@@ -101,11 +125,10 @@ class Index:
                 self._fail(f"entry {i}: its name is not UTF-8")
             self.keys.append((kind, name))
             self.spans.append((so, sl, crc))
-        if (
-            rec["tensors"] != sum(1 for k, _n in self.keys if k == TENSOR)
-            or rec["groups"] != len(self.keys) - rec["tensors"]
-        ):
-            self._fail("it holds another number of tensors or groups than manifest.json says")
+        counts = [sum(1 for k, _n in self.keys if k == kind) for kind in (TENSOR, GROUP, FILES)]
+        per = self.rec_files_per = int(rec.get("files_per_section", 1))
+        if [rec["tensors"], rec["groups"], -(-rec.get("files", 0) // per)] != counts:
+            self._fail("it holds another number of tensors, groups or file sections than manifest.json says")
 
     def _fail(self, detail: str) -> None:
         raise ManifestError(

@@ -98,6 +98,7 @@ def _print_manifest(path: str) -> int:
 
     m = read_manifest(path)
     out = {k: v for k, v in m.items() if k not in ("tensors", "groups", "index_file")}
+    out["files"] = list(m["files"])  # an index's sections of file entries included
     out["tensors"] = {n: m["tensors"][n] for n in m["tensors"]}
     groups = m["groups"]
     out["groups"] = [

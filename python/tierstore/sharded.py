@@ -65,7 +65,9 @@ from tierstore.reshard import CoverageError, overlapping_pair
 from tierstore.shardmeta import (
     FORMAT,
     FORMAT_VERSION,
+    Grid,
     dtype_of,
+    grid_min,
     index_name,
     write_manifest,
 )
@@ -636,7 +638,14 @@ def _place_rules(
             raise TierstoreError(f"no rank described the rule table {dg} (its holders: {sorted(holders[dg])[:4]})")
         gi = len(out)
         coords_list = sorted(where)
-        out.append({"coords": [list(c) for c in coords_list], "files": [where[c] for c in coords_list]})
+        grid = Grid.of(coords_list, [where[c] for c in coords_list]) if len(coords_list) >= grid_min() else None
+        # A group filling a grid with files in mesh order is stored as the grid
+        # and the map (O(1) bytes), any other as its list of positions.
+        out.append(
+            grid.to_json()
+            if grid is not None
+            else {"coords": [list(c) for c in coords_list], "files": [where[c] for c in coords_list]}
+        )
         shared = [c for c, hs in holders[dg].items() if len(hs) > 1]
         for key, rj, dtype in entries:
             rule = Rule.from_json(rj)

@@ -23,11 +23,12 @@ and checked against its CRC-32 (``verify="touched"``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
 import zlib
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,18 @@ def _index_min_bytes() -> int:
     return int(v) if v is not None and v.strip().isdigit() else INDEX_MIN_BYTES
 
 
+# A group of rule positions with at least this many positions that fills a
+# grid with files in mesh order is stored as the grid and the map (O(1)
+# bytes, :class:`Grid`); smaller ones as their list. TIERSTORE_GRID_MIN
+# overrides it.
+GRID_MIN = 64
+
+
+def grid_min() -> int:
+    v = os.environ.get("TIERSTORE_GRID_MIN")
+    return int(v) if v is not None and v.strip().isdigit() else GRID_MIN
+
+
 def index_name(save_id: str) -> str:
     return f"index.{save_id}.bin"
 
@@ -84,17 +97,22 @@ def write_manifest(d: Path, m: dict[str, Any], durable: bool = True) -> None:
     (written and made durable before the manifest that names it)."""
     tensors, groups = m.get("tensors", {}), m.get("groups", [])
     threshold = _index_min_bytes()
-    size = 0
+    size = len(m.get("files", ())) * 96  # a file entry is about 90 bytes of JSON
     for name, g in tensors.items():
         size += len(name) + 64 + (len(g["pieces"]) * 48 if "pieces" in g else 160)
         if size > threshold:
             break
     if size > threshold or len(groups) * 32 > threshold:
-        data, rec = _index.build(tensors, groups)
+        # Many files: their entries go to sections too, so that a loading rank
+        # reads those of the files it opens, not one entry per rank.
+        files = m["files"] if len(m["files"]) > _index.files_per_section() else None
+        data, rec = _index.build(tensors, groups, files)
         name = index_name(str(m["save_id"]))
         write_atomic(d / name, data, durable)
         m = {k: v for k, v in m.items() if k not in ("tensors", "groups")}
         m["index"] = {"name": name, **rec}
+        if files is not None:
+            m["files"] = []
     write_atomic(d / MANIFEST, _metadata.dumps(m), durable)
 
 
@@ -134,16 +152,17 @@ def _validate(m: dict[str, Any], d: Path, where: str, data: bytes) -> dict[str, 
     world = f.uint(f.get(m, "world_size", "world_size"), "world_size", most=1 << 24)
     if world < 1:
         f.fail("world_size", "at least 1", world)
-    files = f.array(f.get(m, "files", "files"), "files")
-    for i, fe in enumerate(files):
-        fld = f"files[{i}]"
-        f.mapping(fe, fld)
-        f.uint(f.get(fe, "rank", f"{fld}.rank"), f"{fld}.rank", most=world - 1)
-        # The name's text here; the file system (symlinks, file type) when the file is first used.
-        _paths.check_name(d, f.get(fe, "name", f"{fld}.name"), source=where, field=f"{fld}.name")
-        f.uint(f.get(fe, "bytes", f"{fld}.bytes"), f"{fld}.bytes")
-        if v >= 2:
-            f.uint(f.get(fe, "manifest_crc32", f"{fld}.manifest_crc32"), f"{fld}.manifest_crc32", most=_U32)
+    indexed = v >= 3 and "index" in m
+    idx = _open_index(f, m, d, where) if indexed else None
+    files: Any = f.array(f.get(m, "files", "files"), "files")
+    if idx is not None and "files" in m["index"]:
+        # The entries are in index sections, each checked when first used.
+        if files:
+            f.fail("files", "[] (the index holds the entries)", f"{len(files)} entries")
+        files = _Files(idx, f, d, where, world, f.uint(m["index"]["files"], "index.files"))
+    else:
+        for i, fe in enumerate(files):
+            _file_entry(f, fe, i, d, where, world, v)
     stored = f.array(f.get(m, "stored", "stored"), "stored")
     for i, s in enumerate(stored):
         fld = f"stored[{i}]"
@@ -168,11 +187,10 @@ def _validate(m: dict[str, Any], d: Path, where: str, data: bytes) -> dict[str, 
             )
         if roff + rsize > files[fi]["bytes"]:
             f.fail(f"{fld}.record_offset", f"a record inside its file ({files[fi]['bytes']} bytes)", roff)
-    indexed = v >= 3 and "index" in m
+    m["files"] = files
     proven: set[tuple[int, tuple[int, ...]]] = set()
     groups: Any
-    if indexed:
-        idx = _open_index(f, m, d, where)
+    if idx is not None:
         groups = _Groups(idx, f, len(files))
 
         def check(name: str, g: Any) -> Any:
@@ -232,6 +250,49 @@ def _validate(m: dict[str, Any], d: Path, where: str, data: bytes) -> dict[str, 
     return m
 
 
+def _file_entry(f: _metadata.Fields, fe: Any, i: int, d: Path, where: str, world: int, v: int) -> None:
+    fld = f"files[{i}]"
+    f.mapping(fe, fld)
+    f.uint(f.get(fe, "rank", f"{fld}.rank"), f"{fld}.rank", most=world - 1)
+    # The name's text here; the file system (symlinks, file type) when the file is first used.
+    _paths.check_name(d, f.get(fe, "name", f"{fld}.name"), source=where, field=f"{fld}.name")
+    f.uint(f.get(fe, "bytes", f"{fld}.bytes"), f"{fld}.bytes")
+    if v >= 2:
+        f.uint(f.get(fe, "manifest_crc32", f"{fld}.manifest_crc32"), f"{fld}.manifest_crc32", most=_U32)
+
+
+class _Files(Sequence[Any]):
+    """The files[] of a manifest whose index holds them: a section of
+    entries read and checked (as manifest.json's would be) when one of its
+    files is first used."""
+
+    def __init__(self, idx: _index.Index, f: _metadata.Fields, d: Path, where: str, world: int, n: int) -> None:
+        self.idx, self.f, self.d, self.where, self.world, self.n = idx, f, d, where, world, n
+        self.per = int(idx.rec_files_per)
+        self._got: dict[int, list[Any]] = {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: Any) -> Any:
+        if not isinstance(i, int):
+            raise TypeError("files[] is indexed by file number")
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        b = i // self.per
+        got = self._got.get(b)
+        if got is None:
+            k = self.idx.find(_index.FILES, str(b))
+            if k is None:
+                self.f.fail("index", f"a section for files {b * self.per}..", "none")
+            want = min(self.per, self.n - b * self.per)
+            got = self.f.array(self.idx.section(k), f"files[{b * self.per}:]", length=want)
+            for j, fe in enumerate(got):
+                _file_entry(self.f, fe, b * self.per + j, self.d, self.where, self.world, 3)
+            self._got[b] = got
+        return got[i - b * self.per]
+
+
 def _tensor_entry(
     f: _metadata.Fields,
     name: str,
@@ -282,6 +343,11 @@ def _open_index(f: _metadata.Fields, m: dict[str, Any], d: Path, where: str) -> 
     p = _paths.member(d, name, source=where, field="index.name")
     for k in ("bytes", "table_bytes", "tensors", "groups"):
         f.uint(f.get(rec, k, f"index.{k}"), f"index.{k}")
+    if "files" in rec:
+        f.uint(rec["files"], "index.files", most=1 << 24)
+        per = f.uint(f.get(rec, "files_per_section", "index.files_per_section"), "index.files_per_section")
+        if not 1 <= per <= 1 << 20:
+            f.fail("index.files_per_section", "1 to 2**20", per)
     f.uint(f.get(rec, "table_crc32", "index.table_crc32"), "index.table_crc32", most=_U32)
     return _index.Index(p, rec, where)
 
@@ -293,12 +359,12 @@ class _Groups:
     def __init__(self, idx: _index.Index, f: _metadata.Fields, nfiles: int) -> None:
         self.idx, self.f, self.nfiles = idx, f, nfiles
         self._n = sum(1 for k, _n in idx.keys if k == _index.GROUP)
-        self._got: dict[int, dict[tuple[int, ...], int]] = {}
+        self._got: dict[int, Mapping[tuple[int, ...], int]] = {}
 
     def __len__(self) -> int:
         return self._n
 
-    def __getitem__(self, gi: int) -> dict[tuple[int, ...], int]:
+    def __getitem__(self, gi: int) -> Mapping[tuple[int, ...], int]:
         got = self._got.get(gi)
         if got is None:
             i = self.idx.find(_index.GROUP, str(gi))
@@ -308,12 +374,84 @@ class _Groups:
         return got
 
 
-def _groups(f: _metadata.Fields, v: Any, nfiles: int) -> list[dict[tuple[int, ...], int]]:
-    """The placements of rule positions: per group, {position: file index}."""
-    out = []
+class Grid(Mapping[tuple[int, ...], int]):
+    """The placements of a group that holds every position of a grid, each
+    in file ``base + position . strides`` (a regular job: ranks in mesh
+    order), computed when asked for: a group of W positions in O(1) bytes."""
+
+    def __init__(self, grid: tuple[int, ...], base: int, strides: tuple[int, ...]) -> None:
+        self.grid, self.base, self.strides = grid, base, strides
+
+    def __getitem__(self, c: tuple[int, ...]) -> int:
+        if not _inside(c, self.grid):
+            raise KeyError(c)
+        return self.base + sum(x * s for x, s in zip(c, self.strides, strict=True))
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        return itertools.product(*[range(n) for n in self.grid])
+
+    def __len__(self) -> int:
+        return math.prod(self.grid)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"grid": list(self.grid), "files_map": [self.base, list(self.strides)]}
+
+    @staticmethod
+    def of(coords: Sequence[tuple[int, ...]], files: Sequence[int]) -> Grid | None:
+        """The grid ``coords`` (sorted, distinct) fill with files ``files``,
+        if they fill one with an affine map of non-negative strides."""
+        if not coords or not coords[0] or any(coords[0]):
+            return None
+        grid = tuple(x + 1 for x in coords[-1])
+        if math.prod(grid) != len(coords):
+            return None  # sorted, distinct, inside [0, last]: as many as the grid holds only if they fill it
+        base = files[0]
+        strides = []
+        for k in range(len(grid)):
+            if grid[k] == 1:
+                strides.append(0)
+                continue
+            unit = tuple(1 if j == k else 0 for j in range(len(grid)))
+            strides.append(files[_c_index(unit, grid)] - base)
+        g = Grid(grid, base, tuple(strides))
+        if min(strides) < 0 or any(g.get(c) != fi for c, fi in zip(coords, files, strict=True)):
+            return None
+        return g
+
+
+def _c_index(c: tuple[int, ...], grid: tuple[int, ...]) -> int:
+    i = 0
+    for x, n in zip(c, grid, strict=True):
+        i = i * n + x
+    return i
+
+
+def _groups(f: _metadata.Fields, v: Any, nfiles: int) -> list[Mapping[tuple[int, ...], int]]:
+    """The placements of rule positions: per group, {position: file index}
+    (a :class:`Grid` for a group stored as one)."""
+    out: list[Mapping[tuple[int, ...], int]] = []
     for i, g in enumerate(f.array(v, "groups")):
         fld = f"groups[{i}]"
         f.mapping(g, fld)
+        if "grid" in g:
+            # Every position of the grid, in file base + position . strides:
+            # at most one position of a group per file, so no more than files.
+            grid = tuple(f.shape(g["grid"], f"{fld}.grid"))
+            fm = f.array(f.get(g, "files_map", f"{fld}.files_map"), f"{fld}.files_map", length=2)
+            base = f.uint(fm[0], f"{fld}.files_map[0]")
+            strides = tuple(f.shape(fm[1], f"{fld}.files_map[1]", ndim=len(grid)))
+            n = 1
+            for x in grid:
+                n *= x
+                if n > nfiles:
+                    break
+            if not grid or n < 1 or n > nfiles:
+                f.fail(f"{fld}.grid", f"a grid of 1 to {nfiles} positions (one per file at most)", list(grid)[:8])
+            last = base + sum((x - 1) * st for x, st in zip(grid, strides, strict=True))
+            if last >= nfiles:
+                f.fail(f"{fld}.files_map", f"files inside files (of {nfiles})", fm)
+            out.append(Grid(grid, base, strides))
+            continue
         coords = f.array(f.get(g, "coords", f"{fld}.coords"), f"{fld}.coords")
         fis = f.array(f.get(g, "files", f"{fld}.files"), f"{fld}.files", length=len(coords))
         where: dict[tuple[int, ...], int] = {}
@@ -333,7 +471,7 @@ def _rule_entry(
     name: str,
     g: dict[str, Any],
     gshape: tuple[int, ...],
-    groups: list[dict[tuple[int, ...], int]],
+    groups: Sequence[Mapping[tuple[int, ...], int]],
     proven: set[tuple[int, tuple[int, ...]]],
     fld: str,
 ) -> None:
@@ -361,6 +499,10 @@ def _rule_entry(
         gis.append(gi)
     axes = rule.axes
     if len(gis) == 1 and (gis[0], axes) in proven:
+        return
+    one = groups[gis[0]]
+    if len(gis) == 1 and isinstance(one, Grid) and one.grid == axes:
+        proven.add((gis[0], axes))  # every position of the rule's axes, by construction
         return
     held: Any = groups[gis[0]].keys() if len(gis) == 1 else {c for gi in gis for c in groups[gi]}
     total = sum(len(groups[gi]) for gi in gis)
@@ -521,6 +663,19 @@ class RuleIndex:
         return out
 
 
+class _FilePaths(Sequence[Path]):
+    """The paths of a checkpoint's data files (their entries read when used)."""
+
+    def __init__(self, d: Path, files: Sequence[Any]) -> None:
+        self.d, self.entries = d, files
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.d / self.entries[i]["name"]
+
+
 class Checkpoint:
     """A committed sharded checkpoint: its checked manifest, indexed for
     planning, and its data files, each checked against the manifest when it
@@ -532,7 +687,7 @@ class Checkpoint:
         self.manifest = read_manifest(path)
         m = self.manifest
         self.version = int(m["format_version"])
-        self.files = [self.dir / f["name"] for f in m["files"]]
+        self.files = _FilePaths(self.dir, m["files"])
         stored = m["stored"]
         self.stored = stored
         self._stored_in: dict[int, list[int]] = {}

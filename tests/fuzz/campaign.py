@@ -215,7 +215,10 @@ class Worker:
 def make_template(work: Path, log: Callable[[str], None]) -> Path | None:
     """The 2-rank template (made once per campaign, in a process of its own)."""
     out = work / "template-dist2"
-    if (out / "sharded" / "manifest.json").exists() and (out / "dcp" / ".metadata").exists():
+    if (
+        all((out / sub / "manifest.json").exists() for sub in ("sharded", "sharded_indexed"))
+        and (out / "dcp" / ".metadata").exists()
+    ):
         return out
     t0 = time.monotonic()
     r = subprocess.run(

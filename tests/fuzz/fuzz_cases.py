@@ -1630,6 +1630,14 @@ def _template_rank(rank: int, world: int, out: str) -> str:
     from torch.distributed.tensor import DTensor, Shard
 
     tierstore.save_sharded(dist_state(rank), os.path.join(out, "sharded"))
+    # The same as a large job writes it: an indexed manifest, files[] in
+    # index sections (one file each), rule groups as grids.
+    os.environ.update(TIERSTORE_MANIFEST_INDEX_BYTES="0", TIERSTORE_INDEX_FILES_PER_SECTION="1", TIERSTORE_GRID_MIN="1")
+    try:
+        tierstore.save_sharded(dist_state(rank), os.path.join(out, "sharded_indexed"))
+    finally:
+        for k in ("TIERSTORE_MANIFEST_INDEX_BYTES", "TIERSTORE_INDEX_FILES_PER_SECTION", "TIERSTORE_GRID_MIN"):
+            os.environ.pop(k, None)
     mesh = init_device_mesh("cpu", (world,))
     gl = dist_globals()
     w = DTensor.from_local(gl["model.w"][rank * 4 : (rank + 1) * 4].clone(), mesh, [Shard(0)], run_check=False)
@@ -1654,7 +1662,8 @@ def make_dist_template(out: Path) -> None:
 
 def sharded_variant_dist(ctx: Ctx, d: Path) -> Sharded:
     assert ctx.env.template is not None
-    shutil.copytree(ctx.env.template / "sharded", d)
+    which = ctx.rng.choice(["sharded", "sharded_indexed"])
+    shutil.copytree(ctx.env.template / which, d)
     gl = dist_globals()
     rank = ctx.rng.randrange(2)
 
@@ -1669,7 +1678,7 @@ def sharded_variant_dist(ctx: Ctx, d: Path) -> Sharded:
         tgt["rng"], exp["rng"] = None, {"seed": 100}
         return tgt, exp
 
-    return Sharded(d, gl, {"step": 7, "rng": {"seed": 100}}, same, "rank0", f"dist2(rank {rank})")
+    return Sharded(d, gl, {"step": 7, "rng": {"seed": 100}}, same, "rank0", f"dist2(rank {rank}, {which})")
 
 
 def sharded_build(ctx: Ctx, d: Path) -> Sharded:
@@ -1681,17 +1690,22 @@ def sharded_build(ctx: Ctx, d: Path) -> Sharded:
         return sharded_variant_dist(ctx, d)
     # A third of the one-process saves write an indexed manifest (global
     # tensors in index.<id>.bin, read in part), as large checkpoints do.
+    # Half of those store their rule groups as grids (of one file).
     indexed = ctx.rng.random() < 0.33
-    old = os.environ.get("TIERSTORE_MANIFEST_INDEX_BYTES")
-    if indexed:
-        os.environ["TIERSTORE_MANIFEST_INDEX_BYTES"] = "0"
+    grids = indexed and ctx.rng.random() < 0.5
+    knobs = {"TIERSTORE_MANIFEST_INDEX_BYTES": "0"} if indexed else {}
+    if grids:
+        knobs["TIERSTORE_GRID_MIN"] = "1"
+    old = {k: os.environ.get(k) for k in knobs}
+    os.environ.update(knobs)
     try:
         return sharded_variant_whole(ctx, d) if v == "whole" else sharded_variant_pieces(ctx, d)
     finally:
-        if old is None:
-            os.environ.pop("TIERSTORE_MANIFEST_INDEX_BYTES", None)
-        else:
-            os.environ["TIERSTORE_MANIFEST_INDEX_BYTES"] = old
+        for k, was in old.items():
+            if was is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = was
 
 
 def data_files(d: Path, prefix: str) -> list[Path]:
