@@ -26,9 +26,10 @@ from tierstore import _core
 from tierstore._ckpt_pool import HostPool
 from tierstore._ckpt_restore import META, STEP_DIR, step_dirs
 from tierstore._ckpt_snapshot import CheckpointHandle, Residency, Snapshot
-from tierstore._dist import all_true, barrier
+from tierstore._dist import all_true, barrier, scatter
 from tierstore._engine import get_engine
-from tierstore._fs import make_dir, write_json_atomic
+from tierstore._fs import make_dir, write_atomic, write_json_atomic
+from tierstore._nodes import Node
 from tierstore.errors import TierstoreError
 from tierstore.sharded import write_sharded
 from tierstore.shardmeta import MANIFEST, read_manifest
@@ -73,8 +74,10 @@ class Cascade:
         busy_dirs: set[Path],
         promote_q: queue.Queue[Snapshot | None],
         closed: Callable[[], bool],
+        node: Node | None = None,
     ) -> None:
         self.path, self.host, self.disks, self.pool = path, host, disks, pool
+        self.node = node if node is not None else Node("node", 0, True, 1)
         self.rank, self.world = rank, world
         self._pg_flush, self._pg_promote = pg_flush, pg_promote
         self._lock, self._snaps, self._handles, self._busy_dirs = lock, snaps, handles, busy_dirs
@@ -86,7 +89,12 @@ class Cascade:
         return self._is_closed()
 
     def tier_paths(self, t: DiskTier) -> list[Path]:
-        return [self.path / p for p in t.paths]  # type: ignore[union-attr]
+        """The tier's directories as this rank sees them (a node-scoped
+        tier's ``{node}`` made this node's name)."""
+        ps = [str(p) for p in t.paths]  # type: ignore[union-attr]
+        if t.scope == "node":
+            ps = [p.replace("{node}", self.node.name) for p in ps]
+        return [self.path / p for p in ps]
 
     def dir_for(self, t: DiskTier, snap: Snapshot) -> Path:
         ps = self.tier_paths(t)
@@ -95,11 +103,52 @@ class Cascade:
     def selected(self, t: DiskTier, snap: Snapshot) -> bool:
         return snap.ordinal % t.every == 0
 
-    def write_meta(self, d: Path, snap: Snapshot) -> None:
+    def write_meta(self, d: Path, snap: Snapshot, t: DiskTier | None = None) -> None:
+        if t is not None and t.scope == "node":
+            make_dir(d, durable=True)  # every node's copy of the step's directory
         if self.rank == 0:
             d.mkdir(parents=True, exist_ok=True)
-            meta = {"step": snap.step, "world_size": self.world, "tree": snap.tree, "created_unix": time.time()}
+            meta: dict[str, Any] = {
+                "step": snap.step,
+                "world_size": self.world,
+                "tree": snap.tree,
+                "created_unix": time.time(),
+            }
+            if t is not None and t.scope == "node":
+                # Where each rank's files are: per node, its name and rank runs.
+                meta["nodes"] = [[n, [list(r) for r in runs]] for n, runs in self.node.ranks]
             write_json_atomic(d / META, meta)
+
+    def spread_commit(self, d: Path, t: DiskTier, pg: Any) -> None:
+        """A node-scoped tier: rank 0 committed the checkpoint in its node's
+        copy; each other node's leader gets the commit (the index, the key
+        tree, the job-wide objects file and manifest.json, written in that
+        order) for its own copy, so that every node's copy names its files
+        and restores on its own."""
+        if t.scope != "node" or self.world == 1:
+            return
+        payload: list[Any] | None = None
+        if self.rank == 0:
+            m = read_manifest(d)
+            # With the commit, the objects file of the job-wide objects (rank
+            # 0's: every rank reads them on restore) so that no node needs
+            # another's copy.
+            shared = sorted(set(m.get("objects", {}).values()))
+            names = [n for n in (m.get("index", {}).get("name"), META, *shared) if n and (d / n).exists()]
+            files = [(n, (d / n).read_bytes()) for n in names] + [(MANIFEST, (d / MANIFEST).read_bytes())]
+            others = set(self.node.leader_ranks) - {0}
+            payload = [files if r in others else None for r in range(self.world)]
+        mine = scatter(payload, self.world, pg)
+        err: BaseException | None = None
+        if mine is not None:
+            try:
+                make_dir(d, durable=True)
+                for name, data in mine:
+                    write_atomic(d / name, data, durable=True)
+            except OSError as e:
+                err = e
+        if not all_true(err is None, self.world, pg):
+            raise TierstoreError(f"{d}: a node could not commit its copy of the checkpoint ({err or 'another node'})")
 
     def flush(self, snap: Snapshot) -> None:
         h = snap.handle
@@ -118,7 +167,7 @@ class Cascade:
             with self._lock:
                 self._busy_dirs.add(d)
             try:
-                self.write_meta(d, snap)
+                self.write_meta(d, snap, local)
                 copy_offload_pins(snap, d)
                 write_sharded(
                     snap.state,
@@ -128,6 +177,7 @@ class Cascade:
                     gates=snap.gates,
                     attachments=(META,),
                 )
+                self.spread_commit(d, local, self._pg_flush)
                 snap.captured.wait()
                 if snap.error is not None:
                     raise TierstoreError(f"the capture failed: {snap.error}")
@@ -187,15 +237,17 @@ class Cascade:
                 try:
                     if snap.local_dir is not None:
                         self.copy_dir(snap.local_dir, d)
+                        self.spread_commit(d, t, self._pg_promote)
                     else:  # the local tier failed: write from host memory
                         snap.captured.wait()
                         if snap.error is not None:
                             return
-                        self.write_meta(d, snap)
+                        self.write_meta(d, snap, t)
                         copy_offload_pins(snap, d)
                         write_sharded(
                             snap.state, d, process_group=self._pg_promote, background=True, attachments=(META,)
                         )
+                        self.spread_commit(d, t, self._pg_promote)
                         snap.local_dir = d
                     h.paths[t.name] = str(d)
                     h.timings["to_remote"] = time.perf_counter() - snap.t_save
@@ -269,8 +321,9 @@ class Cascade:
     def gc(self, t: DiskTier) -> None:
         """Retention on tier ``t`` (rank 0 only): keeps the newest ``keep_last``
         complete checkpoints, multiples of ``keep_every`` and anything in use;
-        removes older incomplete directories left by crashes."""
-        if self.rank != 0:
+        removes older incomplete directories left by crashes. A node-scoped
+        tier's retention runs on each node's leader, over its node's copy."""
+        if not (self.node.leader if t.scope == "node" else self.rank == 0):
             return
         complete: list[tuple[int, Path]] = []
         incomplete: list[tuple[int, Path]] = []

@@ -19,9 +19,10 @@ from tierstore import _metadata, _paths, _tree
 from tierstore._ckpt_snapshot import Snapshot
 from tierstore._dist import all_true
 from tierstore._offload_entry import OFFLOAD_KEY, is_offload_parts, offload_meta, restore_state_dict
+from tierstore._sharded_read import consolidate, read_sharded
 from tierstore.errors import LayoutError, TierstoreError
-from tierstore.sharded import PerRank, consolidate, load_sharded
-from tierstore.shardmeta import MANIFEST, read_attachment, read_manifest
+from tierstore.sharded import PerRank
+from tierstore.shardmeta import MANIFEST, Checkpoint, read_attachment, read_manifest
 
 STEP_DIR = re.compile(r"^step-(\d{12})$")
 META = "checkpoint.json"
@@ -68,6 +69,8 @@ def load_copy(c: dict[str, Any], into: Any, weights_only: bool, per_rank_policy:
     a snapshot still in host memory, or a step directory, into ``into`` or as
     the saved nested state."""
     snap: Snapshot | None = c.get("_snap")
+    if c.get("missing"):
+        raise TierstoreError(f"this rank sees no copy of step {c['step']} (not on its node, not on a farther tier)")
     if c["path"] is None:
         if snap is None or not snap.in_host:
             raise TierstoreError("the host copy was dropped")
@@ -76,17 +79,51 @@ def load_copy(c: dict[str, Any], into: Any, weights_only: bool, per_rank_policy:
         return clone_tree(snap.state)
     d = Path(c["path"])
     tree = read_meta(d, c["step"])
-    if into is not None:
-        return load_into(d, into, weights_only, per_rank_policy)
-    flat = consolidate(d, weights_only=weights_only, per_rank_policy=per_rank_policy)
-    if tree is None:
-        return _offload_state_dicts(flat, d)
-    return _offload_state_dicts(unflatten(flat, tree), d)
+    alternates = [Path(a) for a in c.get("alternates", ())]
+    excluded: set[tuple[str, str]] = set()
+    while True:
+        # Each file from the nearest copy that holds it intact; a file whose
+        # data fails its checksums there is taken from the next copy.
+        ck = Checkpoint(d, alternates)
+        ck.excluded |= excluded
+        try:
+            if into is not None:
+                out = load_into(d, into, weights_only, per_rank_policy, ck)
+            else:
+                flat = consolidate(d, weights_only=weights_only, per_rank_policy=per_rank_policy, checkpoint=ck)
+                out = _offload_state_dicts(flat if tree is None else unflatten(flat, tree), d)
+        except TierstoreError as e:
+            bad = _damaged_copy(e, ck)
+            if bad is None or bad in excluded or not alternates:
+                raise
+            tier = c.get("copy_tiers", {}).get(bad[0], c["tier"])
+            warnings.warn(f"tierstore: checkpoint of step {c['step']} on tier {tier!r} ({bad[0]}): {bad[1]} cannot "
+                          f"be used ({e}); reading it from the next copy", stacklevel=3)  # fmt: skip
+            excluded.add(bad)
+            continue
+        c["bytes_by_copy"] = dict(ck.bytes_by_copy)
+        return out
 
 
-def load_into(d: Path, into: Any, weights_only: bool, per_rank_policy: Any) -> Any:
+def _damaged_copy(e: TierstoreError, ck: Checkpoint) -> tuple[str, str] | None:
+    """The (copy, file name) an error names, when it is one of the
+    checkpoint's copies' data or objects files."""
+    p = getattr(e, "path", None)
+    if not p:
+        return None
+    p = Path(p)
+    for c in ck.copies:
+        if p.parent == c and p.name != MANIFEST:
+            return str(c), p.name
+    return None
+
+
+def load_into(d: Path, into: Any, weights_only: bool, per_rank_policy: Any, ck: Checkpoint | None = None) -> Any:
     """``load_sharded`` into ``into``, where offloaded optimizers get their
-    saved subgroups back as they are (no per-parameter work)."""
+    saved subgroups back as they are (no per-parameter work); ``ck`` the
+    checkpoint opened with its other copies."""
+    if ck is None:
+        ck = Checkpoint(d)
     found: list[tuple[MutableMapping[str, Any], str, Any]] = []
 
     def walk(obj: Any) -> Any:
@@ -102,11 +139,12 @@ def load_into(d: Path, into: Any, weights_only: bool, per_rank_policy: Any) -> A
         return obj
 
     template = walk(into) if isinstance(into, Mapping) else into
+    opts: dict[str, Any] = {"process_group": None, "per_rank_policy": per_rank_policy, "weights_only": weights_only}
     if not found:
-        return load_sharded(d, into, process_group=None, per_rank_policy=per_rank_policy, weights_only=weights_only)
+        return read_sharded(d, into, checkpoint=ck, **opts)
     # The offload entries' metadata first (small), then every tensor in one load.
     probe = _only_offload_meta(template)
-    load_sharded(d, probe, process_group=None, per_rank_policy=per_rank_policy, weights_only=weights_only)
+    read_sharded(d, probe, checkpoint=ck, **opts)
     metas = [offload_meta(m[OFFLOAD_KEY], str(d)) for m in _offload_entries(probe)]
     for (parent, k, _opt), meta in zip(found, metas, strict=True):
         entry: dict[str, Any] = {OFFLOAD_KEY: None}
@@ -114,7 +152,7 @@ def load_into(d: Path, into: Any, weights_only: bool, per_rank_policy: Any) -> A
             if "tensor" in e:
                 entry[e["tensor"]] = torch.empty(e["nbytes"], dtype=torch.uint8)
         parent[k] = entry
-    load_sharded(d, template, process_group=None, per_rank_policy=per_rank_policy, weights_only=weights_only)
+    read_sharded(d, template, checkpoint=ck, **opts)
     for (parent, k, opt), meta in zip(found, metas, strict=True):
         tensors = {n: t for n, t in parent[k].items() if isinstance(t, torch.Tensor)}
         opt.restore_from_checkpoint(meta, tensors, d)
@@ -300,7 +338,10 @@ def load_first_usable(
         except Exception as e:  # any damage to this copy: the next one is tried
             err = e
         if all_true(err is None, world, pg):
-            return result, {"step": c["step"], "tier": c["tier"], "path": c["path"]}
+            used = {"step": c["step"], "tier": c["tier"], "path": c["path"]}
+            if "bytes_by_copy" in c:
+                used["bytes_by_copy"] = c["bytes_by_copy"]
+            return result, used
         where = c["path"] or "host memory"
         why = err if err is not None else "another rank could not read it"
         warnings.warn(

@@ -351,12 +351,13 @@ def read_plan(ck: Checkpoint, plan: dict[int, FileBlocks], verify: str | bool) -
         tables = ck.check_file(f)
         r, c, b = _core.read_blocks(
             engine,
-            str(ck.files[f]),
+            ck.path_of(f),
             fb.rows.tobytes(),
             fb.dims,
             [t.as_tuple() for t in tables.values()],
             verify=mode,
         )
+        ck.count_read(f, r)
         read += r
         checked += c
         blocks += b
@@ -395,6 +396,7 @@ def consolidate(
     *,
     weights_only: bool = True,
     per_rank_policy: str | Callable[[dict[int, Any]], Any] | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> dict[str, Any]:
     """The whole checkpoint as one flat dict ``{global name: full tensor}``,
     plus its replicated objects (for inference or upload), plus its per-rank
@@ -405,9 +407,9 @@ def consolidate(
 
     if not (Path(path) / MANIFEST).exists() and dcp.is_dcp(path):
         return dcp.to_state_dict(path, weights_only, nested=True)
-    ck = Checkpoint(path)
+    ck = checkpoint if checkpoint is not None else Checkpoint(path)
     m = ck.manifest
-    _check_consolidated_size(Path(path), m)
+    _check_consolidated_size(Path(path), m, ck)
     ck.check_all_files()  # the global shapes it allocates, against what each file holds
     sd: dict[str, Any] = {name: torch.empty(g["shape"], dtype=_dtype(g["dtype"])) for name, g in m["tensors"].items()}
     for key in m["objects"]:
@@ -433,7 +435,7 @@ def consolidate(
     return flat_sd
 
 
-def _check_consolidated_size(d: Path, m: dict[str, Any]) -> None:
+def _check_consolidated_size(d: Path, m: dict[str, Any], ck: Checkpoint | None = None) -> None:
     """Refuses to allocate the full tensors of a manifest before their sizes
     are checked against what its pieces and files hold, and against the
     memory there is."""
@@ -450,12 +452,18 @@ def _check_consolidated_size(d: Path, m: dict[str, Any]) -> None:
             )
         total += numel * torch.empty((), dtype=_dtype(g["dtype"])).element_size()
     on_disk = 0
+    copies = ck.copies if ck is not None else [d]
     for i, fe in enumerate(m["files"]):
-        p = _paths.member(d, fe["name"], source=where, field=f"files[{i}].name")
-        try:
-            on_disk += p.stat().st_size
-        except FileNotFoundError:
-            raise NotFoundError(f"{p}: shard file of the checkpoint is missing (files[{i}])", path=str(p)) from None
+        for c in copies:
+            p = _paths.member(c, fe["name"], source=where, field=f"files[{i}].name")
+            try:
+                on_disk += p.stat().st_size
+                break
+            except FileNotFoundError:
+                continue
+        else:
+            p = d / fe["name"]
+            raise NotFoundError(f"{p}: shard file of the checkpoint is missing (files[{i}])", path=str(p))
     if total > on_disk:
         raise CoverageError(
             f"{where}: the global tensors add up to {total} bytes but the shard files hold only {on_disk}; "
@@ -482,6 +490,8 @@ def _load_objects(
         if name not in cache:
             p = ck.check_objects_file(name)
             got = ts_load(p, weights_only=weights_only)
+            c = str(p.parent)
+            ck.bytes_by_copy[c] = ck.bytes_by_copy.get(c, 0) + p.stat().st_size
             if not isinstance(got, dict) or not isinstance(got.get("objects"), dict):
                 raise FormatError(f"{p}: not an objects file of a sharded checkpoint", path=str(p))
             cache[name] = got["objects"]

@@ -49,10 +49,12 @@ from tierstore._ckpt_restore import (
     checkpoints_itself,
     list_checkpoints,
     load_first_usable,
+    step_dirs,
 )
 from tierstore._ckpt_snapshot import CheckpointHandle, Residency, Snapshot
 from tierstore._dist import all_true, broadcast, group_info
 from tierstore._engine import get_engine
+from tierstore._nodes import Node, find_node, node_name
 from tierstore._offload_entry import OFFLOAD_KEY
 from tierstore.errors import InvalidArgumentError, TierstoreError, TornSnapshotError
 from tierstore.sharded import (
@@ -161,6 +163,12 @@ class Checkpointer:
             self._pg_ctl = dist.new_group(ranks, backend="gloo", timeout=to)
             self._pg_flush = dist.new_group(ranks, backend="gloo", timeout=to)
             self._pg_promote = dist.new_group(ranks, backend="gloo", timeout=to)
+        # The node this rank runs on (for node-scoped tiers: one gather, one scatter).
+        self.node = (
+            find_node(self.world, self._pg_ctl)
+            if self.world > 1 and any(t.scope == "node" for t in self.disks)
+            else Node(node_name(), 0, True, 1, (0,), ((node_name(), ((0, self.world - 1),)),))
+        )
         self._ordinal = 0
         self._last_step: int | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -207,6 +215,7 @@ class Checkpointer:
             busy_dirs=self._busy_dirs,
             promote_q=self._promote_q,
             closed=lambda: self._closed,
+            node=self.node,
         )
         for t in self.disks:
             for p in self.cascade.tier_paths(t):
@@ -437,13 +446,47 @@ class Checkpointer:
         """
         self.capturer.raise_errors()
         cands = self.checkpoints()
+        mine = [c for c in cands if c["path"] is not None]
         if self.world > 1:
-            # Every rank must take the same copy: agree on the candidates of rank 0.
-            disk = [{k: v for k, v in c.items() if k != "_snap"} for c in cands if c["path"] is not None]
+            # Every rank must take the same step: agree on the candidates of rank 0.
+            disk = [{k: v for k, v in c.items() if k != "_snap"} for c in mine]
             cands = broadcast(disk, self.world, self._pg_ctl)
+        # Each rank reads each file from the nearest intact copy it sees of the
+        # candidate's step (its node's copy of a node-scoped tier, then the
+        # farther tiers'), not only from the candidate's own directory.
+        cands = [self._with_copies(c, mine) for c in cands]
         self.restored = None
         result, self.restored = load_first_usable(cands, into, weights_only, per_rank_policy, self.world, self._pg_ctl)
+        if self.restored is not None and "bytes_by_copy" in self.restored:
+            dirs = {
+                str(d): t.name for t in self.disks for p in self.cascade.tier_paths(t) for d in step_dirs(p, t.name)
+            }
+            by_tier: dict[str, int] = {}
+            by_copy = self.restored.pop("bytes_by_copy")
+            for d, n in by_copy.items():
+                name = dirs.get(d, d)
+                by_tier[name] = by_tier.get(name, 0) + n
+            self.restored["bytes_by_tier"] = by_tier
+            if by_copy and by_tier.get(self.restored["tier"], 0) == 0:
+                # Nothing came from the candidate's copy: name the copy it all came from.
+                d = max(by_copy, key=lambda k: by_copy[k])
+                self.restored.update(tier=dirs.get(d, self.restored["tier"]), path=d)
         return result
+
+    def _with_copies(self, c: dict[str, Any], mine: list[dict[str, Any]]) -> dict[str, Any]:
+        """Candidate ``c`` (rank 0's view) as this rank reads it: its own copy
+        of that step on that tier first, then its other copies of the step,
+        nearest tier first."""
+        if c["path"] is None:
+            return c
+        same = [m["path"] for m in mine if m["step"] == c["step"]]
+        own = next((m["path"] for m in mine if m["step"] == c["step"] and m["tier"] == c["tier"]), None)
+        order = ([own] if own is not None else []) + [p for p in same if p != own]
+        if not order:
+            # This rank sees no copy: the load fails here and the ranks move on together.
+            return {**c, "path": None, "missing": True}
+        tiers = {m["path"]: m["tier"] for m in mine if m["step"] == c["step"]}
+        return {**c, "path": order[0], "alternates": order[1:], "copy_tiers": tiers}
 
     def close(self, wait: bool = True) -> None:
         """Waits for everything in flight (unless ``wait=False``), stops the

@@ -27,6 +27,7 @@ import itertools
 import json
 import math
 import os
+import warnings
 import zlib
 from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ import torch
 
 from tierstore import _archive, _index, _metadata, _paths, manifest
 from tierstore._fs import write_atomic
-from tierstore.errors import LayoutError, ManifestError, NotFoundError
+from tierstore.errors import LayoutError, ManifestError, MissingKeyError, NotFoundError, TierstoreError
 from tierstore.layout import Box, Layout, Piece, Rule
 from tierstore.layout import position_inside as _inside
 from tierstore.reshard import GlobalIndex, Source, prove_tiling_arrays
@@ -261,7 +262,7 @@ def _file_entry(f: _metadata.Fields, fe: Any, i: int, d: Path, where: str, world
         f.uint(f.get(fe, "manifest_crc32", f"{fld}.manifest_crc32"), f"{fld}.manifest_crc32", most=_U32)
 
 
-class _Files(Sequence[Any]):
+class _Files:
     """The files[] of a manifest whose index holds them: a section of
     entries read and checked (as manifest.json's would be) when one of its
     files is first used."""
@@ -274,11 +275,12 @@ class _Files(Sequence[Any]):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: Any) -> Any:
-        if not isinstance(i, int):
-            raise TypeError("files[] is indexed by file number")
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(self.n))
+
+    def __getitem__(self, i: int) -> Any:
         if not 0 <= i < self.n:
-            raise IndexError(i)
+            self.f.fail("files", f"an entry {i} among {self.n}", i)
         b = i // self.per
         got = self._got.get(b)
         if got is None:
@@ -384,7 +386,7 @@ class Grid(Mapping[tuple[int, ...], int]):
 
     def __getitem__(self, c: tuple[int, ...]) -> int:
         if not _inside(c, self.grid):
-            raise KeyError(c)
+            raise MissingKeyError(f"position {list(c)[:8]} is not in the grid {list(self.grid)[:8]}")
         return self.base + sum(x * s for x, s in zip(c, self.strides, strict=True))
 
     def __iter__(self) -> Iterator[tuple[int, ...]]:
@@ -672,6 +674,9 @@ class _FilePaths(Sequence[Path]):
     def __len__(self) -> int:
         return len(self.entries)
 
+    def __iter__(self) -> Iterator[Path]:
+        return (self[i] for i in range(len(self)))
+
     def __getitem__(self, i: Any) -> Any:
         return self.d / self.entries[i]["name"]
 
@@ -681,13 +686,21 @@ class Checkpoint:
     planning, and its data files, each checked against the manifest when it
     is first used (:meth:`check_file`)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], alternates: Sequence[str | os.PathLike[str]] = ()) -> None:
         self.dir = Path(path)
         self.manifest_path = str(self.dir / MANIFEST)
         self.manifest = read_manifest(path)
         m = self.manifest
         self.version = int(m["format_version"])
         self.files = _FilePaths(self.dir, m["files"])
+        # Other copies of this checkpoint (a Checkpointer's farther tiers, or
+        # this node's copy and the remote one): each data or objects file is
+        # taken from the first copy where it is present and matches the
+        # manifest (its length and manifest record's CRC-32).
+        self.copies = [self.dir, *(Path(a) for a in alternates)]
+        self.excluded: set[tuple[str, str]] = set()  # (copy, file name) found damaged: not used again
+        self.bytes_by_copy: dict[str, int] = {}
+        self._path_of: dict[int, str] = {}
         stored = m["stored"]
         self.stored = stored
         self._stored_in: dict[int, list[int]] = {}
@@ -777,7 +790,39 @@ class Checkpoint:
         if got is not None:
             return got
         fe = self.manifest["files"][fi]
-        p = str(_paths.member(self.dir, fe["name"], source=self.manifest_path, field=f"files[{fi}].name"))
+        first: TierstoreError | None = None
+        for c in self.copies:
+            if (str(c), fe["name"]) in self.excluded:
+                continue
+            try:
+                got = self._open_view(fi, fe, c)
+            except TierstoreError as e:  # missing or not this checkpoint's file here: the next copy
+                first = first or e
+                continue
+            if first is not None and not isinstance(first, NotFoundError):
+                warnings.warn(f"tierstore: {first}; reading {fe['name']} from {c} instead", stacklevel=3)
+            self._views[fi] = got
+            self._path_of[fi] = str(c)
+            return got
+        if first is None:
+            p = str(self.dir / fe["name"])
+            first = NotFoundError(f"{p}: shard file of the checkpoint is missing (every copy excluded)", path=p)
+        raise first
+
+    def copy_of(self, fi: int) -> str:
+        """The directory data file ``fi`` is read from (after :meth:`check_file`)."""
+        return self._path_of.get(fi, str(self.dir))
+
+    def path_of(self, fi: int) -> str:
+        """The path data file ``fi`` is read from (after :meth:`check_file`)."""
+        return self._views[fi].path if fi in self._views else str(self.files[fi])
+
+    def count_read(self, fi: int, n: int) -> None:
+        c = self.copy_of(fi)
+        self.bytes_by_copy[c] = self.bytes_by_copy.get(c, 0) + n
+
+    def _open_view(self, fi: int, fe: dict[str, Any], copy: Path) -> _FileView:
+        p = str(_paths.member(copy, fe["name"], source=self.manifest_path, field=f"files[{fi}].name"))
         if not os.path.exists(p):
             raise NotFoundError(f"{p}: shard file of the checkpoint is missing", path=p)
         arch, fm, offsets = _archive.open_archive(p)
@@ -984,8 +1029,22 @@ class Checkpoint:
 
     def check_objects_file(self, name: str) -> Path:
         """The objects file ``name``, checked against the manifest's record of
-        it (its length and the CRC-32 of its manifest record; version 2)."""
-        p = _paths.member(self.dir, name, source=self.manifest_path, field="objects")
+        it (its length and the CRC-32 of its manifest record; version 2),
+        from the first copy of the checkpoint that holds it intact."""
+        first: TierstoreError | None = None
+        for c in self.copies:
+            if (str(c), name) in self.excluded:
+                continue
+            try:
+                return self._objects_file_in(c, name)
+            except TierstoreError as e:
+                first = first or e
+        if first is None:
+            first = NotFoundError(f"{self.dir / name}: objects file of the checkpoint is missing", path=str(self.dir))
+        raise first
+
+    def _objects_file_in(self, copy: Path, name: str) -> Path:
+        p = _paths.member(copy, name, source=self.manifest_path, field="objects")
         if self.version < 2:
             return p
         want = next((o for o in self.manifest["object_files"] if o["name"] == name), None)

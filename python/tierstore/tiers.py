@@ -62,6 +62,15 @@ class DiskTier:
     ``keep_last`` newest complete checkpoints, plus those whose step is a
     multiple of ``keep_every``; ``None`` keeps all. The newest complete
     checkpoint is never deleted.
+
+    ``scope="node"``: the path is valid on every node and its contents are
+    local to each (a node's own NVMe). Each node's copy holds its ranks'
+    files and the checkpoint's manifest, and a restore reads each file from
+    the nearest intact copy (this node's, else a farther tier's). A
+    ``{node}`` in a path is replaced by the node's name (nodes sharing one
+    file system, and tests, keep their copies apart). Nodes are found from
+    ``TIERSTORE_NODE`` (this process's node name), else torchrun's
+    ``GROUP_RANK``, else the host name.
     """
 
     paths: str | os.PathLike[str] | list[str | os.PathLike[str]] = "."
@@ -69,6 +78,7 @@ class DiskTier:
     keep_every: int | None = None
     every: int = 1
     name: str = "local"
+    scope: str = "job"
 
     def __post_init__(self) -> None:
         ps = self.paths if isinstance(self.paths, list) else [self.paths]
@@ -77,6 +87,8 @@ class DiskTier:
         self.paths = [os.fspath(p) for p in ps]
         if self.every < 1:
             raise InvalidArgumentError(f"tier {self.name!r}: every must be at least 1, got {self.every}")
+        if self.scope not in ("job", "node"):
+            raise InvalidArgumentError(f"tier {self.name!r}: scope must be 'job' or 'node', got {self.scope!r}")
         if self.keep_last is not None and self.keep_last < 1:
             raise InvalidArgumentError(f"tier {self.name!r}: keep_last must be at least 1 (or None to keep all)")
 

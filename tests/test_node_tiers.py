@@ -1,0 +1,178 @@
+"""Node-scoped tiers (issue 17, first part): each node writes its ranks' files
+to its own local tier and holds the checkpoint's manifest there too; a
+restore reads each file from the nearest intact copy (this node's, else the
+remote tier's), every rank the same step. Real processes on one machine:
+4 ranks as 2 nodes (``TIERSTORE_NODE``), a ``{node}`` in the local tier's
+path keeping the nodes' copies apart, bytes read counted per tier."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dist_util import run_world
+
+import tierstore
+from tierstore import Checkpointer, DiskTier, HostTier, RemoteTier
+from tierstore.errors import InvalidArgumentError
+from tierstore.layout import Layout, attach
+
+ROWS, COLS = 64, 40
+
+
+def _full(step: int) -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + 1000 * step
+
+
+def _tiers(root: str) -> list[Any]:
+    return [
+        HostTier("64MiB"),
+        DiskTier("nvme-{node}", scope="node"),  # under the job directory
+        RemoteTier(os.path.join(root, "remote")),
+    ]
+
+
+def _state(rank: int, world: int, step: int) -> dict[str, Any]:
+    per = ROWS // world
+    lay = Layout.block("w", (ROWS, COLS), (rank * per, 0), (per, COLS))
+    return {"w": attach(_full(step)[rank * per : (rank + 1) * per].clone(), lay), "step": step,
+            "rng": tierstore.PerRank(rank * 100 + step)}  # fmt: skip
+
+
+def _target(rank: int, world: int) -> dict[str, Any]:
+    per = ROWS // world
+    lay = Layout.block("w", (ROWS, COLS), (rank * per, 0), (per, COLS))
+    return {"w": attach(torch.full((per, COLS), float("nan")), lay), "step": None, "rng": None}
+
+
+def _node_env(rank: int) -> None:
+    os.environ["TIERSTORE_NODE"] = f"n{rank // 2}"  # ranks 0, 1 on node n0; 2, 3 on n1
+
+
+def _train(rank: int, world: int, root: str) -> list[str]:
+    _node_env(rank)
+    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers(root))
+    hs = []
+    for step in range(3):
+        hs.append(ck.save(step, _state(rank, world, step)))
+        ck.wait_capture()
+    ck.wait()
+    ck.close()
+    return [h.state for h in hs]
+
+
+def _restore(rank: int, world: int, root: str) -> dict[str, Any]:
+    _node_env(rank)
+    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers(root))
+    into = _target(rank, world)
+    ck.load_latest(into=into)
+    per = ROWS // world
+    assert torch.equal(into["w"], _full(2)[rank * per : (rank + 1) * per]), rank
+    assert into["step"] == 2 and into["rng"] == rank * 100 + 2
+    got = dict(ck.restored or {})
+    ck.close()
+    return got
+
+
+def _job(tmp_path: Path) -> str:
+    root = str(tmp_path)
+    states = run_world(4, _train, root)
+    assert states == [["durable-remote"] * 3] * 4
+    return root
+
+
+def test_each_node_holds_its_ranks_files_and_the_manifest(tmp_path: Path) -> None:
+    root = _job(tmp_path)
+    for node, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
+        d = tmp_path / "job" / f"nvme-{node}" / "step-000000000002"
+        names = sorted(p.name.split(".")[0] for p in d.glob("rank-*.pt"))
+        assert names == [f"rank-{r:05d}" for r in ranks], (node, names)
+        assert (d / "manifest.json").is_file() and (d / "checkpoint.json").is_file()
+    # The remote copy has every rank's files, and one process reads it whole.
+    remote = tmp_path / "remote" / "step-000000000002"
+    assert len(list(remote.glob("rank-*.pt"))) == 4
+    whole = {"w": torch.zeros(ROWS, COLS)}
+    tierstore.load_sharded(remote, whole)
+    assert torch.equal(whole["w"], _full(2))
+    assert root
+
+
+def test_a_restart_on_the_same_nodes_reads_nothing_remotely(tmp_path: Path) -> None:
+    root = _job(tmp_path)
+    got = run_world(4, _restore, root)
+    for r in got:
+        assert r["step"] == 2 and r["tier"] == "local", r
+        by = r["bytes_by_tier"]
+        assert by.get("remote", 0) == 0 and by["local"] > 0, r
+
+
+def test_a_replaced_node_reads_only_its_files_from_the_remote_tier(tmp_path: Path) -> None:
+    root = _job(tmp_path)
+    shutil.rmtree(tmp_path / "job" / "nvme-n1")  # node n1 replaced: its local disk is empty
+    got = run_world(4, _restore, root)
+    for rank, r in enumerate(got):
+        by = r["bytes_by_tier"]
+        if rank < 2:
+            assert by.get("remote", 0) == 0 and by["local"] > 0, (rank, r)
+        else:
+            assert by.get("local", 0) == 0 and by["remote"] > 0, (rank, r)
+
+
+def test_a_damaged_local_file_is_read_from_the_next_copy(tmp_path: Path) -> None:
+    root = _job(tmp_path)
+    d = tmp_path / "job" / "nvme-n1" / "step-000000000002"
+    victim = next(d.glob("rank-00003.*.pt"))
+    data = bytearray(victim.read_bytes())
+    at = bytes(data).find(_full(2)[48:64].numpy().tobytes()[:64])
+    assert at > 0
+    data[at + 100] ^= 0xFF  # inside rank 3's tensor data: found by its chunk checksum
+    victim.write_bytes(bytes(data))
+    got = run_world(4, _restore_warned, root)  # rank 3 is warned, naming the file, and reads the remote copy
+    assert got[3]["bytes_by_tier"]["remote"] > 0 and got[2]["bytes_by_tier"].get("remote", 0) == 0
+
+
+def _restore_warned(rank: int, world: int, root: str) -> dict[str, Any]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = _restore(rank, world, root)
+    said = [str(x.message) for x in w if "rank-00003" in str(x.message)]
+    assert bool(said) == (rank == 3), [str(x.message) for x in w]
+    assert rank != 3 or "checksum" in said[0].lower() or "crc" in said[0].lower(), said
+    return got
+
+
+def test_a_node_that_lost_a_step_makes_every_rank_take_an_older_one(tmp_path: Path) -> None:
+    """Node n1's copy of step 2 is gone and the remote tier never got step 2:
+    every rank restores step 1 (local where it is, remote for the rest)."""
+    root = _job(tmp_path)
+    shutil.rmtree(tmp_path / "job" / "nvme-n1" / "step-000000000002")
+    shutil.rmtree(tmp_path / "remote" / "step-000000000002")
+    got = run_world(4, _restore_step1, root)
+    assert all(r["step"] == 1 for r in got)
+
+
+def _restore_step1(rank: int, world: int, root: str) -> dict[str, Any]:
+    import warnings
+
+    _node_env(rank)
+    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers(root))
+    into = _target(rank, world)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ck.load_latest(into=into)
+    per = ROWS // world
+    assert torch.equal(into["w"], _full(1)[rank * per : (rank + 1) * per]), rank
+    got = dict(ck.restored or {})
+    ck.close()
+    return got
+
+
+def test_scope_is_checked() -> None:
+    with pytest.raises(InvalidArgumentError, match="scope"):
+        DiskTier("x", scope="rack")
