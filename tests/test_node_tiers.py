@@ -176,3 +176,93 @@ def _restore_step1(rank: int, world: int, root: str) -> dict[str, Any]:
 def test_scope_is_checked() -> None:
     with pytest.raises(InvalidArgumentError, match="scope"):
         DiskTier("x", scope="rack")
+
+
+# ----------------------------------------------------------------------------------------------
+# peer replicas
+
+
+def _tiers_r(root: str) -> list[Any]:
+    return [
+        HostTier("64MiB"),
+        DiskTier("nvme-{node}", scope="node", replicas=1),
+        RemoteTier(os.path.join(root, "remote")),
+    ]
+
+
+def _train_r(rank: int, world: int, root: str) -> list[str]:
+    _node_env(rank)
+    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers_r(root))
+    hs = []
+    for step in range(3):
+        hs.append(ck.save(step, _state(rank, world, step)))
+        ck.wait_capture()
+    ck.wait()
+    ck.close()
+    return [h.state for h in hs]
+
+
+def _restore_r(rank: int, world: int, root: str) -> dict[str, Any]:
+    import warnings
+
+    _node_env(rank)
+    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers_r(root))
+    into = _target(rank, world)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        ck.load_latest(into=into)
+    per = ROWS // world
+    assert torch.equal(into["w"], _full(2)[rank * per : (rank + 1) * per]), rank
+    assert into["step"] == 2 and into["rng"] == rank * 100 + 2
+    got = dict(ck.restored or {})
+    got["warnings"] = [str(x.message) for x in w]
+    ck.close()
+    return got
+
+
+def _job_r(tmp_path: Path) -> str:
+    root = str(tmp_path)
+    assert run_world(4, _train_r, root) == [["durable-remote"] * 3] * 4
+    return root
+
+
+def test_each_nodes_part_is_replicated_on_its_peer(tmp_path: Path) -> None:
+    _job_r(tmp_path)
+    for node, others in (("n0", (2, 3)), ("n1", (0, 1))):
+        d = tmp_path / "job" / f"nvme-{node}" / "step-000000000002"
+        names = {p.name.split(".")[0] for p in d.glob("rank-*.pt")}
+        assert {f"rank-{r:05d}" for r in others} <= names, (node, names)
+
+
+def test_a_lost_node_restores_from_its_peer_with_the_remote_tier_gone(tmp_path: Path) -> None:
+    root = _job_r(tmp_path)
+    shutil.rmtree(tmp_path / "job" / "nvme-n1")
+    shutil.rmtree(tmp_path / "remote")  # the remote tier is unavailable
+    got = run_world(4, _restore_r, root)
+    for rank, r in enumerate(got):
+        assert r["bytes_by_tier"].get("remote", 0) == 0, (rank, r)
+        assert (r["bytes_from_peers"] > 0) == (rank >= 2), (rank, r)
+    # The replaced node's copy is whole again: a second restart reads only locally, from no peer.
+    got = run_world(4, _restore_r, root)
+    assert all(r["bytes_from_peers"] == 0 and r["bytes_by_tier"].get("remote", 0) == 0 for r in got), got
+
+
+def test_a_damaged_peer_replica_is_named_and_the_next_copy_used(tmp_path: Path) -> None:
+    root = _job_r(tmp_path)
+    shutil.rmtree(tmp_path / "job" / "nvme-n1")
+    d = tmp_path / "job" / "nvme-n0" / "step-000000000002"  # where n1's replicas are kept
+    victim = next(d.glob("rank-00003.*.pt"))
+    data = bytearray(victim.read_bytes())
+    at = bytes(data).find(_full(2)[48:64].numpy().tobytes()[:64])
+    assert at > 0
+    data[at + 100] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    got = run_world(4, _restore_r, root)
+    said = [m for m in got[3]["warnings"] if "rank-00003" in m]
+    assert said and "checksum" in said[0], got[3]["warnings"]
+    assert got[3]["bytes_by_tier"]["remote"] > 0 and got[2]["bytes_by_tier"].get("remote", 0) == 0
+
+
+def test_replicas_need_node_scope() -> None:
+    with pytest.raises(InvalidArgumentError, match="replicas"):
+        DiskTier("x", replicas=1)

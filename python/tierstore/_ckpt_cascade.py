@@ -12,7 +12,6 @@ removes those); it never rebinds them.
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import shutil
 import threading
@@ -22,11 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tierstore import _core
+from tierstore import _core, _paths
+from tierstore._ckpt_peers import Ring, exchange, own_files
 from tierstore._ckpt_pool import HostPool
 from tierstore._ckpt_restore import META, STEP_DIR, step_dirs
 from tierstore._ckpt_snapshot import CheckpointHandle, Residency, Snapshot
-from tierstore._dist import all_true, barrier, scatter
+from tierstore._dist import all_true, barrier, gather, scatter
 from tierstore._engine import get_engine
 from tierstore._fs import make_dir, write_atomic, write_json_atomic
 from tierstore._nodes import Node
@@ -75,7 +75,9 @@ class Cascade:
         promote_q: queue.Queue[Snapshot | None],
         closed: Callable[[], bool],
         node: Node | None = None,
+        ring: Ring | None = None,
     ) -> None:
+        self.ring = ring
         self.path, self.host, self.disks, self.pool = path, host, disks, pool
         self.node = node if node is not None else Node("node", 0, True, 1)
         self.rank, self.world = rank, world
@@ -133,9 +135,7 @@ class Cascade:
             # With the commit, the objects file of the job-wide objects (rank
             # 0's: every rank reads them on restore) so that no node needs
             # another's copy.
-            shared = sorted(set(m.get("objects", {}).values()))
-            names = [n for n in (m.get("index", {}).get("name"), META, *shared) if n and (d / n).exists()]
-            files = [(n, (d / n).read_bytes()) for n in names] + [(MANIFEST, (d / MANIFEST).read_bytes())]
+            files = [(n, (d / n).read_bytes()) for n in self.commit_files(d, m)]
             others = set(self.node.leader_ranks) - {0}
             payload = [files if r in others else None for r in range(self.world)]
         mine = scatter(payload, self.world, pg)
@@ -226,6 +226,14 @@ class Cascade:
     def promote(self, snap: Snapshot) -> None:
         h = snap.handle
         try:
+            local = self.disks[0]
+            if local.replicas and self.ring is not None and snap.local_dir is not None:
+                t0 = time.perf_counter()
+                try:
+                    self.replicate(snap.local_dir)
+                    h.timings["replicate"] = time.perf_counter() - t0
+                except (OSError, TierstoreError) as e:
+                    warnings.warn(f"tierstore: step {snap.step}: peer replicas not made ({e})", stacklevel=1)
             for t in self.disks[1:]:
                 if not self.selected(t, snap) and snap.local_dir is not None:
                     h._set(t.name, "skipped")
@@ -283,6 +291,100 @@ class Cascade:
                     old, recent = self._handles[:-128], self._handles[-128:]
                     self._handles[:] = [x for x in old if not x.settled()] + recent
 
+    def commit_files(self, d: Path, m: dict[str, Any]) -> list[str]:
+        """The files of a step directory that make it a copy of the
+        checkpoint (not one rank's): the index, the key tree and the job-wide
+        objects file, then manifest.json (written last)."""
+        shared = sorted(set(m.get("objects", {}).values()))
+        names = [n for n in (m.get("index", {}).get("name"), META, *shared) if n and (d / n).exists()]
+        return [*names, MANIFEST]
+
+    def replicate(self, d: Path) -> None:
+        """Copies this rank's files of the node-local checkpoint ``d`` to its
+        ring peers' copies of the same step, and keeps there the files of
+        the ranks whose peer it is (node leaders send the commit too)."""
+        assert self.ring is not None
+        m = read_manifest(d)
+        files = [(f, d / f) for f in own_files(d, self.rank, m["save_id"])]
+        if self.node.leader:
+            files += [(n, d / n) for n in self.commit_files(d, m) if n not in {f for f, _p in files}]
+        sends = [(dst, files) for dst in self.ring.send_to]
+        recvs = [src for srcs in self.ring.recv_from for src in srcs]
+        got = exchange(sends, recvs, self._pg_promote)
+        self.keep_received(d, got)
+        barrier(self.world, self._pg_promote)
+
+    def keep_received(self, d: Path, got: list[tuple[int, list[tuple[str, bytes]]]]) -> int:
+        """Writes files received from peers into this node's step directory
+        ``d`` (each name confined to it; manifest.json last). Returns the bytes."""
+        make_dir(d, durable=True)
+        last: list[tuple[Path, bytes]] = []
+        n = 0
+        for src, files in got:
+            for name, data in files:
+                p = _paths.member(d, name, source=f"rank {src}", field="replica")
+                n += len(data)
+                if name == MANIFEST:
+                    last.append((p, data))
+                else:
+                    write_atomic(p, data, durable=True)
+        for p, data in last[:1]:
+            write_atomic(p, data, durable=True)
+        return n
+
+    def step_dir(self, t: DiskTier, step: int) -> Path:
+        """This rank's directory of ``step`` on tier ``t`` (where it is, else
+        where the first path would hold it)."""
+        name = f"step-{step:012d}"
+        for p in self.tier_paths(t):
+            if (p / name).is_dir():
+                return p / name
+        return self.tier_paths(t)[0] / name
+
+    def _holds_own(self, d: Path) -> bool:
+        """Whether this node's copy ``d`` is committed and holds this rank's files."""
+        try:
+            m = read_manifest(d)
+        except (OSError, TierstoreError):
+            return False
+        names = [f["name"] for f in m["files"] if f["rank"] == self.rank] if len(m["files"]) <= 4096 else []
+        names += [o["name"] for o in m.get("object_files", ()) if o["name"].startswith(f"objects-{self.rank:05d}.")]
+        return all((d / n).is_file() for n in names) and bool(own_files(d, self.rank, m["save_id"]) or not names)
+
+    def repair(self, step: int, pg: Any) -> int:
+        """Before a restore of ``step`` from a node-scoped tier with peer
+        replicas: each rank whose node lost its copy of the rank's files (a
+        replaced node) gets them, and the commit, back from the peer that
+        keeps their replica, into its node's copy. Returns the bytes this
+        rank received."""
+        t = self.disks[0]
+        if not (t.scope == "node" and t.replicas and self.ring is not None and self.world > 1):
+            return 0
+        d = self.step_dir(t, step)
+        flags = gather(self._holds_own(d), self.world, pg)
+        plan: list[Any] | None = None
+        if flags is not None:
+            missing = {r for r, ok in enumerate(flags) if not ok}
+            sends: list[list[int]] = [[] for _ in range(self.world)]
+            froms: list[int | None] = [None] * self.world
+            for r in sorted(missing):
+                holder = next((h for h in self.ring.table[r] if h not in missing), None)
+                if holder is not None:
+                    sends[holder].append(r)
+                    froms[r] = holder
+            plan = [(sends[r], froms[r]) for r in range(self.world)]
+        mine_sends, holder = scatter(plan, self.world, pg)
+        out: list[tuple[int, list[tuple[str, Path]]]] = []
+        if mine_sends:
+            m = read_manifest(d)
+            commit = [(n, d / n) for n in self.commit_files(d, m)]
+            for r in mine_sends:
+                out.append((r, [(f, d / f) for f in own_files(d, r, m["save_id"])] + commit))
+        got = exchange(out, [holder] if holder is not None else [], pg)
+        n = self.keep_received(d, got) if got else 0
+        barrier(self.world, pg)
+        return n
+
     def copy_dir(self, src: Path, dst: Path) -> None:
         """Copies this rank's files of the committed checkpoint ``src`` to
         ``dst``; rank 0 commits ``dst`` with its manifest once every rank's
@@ -293,12 +395,7 @@ class Cascade:
         # durable in their parents before the manifest commits the copy.
         make_dir(dst, durable=True)
         engine = get_engine()
-        mine = [
-            f
-            for f in sorted(os.listdir(src))
-            if (f".{sid}." in f and f.startswith((f"rank-{self.rank:05d}.", f"objects-{self.rank:05d}.")))
-            or f.startswith(f"offload-{self.rank:05d}.")
-        ]
+        mine = own_files(src, self.rank, sid)
         if self.rank == 0 and (src / META).exists():
             mine.append(META)
         if self.rank == 0 and "index" in m:

@@ -43,6 +43,7 @@ import torch
 from tierstore import _threads
 from tierstore._ckpt_capture import Capturer
 from tierstore._ckpt_cascade import Cascade, drop_offload_pins
+from tierstore._ckpt_peers import ring
 from tierstore._ckpt_pool import HostPool, copy_host
 from tierstore._ckpt_restore import (
     WARNED,
@@ -169,6 +170,13 @@ class Checkpointer:
             if self.world > 1 and any(t.scope == "node" for t in self.disks)
             else Node(node_name(), 0, True, 1, (0,), ((node_name(), ((0, self.world - 1),)),))
         )
+        if any(t.replicas for t in self.disks[1:]):
+            raise InvalidArgumentError("peer replicas are made of the first disk tier (the node-local one) only")
+        self.ring = (
+            ring(self.node, self.disks[0].replicas, self.world, self._pg_ctl)
+            if self.world > 1 and self.disks[0].replicas and self.node.count > 1
+            else None
+        )
         self._ordinal = 0
         self._last_step: int | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -216,6 +224,7 @@ class Checkpointer:
             promote_q=self._promote_q,
             closed=lambda: self._closed,
             node=self.node,
+            ring=self.ring,
         )
         for t in self.disks:
             for p in self.cascade.tier_paths(t):
@@ -447,10 +456,17 @@ class Checkpointer:
         self.capturer.raise_errors()
         cands = self.checkpoints()
         mine = [c for c in cands if c["path"] is not None]
+        peer_bytes = 0
         if self.world > 1:
             # Every rank must take the same step: agree on the candidates of rank 0.
             disk = [{k: v for k, v in c.items() if k != "_snap"} for c in mine]
             cands = broadcast(disk, self.world, self._pg_ctl)
+            if cands and self.ring is not None:
+                # A node that lost its copy of the newest step gets its ranks'
+                # files back from the peers that keep their replicas.
+                peer_bytes = self.cascade.repair(cands[0]["step"], self._pg_ctl)
+                if peer_bytes:
+                    mine = [c for c in self.checkpoints() if c["path"] is not None]
         # Each rank reads each file from the nearest intact copy it sees of the
         # candidate's step (its node's copy of a node-scoped tier, then the
         # farther tiers'), not only from the candidate's own directory.
@@ -467,6 +483,7 @@ class Checkpointer:
                 name = dirs.get(d, d)
                 by_tier[name] = by_tier.get(name, 0) + n
             self.restored["bytes_by_tier"] = by_tier
+            self.restored["bytes_from_peers"] = peer_bytes
             if by_copy and by_tier.get(self.restored["tier"], 0) == 0:
                 # Nothing came from the candidate's copy: name the copy it all came from.
                 d = max(by_copy, key=lambda k: by_copy[k])

@@ -70,7 +70,11 @@ class DiskTier:
     ``{node}`` in a path is replaced by the node's name (nodes sharing one
     file system, and tests, keep their copies apart). Nodes are found from
     ``TIERSTORE_NODE`` (this process's node name), else torchrun's
-    ``GROUP_RANK``, else the host name.
+    ``GROUP_RANK``, else the host name. ``replicas=k`` (node scope): each
+    node's part is also copied, in the background after the node's own
+    copy, to the next ``k`` nodes' copies (a ring: any ``k`` lost nodes
+    leave a copy of every part), over the job's process group; a node that
+    lost its copy gets its ranks' files back from a peer before a restore.
     """
 
     paths: str | os.PathLike[str] | list[str | os.PathLike[str]] = "."
@@ -79,6 +83,7 @@ class DiskTier:
     every: int = 1
     name: str = "local"
     scope: str = "job"
+    replicas: int = 0
 
     def __post_init__(self) -> None:
         ps = self.paths if isinstance(self.paths, list) else [self.paths]
@@ -89,6 +94,10 @@ class DiskTier:
             raise InvalidArgumentError(f"tier {self.name!r}: every must be at least 1, got {self.every}")
         if self.scope not in ("job", "node"):
             raise InvalidArgumentError(f"tier {self.name!r}: scope must be 'job' or 'node', got {self.scope!r}")
+        if self.replicas < 0 or (self.replicas and self.scope != "node"):
+            raise InvalidArgumentError(
+                f"tier {self.name!r}: replicas (peer copies of each node's part) need scope='node' and a count >= 0"
+            )
         if self.keep_last is not None and self.keep_last < 1:
             raise InvalidArgumentError(f"tier {self.name!r}: keep_last must be at least 1 (or None to keep all)")
 
