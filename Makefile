@@ -23,7 +23,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
 
-.PHONY: help setup demo test test-rust test-py lint bench bench-checkpoint bench-scale bench-offload bench-reshard fuzz clean gpu-check
+.PHONY: help setup demo test test-rust test-py lint bench bench-checkpoint bench-scale bench-nodes bench-offload bench-reshard fuzz clean gpu-check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -87,10 +87,13 @@ bench-checkpoint: setup ## training loop with torch.save, DCP async_save and the
 	  --modes "none,torch.save,dcp.async_save,tierstore,tierstore 2-tier,tierstore idle-pri,tierstore low-pri" \
 	  --json docs/bench/checkpoint.json --out docs/bench/checkpoint.txt
 
+bench-nodes: setup ## node-scoped tiers: restart and lost-node restores, 4 ranks as 2 nodes, throttled remote (root)
+	$(VPY) benches/bench_nodes.py --mib-per-rank 64 --json docs/bench/nodes.json --out docs/bench/nodes.txt
+
 bench-scale: setup ## sharded metadata of W ranks x T tensors, simulated (commit, manifest, planning; DCP's planner)
 	$(VPY) benches/bench_scale.py --ranks 64,256,1024 --tensors 100 --memory --json docs/bench/scale.json --out docs/bench/scale.txt
-	$(VPY) benches/bench_scale.py --ranks 16384 --tensors 1000 --tp 8 --pp 16 --families zero3 --memory \
-		--json docs/bench/scale_16k.json --out docs/bench/scale_16k.txt  # about 20 minutes on 2 cores
+	$(VPY) benches/bench_scale.py --ranks 16384 --tensors 1000 --tp 8 --pp 16 --families zero3,zero1 --memory \
+		--json docs/bench/scale_16k.json --out docs/bench/scale_16k.txt  # about 40 minutes on 2 cores
 
 bench-offload: setup ## optimizer offload: in memory, naive, tierstore on 1 and 2 paths, DeepSpeed (needs root for loop devices)
 	$(VPY) benches/bench_offload.py --json docs/bench/offload.json | tee docs/bench/offload.txt

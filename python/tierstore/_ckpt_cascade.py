@@ -365,12 +365,13 @@ class Cascade:
         plan: list[Any] | None = None
         if flags is not None:
             missing = {r for r, ok in enumerate(flags) if not ok}
-            sends: list[list[int]] = [[] for _ in range(self.world)]
+            sends: list[list[tuple[int, bool]]] = [[] for _ in range(self.world)]
             froms: list[int | None] = [None] * self.world
+            leaders = set(self.node.leader_ranks)
             for r in sorted(missing):
                 holder = next((h for h in self.ring.table[r] if h not in missing), None)
                 if holder is not None:
-                    sends[holder].append(r)
+                    sends[holder].append((r, r in leaders))  # a node's leader gets the commit too
                     froms[r] = holder
             plan = [(sends[r], froms[r]) for r in range(self.world)]
         mine_sends, holder = scatter(plan, self.world, pg)
@@ -378,8 +379,8 @@ class Cascade:
         if mine_sends:
             m = read_manifest(d)
             commit = [(n, d / n) for n in self.commit_files(d, m)]
-            for r in mine_sends:
-                out.append((r, [(f, d / f) for f in own_files(d, r, m["save_id"])] + commit))
+            for r, lead in mine_sends:
+                out.append((r, [(f, d / f) for f in own_files(d, r, m["save_id"])] + (commit if lead else [])))
         got = exchange(out, [holder] if holder is not None else [], pg)
         n = self.keep_received(d, got) if got else 0
         barrier(self.world, pg)
