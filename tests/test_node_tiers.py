@@ -65,9 +65,9 @@ def _train(rank: int, world: int, root: str) -> list[str]:
     return [h.state for h in hs]
 
 
-def _restore(rank: int, world: int, root: str) -> dict[str, Any]:
+def _restore(rank: int, world: int, root: str, tiers: Any = _tiers) -> dict[str, Any]:
     _node_env(rank)
-    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers(root))
+    ck = Checkpointer(os.path.join(root, "job"), tiers=tiers(root))
     into = _target(rank, world)
     ck.load_latest(into=into)
     per = ROWS // world
@@ -205,18 +205,10 @@ def _train_r(rank: int, world: int, root: str) -> list[str]:
 def _restore_r(rank: int, world: int, root: str) -> dict[str, Any]:
     import warnings
 
-    _node_env(rank)
-    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers_r(root))
-    into = _target(rank, world)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        ck.load_latest(into=into)
-    per = ROWS // world
-    assert torch.equal(into["w"], _full(2)[rank * per : (rank + 1) * per]), rank
-    assert into["step"] == 2 and into["rng"] == rank * 100 + 2
-    got = dict(ck.restored or {})
+        got = _restore(rank, world, root, _tiers_r)
     got["warnings"] = [str(x.message) for x in w]
-    ck.close()
     return got
 
 

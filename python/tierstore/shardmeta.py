@@ -29,10 +29,10 @@ import math
 import os
 import warnings
 import zlib
-from collections.abc import Container, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -52,6 +52,8 @@ FORMAT_VERSION = 3
 # it is read).
 MAX_MANIFEST_BYTES = 4 << 30
 _U32 = 0xFFFFFFFF
+
+_T = TypeVar("_T")
 
 
 def dtype_of(name: Any, where: str = "checkpoint manifest", field: str = "dtype") -> torch.dtype:
@@ -786,27 +788,34 @@ class Checkpoint:
     def _view(self, fi: int) -> _FileView:
         """Data file ``fi`` opened and checked against its files[] entry (its
         length and its manifest record's CRC-32), once."""
-        got = self._views.get(fi)
-        if got is not None:
-            return got
+        known = self._views.get(fi)
+        if known is not None:
+            return known
         fe = self.manifest["files"][fi]
+        view, c = self._from_copies(fe["name"], lambda c: self._open_view(fi, fe, c), "shard")
+        self._views[fi] = view
+        self._path_of[fi] = str(c)
+        return view
+
+    def _from_copies(self, name: str, open_in: Callable[[Path], _T], what: str) -> tuple[_T, Path]:
+        """``open_in(copy)`` for the first copy of the checkpoint where file
+        ``name`` opens and matches the manifest (a warning names a copy
+        that held it damaged); the first copy's error when none does."""
         first: TierstoreError | None = None
         for c in self.copies:
-            if (str(c), fe["name"]) in self.excluded:
+            if (str(c), name) in self.excluded:
                 continue
             try:
-                got = self._open_view(fi, fe, c)
+                got = open_in(c)
             except TierstoreError as e:  # missing or not this checkpoint's file here: the next copy
                 first = first or e
                 continue
             if first is not None and not isinstance(first, NotFoundError):
-                warnings.warn(f"tierstore: {first}; reading {fe['name']} from {c} instead", stacklevel=3)
-            self._views[fi] = got
-            self._path_of[fi] = str(c)
-            return got
+                warnings.warn(f"tierstore: {first}; reading {name} from {c} instead", stacklevel=4)
+            return got, c
         if first is None:
-            p = str(self.dir / fe["name"])
-            first = NotFoundError(f"{p}: shard file of the checkpoint is missing (every copy excluded)", path=p)
+            p = str(self.dir / name)
+            first = NotFoundError(f"{p}: {what} file of the checkpoint is missing (every copy excluded)", path=p)
         raise first
 
     def copy_of(self, fi: int) -> str:
@@ -843,7 +852,6 @@ class Checkpoint:
             path = t.get("path") if isinstance(t, dict) else None
             if isinstance(path, list) and len(path) == 2 and path[0] == "tensors" and isinstance(path[1], str):
                 view.tensors[path[1]] = t
-        self._views[fi] = view
         return view
 
     def check_file(self, fi: int) -> dict[str, ChunkTable]:
@@ -1031,17 +1039,7 @@ class Checkpoint:
         """The objects file ``name``, checked against the manifest's record of
         it (its length and the CRC-32 of its manifest record; version 2),
         from the first copy of the checkpoint that holds it intact."""
-        first: TierstoreError | None = None
-        for c in self.copies:
-            if (str(c), name) in self.excluded:
-                continue
-            try:
-                return self._objects_file_in(c, name)
-            except TierstoreError as e:
-                first = first or e
-        if first is None:
-            first = NotFoundError(f"{self.dir / name}: objects file of the checkpoint is missing", path=str(self.dir))
-        raise first
+        return self._from_copies(name, lambda c: self._objects_file_in(c, name), "objects")[0]
 
     def _objects_file_in(self, copy: Path, name: str) -> Path:
         p = _paths.member(copy, name, source=self.manifest_path, field="objects")

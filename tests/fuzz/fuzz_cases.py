@@ -2827,8 +2827,17 @@ def ckpt_states(ctx: Ctx) -> tuple[dict[int, dict[str, Any]], Callable[[int, boo
     return {s: state(s) for s in (1, 2, 3)}, state
 
 
-def ckpt_save(run: Path, states: dict[int, dict[str, Any]]) -> None:
-    ck = tierstore.Checkpointer(str(run), tiers=[tierstore.DiskTier(str(run / "local"))])
+def ckpt_tiers(run: Path, remote: bool) -> list[Any]:
+    """The case's tiers: one local tier; or (``remote``) a node-scoped local
+    tier and a remote one, so that a load reads each file of the agreed
+    step from the nearest copy that holds it intact (per-file fallback)."""
+    if not remote:
+        return [tierstore.DiskTier(str(run / "local"))]
+    return [tierstore.DiskTier(str(run / "local"), scope="node"), tierstore.RemoteTier(str(run / "remote"))]
+
+
+def ckpt_save(run: Path, states: dict[int, dict[str, Any]], remote: bool = False) -> None:
+    ck = tierstore.Checkpointer(str(run), tiers=ckpt_tiers(run, remote))
     try:
         for s in sorted(states):
             ck.save(s, states[s])
@@ -3083,7 +3092,10 @@ def ckpt_mutators(
 def case_checkpointer(ctx: Ctx) -> None:
     run = ctx.dir / "run"
     states, make_state = ckpt_states(ctx)
-    ckpt_save(run, states)
+    # A third of the cases keep a remote copy too: damage to the local copy is
+    # then read around file by file (every result must still be exact).
+    remote = ctx.rng.random() < 0.33
+    ckpt_save(run, states, remote)
     ctx.env.emit({"ev": "case", "stage": "saved"})
     table = [("none", 2, lambda: "no change"), *ckpt_mutators(ctx, run, make_state)]
     ctx.mutator, fn = pick(ctx.rng, table)
@@ -3134,7 +3146,7 @@ def case_checkpointer(ctx: Ctx) -> None:
         warned = getattr(tierstore.checkpointer, "_WARNED", None)
         if isinstance(warned, set):
             warned.clear()
-        return tierstore.Checkpointer(str(run), tiers=[tierstore.DiskTier(str(run / "local"))])
+        return tierstore.Checkpointer(str(run), tiers=ckpt_tiers(run, remote))
 
     box: dict[str, Any] = {}
 
