@@ -142,10 +142,8 @@ class Cascade:
         err: BaseException | None = None
         if mine is not None:
             try:
-                make_dir(d, durable=True)
-                for name, data in mine:
-                    write_atomic(d / name, data, durable=True)
-            except OSError as e:
+                self.keep_received(d, [(0, mine)])
+            except (OSError, TierstoreError) as e:
                 err = e
         if not all_true(err is None, self.world, pg):
             raise TierstoreError(f"{d}: a node could not commit its copy of the checkpoint ({err or 'another node'})")
@@ -315,8 +313,9 @@ class Cascade:
         barrier(self.world, self._pg_promote)
 
     def keep_received(self, d: Path, got: list[tuple[int, list[tuple[str, bytes]]]]) -> int:
-        """Writes files received from peers into this node's step directory
-        ``d`` (each name confined to it; manifest.json last). Returns the bytes."""
+        """Writes files received from other ranks (a commit, peer replicas)
+        into this node's step directory ``d`` (each name confined to it;
+        manifest.json last). Returns the bytes."""
         make_dir(d, durable=True)
         last: list[tuple[Path, bytes]] = []
         n = 0
