@@ -20,9 +20,12 @@ pub const DEFAULT_ALIGN: usize = 4096;
 /// Buffers at least this large are mapped directly from the kernel (page
 /// aligned, never fragmenting the heap, returned to the system on drop).
 const MMAP_MIN: usize = 256 << 10;
-/// Mappings at least this large ask for transparent huge pages (far fewer
-/// page faults when a load fills them).
-const HUGE_MIN: usize = 4 << 20;
+// Mappings do not ask for transparent huge pages (the system's THP policy
+// still applies). Huge pages are taken from free 2 MiB blocks, which a
+// virtual machine with free page reporting has handed back to its host, so
+// the first touch of each costs a host allocation: several times the cost of
+// populating the same bytes as 4 KiB pages, which come from recently freed,
+// still-backed memory.
 
 /// An owned, aligned, fixed-capacity byte buffer.
 ///
@@ -71,10 +74,6 @@ impl AlignedBuf {
             };
             if p == libc::MAP_FAILED {
                 return None;
-            }
-            if cap >= HUGE_MIN {
-                // SAFETY: advice on a mapping we own; failure is harmless.
-                unsafe { libc::madvise(p, cap, libc::MADV_HUGEPAGE) };
             }
             return NonNull::new(p.cast::<u8>()).map(|ptr| AlignedBuf {
                 ptr,
