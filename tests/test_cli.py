@@ -7,10 +7,11 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import tierstore
-from tierstore import _archive
+from tierstore import _archive, _core
 
 
 def tierstore_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -92,6 +93,50 @@ def test_backend_forced_by_environment(tmp_path: pathlib.Path) -> None:
     )  # fmt: skip
     d = json.loads(r.stdout)
     assert d["backend"] == "buffered" and "TIERSTORE_BACKEND" in d["backend_reason"]
+
+
+@pytest.mark.parametrize(("value", "want"), [("1", True), ("0", False), ("auto", None)])
+def test_huge_pages_set_by_environment_are_reported(value: str, want: bool | None) -> None:
+    import os
+
+    r = subprocess.run(
+        [sys.executable, "-m", "tierstore", "info", "--json"],
+        capture_output=True, text=True, env={**os.environ, "TIERSTORE_HUGE_PAGES": value}, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    if want is None:
+        assert d["huge_pages_reason"].startswith("auto")
+        # the automatic choice declines exactly where free page reporting is on
+        assert d["huge_pages"] == (not _core.free_page_reporting())
+    else:
+        assert d["huge_pages"] is want and d["huge_pages_reason"] == "set by configuration"
+
+
+def test_huge_pages_bad_value_is_refused() -> None:
+    import os
+
+    r = subprocess.run(
+        [sys.executable, "-m", "tierstore", "info"],
+        capture_output=True, text=True, env={**os.environ, "TIERSTORE_HUGE_PAGES": "maybe"}, check=False,
+    )  # fmt: skip
+    assert r.returncode != 0 and "TIERSTORE_HUGE_PAGES" in r.stderr
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_load_is_exact_with_and_without_huge_pages(tmp_path: pathlib.Path, huge: bool) -> None:
+    sd = {"big": torch.randn(3 << 20), "small": torch.arange(7), "half": torch.randn(5 << 20).bfloat16()}
+    p = tmp_path / "h.pt"
+    tierstore.save(sd, p)
+    tierstore.configure(None, chunk_mib=1, huge_pages=huge)
+    try:
+        assert tierstore.info()["huge_pages"] is huge
+        back = tierstore.load(p)
+    finally:
+        tierstore.configure(None)
+    assert set(back) == set(sd)
+    for k in sd:
+        assert torch.equal(back[k], sd[k]), k
 
 
 def test_inspect_of_a_torch_save_file_shows_dtypes_kinds_and_exits_1_when_damaged(tmp_path: pathlib.Path) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "create_writer",
     "fast_dumps",
     "fast_weights_only_load",
+    "free_page_reporting",
     "io_uring_status",
     "join_halves",
     "open_container",
@@ -58,6 +59,7 @@ class Engine:
         pool_bytes: int | None = None,
         path_limit: int | None = None,
         cpu_threads: int | None = None,
+        huge_pages: bool | None = None,
         forced_by: str | None = None,
     ) -> Engine: ...
     @property
@@ -132,6 +134,7 @@ def copy_file(
     reflink: bool = True,
 ) -> tuple[int, str]: ...
 def io_uring_status() -> tuple[bool, str | None]: ...
+def free_page_reporting() -> bool: ...
 
 @final
 class Record:

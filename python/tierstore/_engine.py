@@ -10,6 +10,11 @@ staging buffers are created once and reused. It is configured by
 ``TIERSTORE_QUEUE_DEPTH``, ``TIERSTORE_CHUNK_MIB``, ``TIERSTORE_POOL_MIB``,
 ``TIERSTORE_CPU_THREADS``
     Requests in flight, transfer size, staging memory bound, copy/checksum threads.
+``TIERSTORE_HUGE_PAGES``
+    ``1``, ``0`` or ``auto`` (default): whether the buffers a load fills ask
+    for transparent huge pages when 4 MiB or more (auto: yes, except on a
+    virtual machine with free page reporting; ``tierstore info`` says which
+    and why). The write staging pool always asks: it is reused.
 """
 
 from __future__ import annotations
@@ -46,6 +51,20 @@ def _env_int(name: str) -> int | None:
         return int(v)
     except ValueError:
         raise InvalidArgumentError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def _env_bool(name: str) -> bool | None:
+    """``1``/``yes``/``on``/``true`` or ``0``/``no``/``off``/``false``; unset,
+    empty or ``auto``: ``None`` (the automatic choice)."""
+    v = os.environ.get(name)
+    if v is None or v.strip().lower() in ("", "auto"):
+        return None
+    t = v.strip().lower()
+    if t in ("1", "yes", "on", "true"):
+        return True
+    if t in ("0", "no", "off", "false"):
+        return False
+    raise InvalidArgumentError(f"environment variable {name}={v!r} is not one of 1, 0 or auto")
 
 
 def lock_dir() -> Path:
@@ -85,6 +104,7 @@ def _from_env() -> _core.Engine:
         chunk_bytes=chunk << 20 if chunk else None,
         pool_bytes=pool << 20 if pool else None,
         cpu_threads=_env_int("TIERSTORE_CPU_THREADS"),
+        huge_pages=_env_bool("TIERSTORE_HUGE_PAGES"),
         forced_by="TIERSTORE_BACKEND" if backend else None,
     )
 
@@ -110,11 +130,16 @@ def configure(
     chunk_mib: int | None = None,
     pool_mib: int | None = None,
     cpu_threads: int | None = None,
+    huge_pages: bool | None = None,
 ) -> _core.Engine:
     """Replaces the process's engine with one built from these settings.
 
     ``backend`` is ``"io_uring"``, ``"threads"``, ``"buffered"`` or ``None``
-    (automatic). Returns the new engine; operations in flight on the old one
+    (automatic). ``huge_pages`` says whether the buffers of 4 MiB or more
+    that a load fills ask for transparent huge pages; ``None`` (automatic)
+    does unless the machine is a virtual one with free page reporting, where
+    each fresh huge page costs the host an allocation (the write staging pool
+    always asks: it is reused). Returns the new engine; operations in flight on the old one
     finish first.
     """
     global _engine
@@ -124,6 +149,7 @@ def configure(
         chunk_bytes=chunk_mib << 20 if chunk_mib else None,
         pool_bytes=pool_mib << 20 if pool_mib else None,
         cpu_threads=cpu_threads,
+        huge_pages=huge_pages,
         forced_by="tierstore.configure()" if backend else None,
     )
     _env_turns(e)

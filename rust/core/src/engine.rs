@@ -74,6 +74,12 @@ pub struct Config {
     pub path_limit: usize,
     /// Threads that copy and checksum data during a save or a load.
     pub cpu_threads: usize,
+    /// Whether the buffers a load fills (fresh memory, handed to the caller)
+    /// ask for transparent huge pages when 4 MiB or more. `None`: yes, unless
+    /// the memory is a virtual machine's with free page reporting (where each
+    /// fresh huge page costs a host allocation). The staging pool always asks:
+    /// it is bounded and reused, so its first touch is paid once.
+    pub huge_pages: Option<bool>,
 }
 
 impl Default for Config {
@@ -86,6 +92,7 @@ impl Default for Config {
             pool_bytes: 256 << 20,
             path_limit: 64,
             cpu_threads: ncpu.clamp(1, 8),
+            huge_pages: None,
         }
     }
 }
@@ -99,12 +106,17 @@ pub struct EngineInfo {
     pub io_uring: std::result::Result<(), String>,
     pub config: Config,
     pub pool_allocated: usize,
+    /// Whether the buffers a load fills use huge pages, and why.
+    pub huge_pages: bool,
+    pub huge_pages_reason: String,
 }
 
 pub struct Engine {
     config: Config,
     mode: Mode,
     mode_reason: String,
+    huge_pages: bool,
+    huge_pages_reason: String,
     dispatcher: Arc<Dispatcher>,
     workers: Mutex<Vec<JoinHandle<()>>>,
     pool: Arc<BufferPool>,
@@ -144,11 +156,22 @@ impl Engine {
                 Err(why) => (Mode::Threads, format!("auto: io_uring unavailable ({why})")),
             },
         };
+        let (huge_pages, huge_pages_reason) = match config.huge_pages {
+            Some(h) => (h, "set by configuration".to_owned()),
+            None if probe::free_page_reporting() => (
+                false,
+                "auto: virtio balloon with free page reporting (a fresh huge page costs a host allocation)"
+                    .to_owned(),
+            ),
+            None => (true, "auto".to_owned()),
+        };
         let nbufs = (config.pool_bytes / config.chunk_size).max(2);
-        let pool = BufferPool::new(config.chunk_size, crate::buf::DEFAULT_ALIGN, nbufs);
+        let pool = BufferPool::new(config.chunk_size, crate::buf::DEFAULT_ALIGN, nbufs, true);
         let engine = Arc::new(Engine {
             mode,
             mode_reason,
+            huge_pages,
+            huge_pages_reason,
             dispatcher: Dispatcher::new(),
             workers: Mutex::new(Vec::new()),
             pool,
@@ -217,7 +240,15 @@ impl Engine {
             io_uring: probe::io_uring_status(),
             config: self.config.clone(),
             pool_allocated: self.pool.allocated_bytes(),
+            huge_pages: self.huge_pages,
+            huge_pages_reason: self.huge_pages_reason.clone(),
         }
+    }
+
+    /// Whether the buffers a load fills ask for huge pages (resolved from
+    /// `Config::huge_pages`).
+    pub fn huge_pages(&self) -> bool {
+        self.huge_pages
     }
 
     /// The in-flight accounting of the device `dev`.

@@ -163,14 +163,15 @@ pub fn plan_read(engine: &Engine, file: &EngineFile, specs: &[ReadSpec]) -> Resu
     let arenas = plan_arenas(specs, a, engine.config().chunk_size as u64);
     let mut bufs = Vec::with_capacity(arenas.len());
     for ar in &arenas {
-        let buf = AlignedBuf::new(ar.cap, BUF_ALIGN).ok_or_else(|| {
-            Error::Invalid(format!(
-                "cannot allocate {} bytes for record '{}' of {}",
-                ar.cap,
-                specs[ar.records[0].0].name,
-                file.path.display()
-            ))
-        })?;
+        let buf =
+            AlignedBuf::with_pages(ar.cap, BUF_ALIGN, engine.huge_pages()).ok_or_else(|| {
+                Error::Invalid(format!(
+                    "cannot allocate {} bytes for record '{}' of {}",
+                    ar.cap,
+                    specs[ar.records[0].0].name,
+                    file.path.display()
+                ))
+            })?;
         bufs.push(Arc::new(buf));
     }
     let mut records: Vec<Option<RecordBuf>> = (0..specs.len()).map(|_| None).collect();

@@ -20,7 +20,7 @@ impl PyEngine {
     /// Starts an engine. `backend` is "io_uring", "threads", "buffered" or
     /// None (automatic); `forced_by` says where a forced choice came from.
     #[new]
-    #[pyo3(signature = (backend=None, *, queue_depth=None, chunk_bytes=None, pool_bytes=None, path_limit=None, cpu_threads=None, forced_by=None))]
+    #[pyo3(signature = (backend=None, *, queue_depth=None, chunk_bytes=None, pool_bytes=None, path_limit=None, cpu_threads=None, huge_pages=None, forced_by=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -30,6 +30,7 @@ impl PyEngine {
         pool_bytes: Option<usize>,
         path_limit: Option<usize>,
         cpu_threads: Option<usize>,
+        huge_pages: Option<bool>,
         forced_by: Option<&str>,
     ) -> PyResult<Self> {
         let mut cfg = Config::default();
@@ -52,6 +53,7 @@ impl PyEngine {
         if let Some(t) = cpu_threads {
             cfg.cpu_threads = t;
         }
+        cfg.huge_pages = huge_pages;
         let inner = Engine::start(cfg, forced_by).py_err(py)?;
         Ok(PyEngine { inner })
     }
@@ -98,6 +100,8 @@ impl PyEngine {
         d.set_item("pool_allocated_bytes", i.pool_allocated)?;
         d.set_item("path_limit", i.config.path_limit)?;
         d.set_item("cpu_threads", i.config.cpu_threads)?;
+        d.set_item("huge_pages", i.huge_pages)?;
+        d.set_item("huge_pages_reason", i.huge_pages_reason)?;
         Ok(d)
     }
 }
@@ -178,10 +182,18 @@ fn io_uring_status() -> (bool, Option<String>) {
     }
 }
 
+/// Whether a virtio balloon with free page reporting is bound here (the
+/// automatic huge-page choice declines then).
+#[pyfunction]
+fn free_page_reporting() -> bool {
+    probe::free_page_reporting()
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_function(wrap_pyfunction!(probe_path, m)?)?;
     m.add_function(wrap_pyfunction!(io_uring_status, m)?)?;
+    m.add_function(wrap_pyfunction!(free_page_reporting, m)?)?;
     m.add_function(wrap_pyfunction!(copy_file, m)?)?;
     Ok(())
 }
