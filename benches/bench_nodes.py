@@ -6,19 +6,26 @@ measured speed. One run measures, page cache dropped before each restore:
 
 - a restore after a full restart (every node's copy intact): bytes read
   remotely, and its time next to a plain ``load_sharded`` of the same bytes
-  from one local directory;
+  from one local directory (medians of ``--repeats``
+  rounds, the two alternating);
 - a restore after one node lost its copy (its directory removed): the bytes
   that came from elsewhere (peers with ``replicas=1``, else the remote tier)
   next to that node's share, and its time next to a restore from the remote
   tier alone;
-- the training loop's blocked time per checkpoint with ``replicas=1``
-  (``save`` plus ``wait_capture``) next to a synchronous ``torch.save`` plus
-  fsync of the same state, in the same processes.
+- the training loop's blocked time per checkpoint with ``replicas=1``, next
+  to a synchronous ``torch.save`` plus fsync of the same state in the same
+  processes. Each rank runs a loop: the update of a step writes the state in
+  place, ``save`` starts a checkpoint of it, the next step's forward and
+  backward (single-threaded matrix products for ``--compute-s`` seconds)
+  run while it is captured, and ``wait_capture`` (what an attached
+  optimizer's pre-step hook does) comes before the next update. Blocked is
+  the time in ``save`` plus the time in ``wait_capture``; the capture alone
+  (``save`` then ``wait_capture`` at once, no compute) is reported beside it.
 
 Needs root for the loop device and the throttle; without them the remote tier
 is a plain directory, unthrottled, and the table says so.
 
-    python benches/bench_nodes.py [--mib-per-rank 64] [--json out.json] [--out out.txt]
+    python benches/bench_nodes.py [--mib-per-rank 64] [--compute-s 1.0] [--json out.json] [--out out.txt]
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from typing import Any
 import torch
 
 WORLD = 4
-STEPS = 2
+STEPS = 3  # the loop's checkpoints, then one captured alone (the newest, restored)
 
 
 def drop_caches() -> None:
@@ -154,14 +161,33 @@ def _worker(rank: int, world: int, store: str, job: dict[str, Any], q: Any) -> N
         mib = job["mib"]
         if job["phase"] == "save":
             ck = tierstore.Checkpointer(root, tiers=_tiers(job, job["replicas"]))
-            blocked = []
-            for step in range(STEPS):
-                st = _state(rank, step, mib)
+            values = [_state(rank, step, mib)["w"] for step in range(STEPS)]
+            st = _state(rank, 0, mib)
+            a = torch.randn(256, 256)
+            blocked, capture = [], []
+            for step in range(STEPS - 1):
+                st["w"].copy_(values[step])  # this step's update
+                st["step"] = step
                 dist.barrier()
                 t0 = time.perf_counter()
                 ck.save(step, st)
-                ck.wait_capture()
-                blocked.append(time.perf_counter() - t0)
+                in_save = time.perf_counter() - t0
+                # The next step's forward and backward, while the capture runs.
+                t1 = time.perf_counter()
+                while time.perf_counter() - t1 < job["compute_s"]:
+                    a = torch.tanh(a @ a)
+                t2 = time.perf_counter()
+                ck.wait_capture()  # before the next update writes the state
+                blocked.append(in_save + time.perf_counter() - t2)
+            ck.wait()
+            # The capture alone: save, then wait for it at once (no compute to hide it).
+            st["w"].copy_(values[STEPS - 1])
+            st["step"] = STEPS - 1
+            dist.barrier()
+            t0 = time.perf_counter()
+            ck.save(STEPS - 1, st)
+            ck.wait_capture()
+            capture.append(time.perf_counter() - t0)
             ck.wait()
             ck.close()
             # The same state, saved synchronously with torch.save and fsync.
@@ -175,6 +201,7 @@ def _worker(rank: int, world: int, store: str, job: dict[str, Any], q: Any) -> N
             res["sync_save_s"] = time.perf_counter() - t0
             f.unlink()
             res["blocked_s"] = statistics.median(blocked)
+            res["capture_s"] = statistics.median(capture)
         elif job["phase"] == "restore":
             ck = tierstore.Checkpointer(root, tiers=_tiers(job, job["replicas"]))
             into = _target(rank, mib)
@@ -226,6 +253,8 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib-per-rank", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5, help="rounds of restart and plain local load")
+    ap.add_argument("--compute-s", type=float, default=1.0, help="forward+backward time of a step, per rank")
     ap.add_argument("--no-throttle", action="store_true", help="a plain directory for the remote tier (tests)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default=None)
@@ -243,21 +272,34 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, Any] = {"local_read_MBps": local_bps / 1e6, "remote_throttled": remote.throttled,
                             "remote_read_MBps": remote.bps / 1e6 if remote.throttled else None}  # fmt: skip
     try:
-        base = {"work": str(work), "remote": str(remote.path), "mib": mib}
+        base = {"work": str(work), "remote": str(remote.path), "mib": mib, "compute_s": args.compute_s}
         saved = run({**base, "phase": "save", "replicas": 1})
         rows["blocked_s"] = max(r["blocked_s"] for r in saved)
+        rows["capture_s"] = max(r["capture_s"] for r in saved)
         rows["sync_save_s"] = max(r["sync_save_s"] for r in saved)
         step = f"step-{STEPS - 1:012d}"
         # A plain local load of the same bytes: the whole checkpoint in one local directory.
         plain = work / "plain"
         shutil.copytree(remote.path / step, plain)
-        drop_caches()
-        rows["plain_local_s"] = max(r["s"] for r in run({**base, "phase": "plain", "dir": str(plain)}))
-        drop_caches()
-        full = run({**base, "phase": "restore", "replicas": 1})
-        rows["restart_s"] = max(r["s"] for r in full)
-        rows["restart_remote_bytes"] = sum(r["restored"]["bytes_by_tier"].get("remote", 0) for r in full)
-        rows["restart_peer_bytes"] = sum(r["restored"]["bytes_from_peers"] for r in full)
+        # Restart and plain load alternate (--repeats rounds, the order flipped
+        # every round; the slowest rank of each run); the medians are compared.
+        plains: list[float] = []
+        restarts: list[float] = []
+        remote_b = peer_b = 0
+        for rep in range(args.repeats):
+            for what in ("plain", "restart") if rep % 2 == 0 else ("restart", "plain"):
+                drop_caches()
+                if what == "plain":
+                    plains.append(max(r["s"] for r in run({**base, "phase": "plain", "dir": str(plain)})))
+                    continue
+                full = run({**base, "phase": "restore", "replicas": 1})
+                restarts.append(max(r["s"] for r in full))
+                remote_b = max(remote_b, sum(r["restored"]["bytes_by_tier"].get("remote", 0) for r in full))
+                peer_b = max(peer_b, sum(r["restored"]["bytes_from_peers"] for r in full))
+        rows.update(plain_local_runs_s=plains, restart_runs_s=restarts)
+        rows["plain_local_s"] = statistics.median(plains)
+        rows["restart_s"] = statistics.median(restarts)
+        rows["restart_remote_bytes"], rows["restart_peer_bytes"] = remote_b, peer_b
         # Node n1 lost its copy: with replicas=1, its files come back from its peer.
         # That node's share: its copy of the step without the replicas it keeps of n0's ranks
         # (its ranks' files and the commit: manifest, key tree, job-wide objects).
@@ -290,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     ratio = rows["restart_s"] / rows["plain_local_s"]
     say(f"{'restart: restore s / plain local load s':52} {rows['restart_s']:.2f}/{rows['plain_local_s']:.2f} "
         f"= {ratio:.2f}x {'<= 1.1x':>8}")  # fmt: skip
+    runs = {k: ", ".join(f"{x:.2f}" for x in rows[k]) for k in ("restart_runs_s", "plain_local_runs_s")}
+    say(f"  (medians of {args.repeats} alternating runs: restore {runs['restart_runs_s']}; "
+        f"plain {runs['plain_local_runs_s']})")  # fmt: skip
     say(
         f"{'lost node: bytes from elsewhere / its share (MB)':52} "
         f"{rows['lost_node_elsewhere_bytes'] / 1e6:.1f}/{rows['lost_node_share_bytes'] / 1e6:.1f} {'<= 1':>12}"
@@ -300,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     blocked = rows["blocked_s"] / rows["sync_save_s"]
     what = "blocked per checkpoint (replicas=1) / sync torch.save"
     say(f"{what:52} {rows['blocked_s']:.3f}/{rows['sync_save_s']:.3f} = {blocked:.1%} {'<= 5%':>8}")
+    cap = rows["capture_s"] / rows["sync_save_s"]
+    what = f"  (capture alone, no {args.compute_s:g} s of compute to hide it)"
+    say(f"{what:52} {rows['capture_s']:.3f}/{rows['sync_save_s']:.3f} = {cap:.1%}")
     rows.update(restart_ratio=ratio, lost_node_speedup=speed, blocked_ratio=blocked)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -15,6 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_bench_nodes_runs_and_measures_what_it_claims(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "nodes.json"
     cmd = [sys.executable, str(ROOT / "benches" / "bench_nodes.py"), "--mib-per-rank", "2", "--no-throttle",
+           "--repeats", "2", "--compute-s", "0.3",
            "--json", str(out)]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=280, check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -22,4 +23,6 @@ def test_bench_nodes_runs_and_measures_what_it_claims(tmp_path: pathlib.Path) ->
     assert rows["restart_remote_bytes"] == 0 and rows["restart_peer_bytes"] == 0
     assert rows["lost_node_elsewhere_bytes"] == rows["lost_node_share_bytes"] > 0
     assert rows["plain_local_s"] > 0 and rows["remote_only_s"] > 0 and not rows["remote_throttled"]
-    assert "lost node" in r.stdout
+    # blocked: save + wait_capture around a step of compute; the capture alone is reported beside it
+    assert rows["blocked_s"] >= 0 and rows["capture_s"] > 0 and rows["sync_save_s"] > 0
+    assert "lost node" in r.stdout and "capture alone" in r.stdout
