@@ -39,6 +39,7 @@ import queue
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -349,6 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     what = f"  (capture alone, no {args.compute_s:g} s of compute to hide it)"
     say(f"{what:52} {rows['capture_s']:.3f}/{rows['sync_save_s']:.3f} = {cap:.1%}")
     rows.update(restart_ratio=ratio, lost_node_speedup=speed, blocked_ratio=blocked)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    dirty = subprocess.run(["git", "status", "--porcelain", "python", "rust", "benches"], capture_output=True,
+                           text=True, check=False).stdout.strip()  # fmt: skip
+    rows["commit"] = (head.stdout.strip() or "unknown") + ("+changes" if dirty else "")
+    say(f"(python benches/bench_nodes.py {' '.join(argv if argv is not None else sys.argv[1:])}; "
+        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, commit {rows['commit']})")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.out:
