@@ -20,6 +20,7 @@ import random
 import pytest
 import torch
 from dist_util import run_world
+from layout_util import SHAPES, elements, explicit, local, value, zero3
 
 import tierstore
 import tierstore.cli
@@ -29,16 +30,8 @@ from tierstore.layout import Box, Layout, Rule, Split, attach, tp_column, tp_row
 from tierstore.sharded import consolidate
 
 
-def _explicit(lay: Layout) -> Layout:
-    """The same layout with no rule: what the constructors returned before."""
-    return Layout(lay.local_shape, tuple(lay.pieces), dict(lay.global_shapes), lay.replicated, lay.replicated_tensors)
-
-
 def _elements(lay: Layout) -> set[tuple[int, ...]]:
-    out: set[tuple[int, ...]] = set()
-    for p in lay.pieces:
-        out.update(itertools.product(*[range(o, o + n) for o, n in zip(p.box.offsets, p.box.lengths, strict=True)]))
-    return out
+    return {e for _t, e in elements(lay)}
 
 
 def _random_rule(rng: random.Random) -> Rule:
@@ -119,7 +112,7 @@ def test_constructors_make_the_pieces_they_made_without_rules(tp: int) -> None:
             for dp in (1, 3):
                 for d in range(dp):
                     z = zero_partition([lay], d, dp, stage=3)
-                    old = zero_partition([_explicit(lay)], d, dp, stage=3)
+                    old = zero_partition([explicit(lay)], d, dp, stage=3)
                     assert z.rule is not None and z.coords == (*lay.coords, d)
                     assert z.local_shape == old.local_shape and z.pieces == old.pieces
 
@@ -159,59 +152,26 @@ def test_malformed_rules_are_refused() -> None:
 # end to end
 
 TP, DP = 2, 2
-SHAPES = {"emb": (50, 8), "col": (12, 8), "row": (8, 12), "norm": (8,)}
-
-
-def _value(name: str) -> torch.Tensor:
-    n = math.prod(SHAPES[name])
-    return (torch.arange(n, dtype=torch.float32) + 1000 * list(SHAPES).index(name)).reshape(SHAPES[name])
-
-
-def _param(name: str, tp_r: int, tp: int) -> Layout:
-    if name == "emb":
-        return tp_vocab(name, SHAPES[name], tp_r, tp, divisible_by=4)
-    if name == "col":
-        return tp_column(name, SHAPES[name], tp_r, tp)
-    if name == "row":
-        return tp_row(name, SHAPES[name], tp_r, tp)
-    return Layout.full(name, SHAPES[name])
-
-
-def _local(lay: Layout) -> torch.Tensor:
-    out = torch.zeros(lay.local_shape)
-    for p in lay.pieces:
-        full = _value(p.tensor)
-        src = full[tuple(slice(o, o + n) for o, n in zip(p.box.offsets, p.box.lengths, strict=True))]
-        if isinstance(p.local, int):
-            out.view(-1)[p.local : p.local + p.box.numel] = src.reshape(-1)
-        else:
-            out[tuple(slice(o, o + n) for o, n in zip(p.local.offsets, p.local.lengths, strict=True))] = src
-    return out
-
-
-def _zero3(tp: int, dp: int, rank: int) -> dict[str, Layout]:
-    tp_r, dp_r = rank % tp, rank // tp
-    return {k: zero_partition([_param(k, tp_r, tp)], dp_r, dp, stage=3) for k in SHAPES}
 
 
 def _save_zero3(rank: int, world: int, path: str) -> None:
-    lays = _zero3(TP, DP, rank)
-    tierstore.save_sharded({k: attach(_local(v), v) for k, v in lays.items()}, path)
+    lays = zero3(TP, DP, rank)
+    tierstore.save_sharded({k: attach(local(v), v) for k, v in lays.items()}, path)
 
 
 def _load_other(rank: int, world: int, path: str) -> None:
     # TP 1 x DP 2 -> each rank a ZeRO-3 half of the whole tensors; and whole tensors.
-    lays = _zero3(1, world, rank)
+    lays = zero3(1, world, rank)
     sd = {k: attach(torch.full(v.local_shape, float("nan")), v) for k, v in lays.items()}
     tierstore.load_sharded(path, sd)
     for k, v in lays.items():
-        want = _local(v)
+        want = local(v)
         used = sum(p.box.numel for p in v.pieces)
         assert torch.equal(sd[k].view(-1)[:used], want.view(-1)[:used]), k
     whole = {k: torch.zeros(s) for k, s in SHAPES.items()}
     tierstore.load_sharded(path, whole)
     for k in SHAPES:
-        assert torch.equal(whole[k], _value(k)), k
+        assert torch.equal(whole[k], value(k)), k
 
 
 def test_zero3_tp_rules_saved_by_4_ranks_load_on_2_of_another_layout(tmp_path: pathlib.Path) -> None:
@@ -228,7 +188,7 @@ def test_zero3_tp_rules_saved_by_4_ranks_load_on_2_of_another_layout(tmp_path: p
     assert tierstore.cli.main(["verify", str(d)]) == 0
     full = consolidate(d)
     for k in SHAPES:
-        assert torch.equal(full[k], _value(k))
+        assert torch.equal(full[k], value(k))
 
 
 def test_manifest_of_a_rule_does_not_grow_with_the_ranks(tmp_path: pathlib.Path) -> None:

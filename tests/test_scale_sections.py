@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import pathlib
 import subprocess
 import sys
@@ -19,12 +18,13 @@ from typing import Any
 import pytest
 import torch
 from dist_util import run_world
+from layout_util import local, value, zero3
 
 import tierstore
 import tierstore.cli
 from tierstore import _metadata
 from tierstore.errors import TierstoreError
-from tierstore.layout import Layout, attach, tp_column, tp_row, zero_partition
+from tierstore.layout import attach
 from tierstore.sharded import consolidate
 from tierstore.shardmeta import Checkpoint, Grid
 
@@ -46,45 +46,18 @@ def test_a_grid_is_found_only_where_the_files_follow_an_affine_map() -> None:
     assert Grid.of([(0,), (1,)], [7, 7]) is not None  # a stride of 0 is a map too (checked against the files)
 
 
-def _value(name: str) -> torch.Tensor:
-    n = math.prod(SHAPES[name])
-    return (torch.arange(n, dtype=torch.float32) + 1000 * list(SHAPES).index(name)).reshape(SHAPES[name])
-
-
-def _param(name: str, tp_r: int, tp: int) -> Layout:
-    if name == "col":
-        return tp_column(name, SHAPES[name], tp_r, tp)
-    if name == "row":
-        return tp_row(name, SHAPES[name], tp_r, tp)
-    return Layout.full(name, SHAPES[name])
-
-
-def _local(lay: Layout) -> torch.Tensor:
-    out = torch.zeros(lay.local_shape)
-    for p in lay.pieces:
-        src = _value(p.tensor)[tuple(slice(o, o + n) for o, n in zip(p.box.offsets, p.box.lengths, strict=True))]
-        assert isinstance(p.local, int)
-        out.view(-1)[p.local : p.local + p.box.numel] = src.reshape(-1)
-    return out
-
-
-def _lays(tp: int, dp: int, rank: int) -> dict[str, Layout]:
-    tp_r, dp_r = rank % tp, rank // tp
-    return {k: zero_partition([_param(k, tp_r, tp)], dp_r, dp, stage=3) for k in SHAPES}
-
-
 def _save(rank: int, world: int, path: str) -> None:
-    lays = _lays(TP, DP, rank)
-    tierstore.save_sharded({k: attach(_local(v), v) for k, v in lays.items()}, path)
+    lays = zero3(TP, DP, rank, SHAPES)
+    tierstore.save_sharded({k: attach(local(v, SHAPES), v) for k, v in lays.items()}, path)
 
 
 def _load(rank: int, world: int, path: str) -> None:
-    lays = _lays(1, world, rank)
+    lays = zero3(1, world, rank, SHAPES)
     sd = {k: attach(torch.full(v.local_shape, float("nan")), v) for k, v in lays.items()}
     tierstore.load_sharded(path, sd)
     for k, v in lays.items():
         used = sum(p.box.numel for p in v.pieces)
-        assert torch.equal(sd[k].view(-1)[:used], _local(v).view(-1)[:used]), k
+        assert torch.equal(sd[k].view(-1)[:used], local(v, SHAPES).view(-1)[:used]), k
 
 
 def _saved(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Path:
@@ -122,10 +95,10 @@ def test_grids_and_file_sections_load_verify_and_inspect(
     whole = {k: torch.zeros(s) for k, s in SHAPES.items()}
     tierstore.load_sharded(d, whole)
     for k in SHAPES:
-        assert torch.equal(whole[k], _value(k)), k
+        assert torch.equal(whole[k], value(k, SHAPES)), k
     assert tierstore.cli.main(["verify", str(d)]) == 0
     full = consolidate(d)
-    assert all(torch.equal(full[k], _value(k)) for k in SHAPES)
+    assert all(torch.equal(full[k], value(k, SHAPES)) for k in SHAPES)
     r = subprocess.run(
         [sys.executable, "-m", "tierstore", "inspect", "--manifest", str(d)], capture_output=True, text=True, check=True
     )

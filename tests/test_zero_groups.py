@@ -21,49 +21,26 @@ from typing import Any
 import pytest
 import torch
 from dist_util import run_world
+from layout_util import SHAPES, elements, explicit, local, param, value
 
 import tierstore
 import tierstore.cli
 from tierstore import _metadata
 from tierstore.errors import TierstoreError
-from tierstore.layout import Box, Layout, Rule, Split, attach, tp_column, tp_row, tp_vocab, zero_partition
+from tierstore.layout import Box, Layout, Rule, Split, attach, tp_column, zero_partition
 from tierstore.sharded import consolidate
-
-SHAPES = {"emb": (50, 8), "col": (12, 8), "row": (8, 12), "norm": (8,)}
-
-
-def _param(name: str, tp_r: int, tp: int) -> Layout:
-    if name == "emb":
-        return tp_vocab(name, SHAPES[name], tp_r, tp, divisible_by=4)
-    if name == "col":
-        return tp_column(name, SHAPES[name], tp_r, tp)
-    if name == "row":
-        return tp_row(name, SHAPES[name], tp_r, tp)
-    return Layout.full(name, SHAPES[name])  # replicated over TP
-
-
-def _explicit(lay: Layout) -> Layout:
-    return Layout(lay.local_shape, tuple(lay.pieces), dict(lay.global_shapes), lay.replicated, lay.replicated_tensors)
-
-
-def _elements(lay: Layout) -> set[tuple[str, tuple[int, ...]]]:
-    out: set[tuple[str, tuple[int, ...]]] = set()
-    for p in lay.pieces:
-        for e in itertools.product(*[range(o, o + n) for o, n in zip(p.box.offsets, p.box.lengths, strict=True)]):
-            out.add((p.tensor, e))
-    return out
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_group_partition_is_one_rule_per_member_with_the_flat_buffers_pieces(stage: int, tp: int) -> None:
     for tp_r in range(tp):
-        params = [_param(k, tp_r, tp) for k in SHAPES]
+        params = [param(k, tp_r, tp) for k in SHAPES]
         for dp in (1, 2, 3, 5):
             rules = None
             for d in range(dp):
                 lay = zero_partition(params, d, dp, stage=stage)
-                old = zero_partition([_explicit(p) for p in params], d, dp, stage=stage)
+                old = zero_partition([explicit(p) for p in params], d, dp, stage=stage)
                 assert old.rules == () and lay.rule_positions() == lay.rules and len(lay.rules) == len(SHAPES)
                 assert lay.local_shape == old.local_shape and lay.pieces == old.pieces
                 assert lay.replicated_tensors == {"norm"} == old.replicated_tensors
@@ -118,7 +95,7 @@ def test_random_members_tile_their_tensor_and_are_found_in_closed_form() -> None
             lay = rule.layout_at(c)
             lay.validate()
             assert lay.local_shape == (rule.flat_per,)
-            els = _elements(lay)
+            els = elements(lay)
             assert not els & seen, (rule, c)
             seen |= els
         assert len(seen) == math.prod(rule.shape), rule
@@ -151,29 +128,15 @@ def test_a_member_that_overruns_its_buffer_is_refused() -> None:
 # end to end
 
 
-def _value(name: str) -> torch.Tensor:
-    n = math.prod(SHAPES[name])
-    return (torch.arange(n, dtype=torch.float32) + 1000 * list(SHAPES).index(name)).reshape(SHAPES[name])
-
-
-def _local(lay: Layout) -> torch.Tensor:
-    out = torch.full(lay.local_shape, -1.0)
-    for p in lay.pieces:
-        src = _value(p.tensor)[tuple(slice(o, o + n) for o, n in zip(p.box.offsets, p.box.lengths, strict=True))]
-        assert isinstance(p.local, int)
-        out.view(-1)[p.local : p.local + p.box.numel] = src.reshape(-1)
-    return out
-
-
 def _group(tp: int, dp: int, rank: int, stage: int) -> Layout:
     tp_r, dp_r = rank % tp, rank // tp
-    return zero_partition([_param(k, tp_r, tp) for k in SHAPES], dp_r, dp, stage=stage)
+    return zero_partition([param(k, tp_r, tp) for k in SHAPES], dp_r, dp, stage=stage)
 
 
 def _save(rank: int, world: int, path: str) -> None:
     lay = _group(2, 2, rank, 2)
     assert lay.rule_positions()
-    tierstore.save_sharded({"optim.exp_avg": attach(_local(lay), lay), "step": 3}, path)
+    tierstore.save_sharded({"optim.exp_avg": attach(local(lay, fill=-1.0), lay), "step": 3}, path)
 
 
 def _load(rank: int, world: int, path: str) -> None:
@@ -181,7 +144,7 @@ def _load(rank: int, world: int, path: str) -> None:
     sd: dict[str, Any] = {"optim.exp_avg": attach(torch.full(lay.local_shape, float("nan")), lay), "step": None}
     stats: dict[str, Any] = {}
     tierstore.load_sharded(path, sd, stats=stats)
-    got, want = sd["optim.exp_avg"], _local(lay)
+    got, want = sd["optim.exp_avg"], local(lay, fill=-1.0)
     used = [p.local + i for p in lay.pieces for i in range(p.box.numel)]  # type: ignore[operator]
     assert torch.equal(got[used], want[used])
     assert sd["step"] == 3
@@ -207,11 +170,11 @@ def test_a_tp_zero2_group_saved_by_4_ranks_loads_on_2_of_another_layout(tmp_path
     whole = {k: torch.zeros(s) for k, s in SHAPES.items()}
     tierstore.load_sharded(d, whole)
     for k in SHAPES:
-        assert torch.equal(whole[k], _value(k)), k
+        assert torch.equal(whole[k], value(k)), k
     assert tierstore.cli.main(["verify", str(d)]) == 0
     full = consolidate(d)
     for k in SHAPES:
-        assert torch.equal(full[k], _value(k)), k
+        assert torch.equal(full[k], value(k)), k
 
 
 def test_the_group_entry_does_not_grow_with_the_ranks(tmp_path: pathlib.Path) -> None:
