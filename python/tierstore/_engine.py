@@ -11,10 +11,10 @@ staging buffers are created once and reused. It is configured by
 ``TIERSTORE_CPU_THREADS``
     Requests in flight, transfer size, staging memory bound, copy/checksum threads.
 ``TIERSTORE_HUGE_PAGES``
-    ``1``, ``0`` or ``auto`` (default): whether the buffers a load fills ask
-    for transparent huge pages when 4 MiB or more (auto: yes, except on a
-    virtual machine with free page reporting; ``tierstore info`` says which
-    and why). The write staging pool always asks: it is reused.
+    ``1``, ``0`` or ``auto`` (default): whether the engine's buffers of 4 MiB
+    or more (the write staging pool, the buffers a load fills) ask for
+    transparent huge pages (auto: yes, except on a virtual machine with free
+    page reporting; ``tierstore info`` says which and why).
 """
 
 from __future__ import annotations
@@ -135,11 +135,11 @@ def configure(
     """Replaces the process's engine with one built from these settings.
 
     ``backend`` is ``"io_uring"``, ``"threads"``, ``"buffered"`` or ``None``
-    (automatic). ``huge_pages`` says whether the buffers of 4 MiB or more
-    that a load fills ask for transparent huge pages; ``None`` (automatic)
-    does unless the machine is a virtual one with free page reporting, where
-    each fresh huge page costs the host an allocation (the write staging pool
-    always asks: it is reused). Returns the new engine; operations in flight on the old one
+    (automatic). ``huge_pages`` says whether the engine's buffers of 4 MiB or
+    more (the write staging pool, the buffers a load fills) ask for
+    transparent huge pages; ``None`` (automatic) does unless the machine is
+    a virtual one with free page reporting, where each fresh huge page costs
+    the host an allocation and may stall on compaction. Returns the new engine; operations in flight on the old one
     finish first.
     """
     global _engine

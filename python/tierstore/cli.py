@@ -374,8 +374,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"queue depth:    {d['queue_depth']} requests in flight, {d['path_limit']} per path",
         f"chunk size:     {_human(d['chunk_bytes'])}; staging pool bound {_human(d['pool_bytes'])}",
         f"cpu threads:    {d['cpu_threads']} (copy and checksum)",
-        f"huge pages:     {'yes' if d['huge_pages'] else 'no'} for load buffers ({d['huge_pages_reason']}); "
-        "yes for the staging pool",
+        f"huge pages:     {'yes' if d['huge_pages'] else 'no'} ({d['huge_pages_reason']})",
         f"path:           {os.path.abspath(p['path'])} ({p['fs_type']})",
     ]
     if p["direct_io"]:

@@ -74,11 +74,11 @@ pub struct Config {
     pub path_limit: usize,
     /// Threads that copy and checksum data during a save or a load.
     pub cpu_threads: usize,
-    /// Whether the buffers a load fills (fresh memory, handed to the caller)
-    /// ask for transparent huge pages when 4 MiB or more. `None`: yes, unless
-    /// the memory is a virtual machine's with free page reporting (where each
-    /// fresh huge page costs a host allocation). The staging pool always asks:
-    /// it is bounded and reused, so its first touch is paid once.
+    /// Whether the engine's buffers of 4 MiB or more (the write staging pool,
+    /// the buffers a load fills) ask for transparent huge pages. `None`: yes,
+    /// unless the memory is a virtual machine's with free page reporting:
+    /// there each fresh huge page costs a host allocation, and a fault may
+    /// stall on compaction.
     pub huge_pages: Option<bool>,
 }
 
@@ -106,7 +106,7 @@ pub struct EngineInfo {
     pub io_uring: std::result::Result<(), String>,
     pub config: Config,
     pub pool_allocated: usize,
-    /// Whether the buffers a load fills use huge pages, and why.
+    /// Whether the engine's large buffers use huge pages, and why.
     pub huge_pages: bool,
     pub huge_pages_reason: String,
 }
@@ -166,7 +166,12 @@ impl Engine {
             None => (true, "auto".to_owned()),
         };
         let nbufs = (config.pool_bytes / config.chunk_size).max(2);
-        let pool = BufferPool::new(config.chunk_size, crate::buf::DEFAULT_ALIGN, nbufs, true);
+        let pool = BufferPool::new(
+            config.chunk_size,
+            crate::buf::DEFAULT_ALIGN,
+            nbufs,
+            huge_pages,
+        );
         let engine = Arc::new(Engine {
             mode,
             mode_reason,
@@ -245,7 +250,7 @@ impl Engine {
         }
     }
 
-    /// Whether the buffers a load fills ask for huge pages (resolved from
+    /// Whether the engine's large buffers ask for huge pages (resolved from
     /// `Config::huge_pages`).
     pub fn huge_pages(&self) -> bool {
         self.huge_pages
