@@ -29,6 +29,7 @@ from tierstore import _metadata
 from tierstore.checkpointer import Checkpointer, DiskTier
 from tierstore.errors import (
     ChecksumError,
+    CorruptFileError,
     CoverageError,
     ManifestError,
     ResourceLimitError,
@@ -639,3 +640,18 @@ def test_overlap_sweep_agrees_with_brute_force() -> None:
         assert (got is None) == (brute is None), boxes
         if got is not None:
             assert boxes[got[0]].intersect(boxes[got[1]]) is not None
+
+
+def test_a_record_name_twice_in_the_directory_is_refused_by_path_and_stream_loads(tmp_path: Path) -> None:
+    """Two directory entries with one name (fuzz case single:71000340: bit
+    flips in the central directory): which copy is meant is unknowable, so
+    both loads refuse the file, naming the record, instead of picking one."""
+    p = tmp_path / "dup.pt"
+    tierstore.save({"a": torch.arange(10), "b": torch.ones(10)}, p)
+    raw = p.read_bytes()
+    assert raw.count(b"/data/1") >= 2
+    p.write_bytes(raw.replace(b"/data/1", b"/data/0"))
+    with pytest.raises(CorruptFileError, match="data/0' appears twice"):
+        tierstore.load(p)
+    with open(p, "rb") as f, pytest.raises(CorruptFileError, match="data/0' appears twice"):
+        tierstore.load(f)

@@ -54,7 +54,12 @@ class Archive:
                     path=path,
                     record=r.name,
                 )
-            self.records[r.name[cut:]] = r
+            rel = r.name[cut:]
+            if rel in self.records:  # torch.save never writes one name twice; which copy is meant is unknowable
+                raise CorruptFileError(
+                    f"{path}: record '{r.name}' appears twice in the zip directory", path=path, record=r.name
+                )
+            self.records[rel] = r
 
     def full(self, rel: str) -> str:
         return f"{self.prefix}/{rel}" if self.prefix else rel
