@@ -1205,6 +1205,21 @@ def single_mutate(ctx: Ctx, path: Path, tier_file: bool) -> None:
         ctx.sealed = True  # CRCs travel with the records
         return f"records {a.name} and {b.name} swapped names"
 
+    def m_name_twice() -> str:
+        # Two entries, two records, one name: which one is meant is unknowable.
+        sto = list(zm.storages())
+        pairs = [(a, b) for a in sto for b in sto if a is not b and len(a.name) == len(b.name)]
+        if not pairs:
+            return m_dup_entry()
+        a, b = rng.choice(pairs)
+        buf = bytearray(data)
+        new = b.name.encode()
+        buf[a.cd_off + 46 : a.cd_off + 46 + len(new)] = new
+        if rng.random() < 0.5:
+            buf[a.hdr_off + 30 : a.hdr_off + 30 + len(new)] = new
+        path.write_bytes(bytes(buf))
+        return f"record {a.name} renamed to {b.name}, which another record has"
+
     def m_dup_entry() -> str:
         e = rng.choice(zm.entries)
         buf = bytearray(data)
@@ -1306,6 +1321,7 @@ def single_mutate(ctx: Ctx, path: Path, tier_file: bool) -> None:
         ("rename_record", 2, m_rename),
         ("swap_records", 2 if tier_file else 0, m_swap),
         ("dup_central_entry", 1, m_dup_entry),
+        ("name_twice", 1, m_name_twice),
         ("hostile_pickle", 8, m_hostile),
         ("hostile_saved", 2, m_hostile_saved),
         ("bomb_pickle", 7, m_bomb),
