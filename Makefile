@@ -19,11 +19,13 @@ CACHE ?= $(HOME)/.cache/tierstore
 DEPS := $(CACHE)/deps-$(DEPS_HASH)
 COMPAT_HASH := $(shell sha256sum requirements/compat.txt | cut -c1-12)
 COMPAT_DEPS := $(CACHE)/compat-$(COMPAT_HASH)
+GPUTC_HASH := $(shell sha256sum requirements/gpu-toolchain.txt | cut -c1-12)
+GPUTC := $(CACHE)/gputc-$(GPUTC_HASH)
 VENV := .venv
 VPY := $(VENV)/bin/python
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
 
-.PHONY: help setup demo test test-rust test-py lint bench bench-checkpoint bench-scale bench-nodes bench-offload bench-reshard fuzz clean gpu-check
+.PHONY: gpu-toolchains help setup demo test test-rust test-py lint bench bench-checkpoint bench-scale bench-nodes bench-offload bench-reshard fuzz clean gpu-check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -47,6 +49,28 @@ $(COMPAT_DEPS)/.complete: requirements/compat.txt $(DEPS)/.complete
 	  rm -rf $(COMPAT_DEPS); mv $(COMPAT_DEPS).tmp $(COMPAT_DEPS); touch $@; \
 	fi
 
+# The GPU shim's compile checks (tests/test_gpu_shim.py): nvcc from pip wheels
+# and, for AMD, Debian's hipcc with the HIP runtime headers (root; skipped
+# with a message where apt cannot install).
+$(GPUTC)/.complete: requirements/gpu-toolchain.txt $(DEPS)/.complete
+	@exec 9>$(CACHE)/.lock; flock 9; \
+	if [ ! -f $@ ]; then \
+	  echo "installing the CUDA compiler for the GPU shim's compile check into $(GPUTC)"; \
+	  rm -rf $(GPUTC).tmp; \
+	  $(DEPS)/bin/python -m pip install -q --disable-pip-version-check --no-deps --target $(GPUTC).tmp -r requirements/gpu-toolchain.txt; \
+	  rm -rf $(GPUTC); mv $(GPUTC).tmp $(GPUTC); touch $@; \
+	fi
+
+gpu-toolchains: $(GPUTC)/.complete ## nvcc (pip) and hipcc (apt) for the GPU shim's compile checks
+	@command -v hipcc >/dev/null && [ -f /usr/include/hip/hip_runtime_api.h ] || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing hipcc and the HIP runtime headers (apt)"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -q --no-install-recommends hipcc libamdhip64-dev >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends hipcc libamdhip64-dev >/dev/null; } || \
+	      echo "warning: hipcc could not be installed; the AMD compile check will be skipped"; \
+	  else echo "warning: hipcc is missing and apt needs root; the AMD compile check will be skipped"; fi; }
+
 $(VENV)/.deps-$(DEPS_HASH): $(DEPS)/.complete
 	@[ -x $(VPY) ] || { $(PY) -m venv $(VENV) && $(VPY) -m pip uninstall -q -y setuptools; }
 	@echo "$(abspath $(DEPS))/lib/$(PYVER)/site-packages" > $(VENV)/lib/$(PYVER)/site-packages/_tierstore_deps.pth
@@ -66,8 +90,8 @@ demo: setup ## small GPT: save/load both ways, lazy checkpoints, a kill, a resum
 test-rust: ## cargo tests of the engine (no Python)
 	cargo test -q -p tierstore-core --release
 
-test-py: setup $(COMPAT_DEPS)/.complete ## pytest of the package (with PyTorch's serialization suite through tierstore)
-	TIERSTORE_COMPAT_DEPS=$(COMPAT_DEPS) $(VPY) -m pytest -q -p no:cacheprovider
+test-py: setup $(COMPAT_DEPS)/.complete gpu-toolchains ## pytest of the package (with PyTorch's serialization suite through tierstore)
+	TIERSTORE_COMPAT_DEPS=$(COMPAT_DEPS) TIERSTORE_GPU_TOOLCHAIN_PATH=$(GPUTC) $(VPY) -m pytest -q -p no:cacheprovider
 
 test: setup test-rust test-py ## every test
 

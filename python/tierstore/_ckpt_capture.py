@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from tierstore import _core, _tree
+from tierstore import _core, _tree, gpu
 from tierstore._ckpt_cascade import drop_offload_pins
 from tierstore._ckpt_pool import BIG, PAGE, SMALL_ALIGN, HostPool, Slab, copy_host
 from tierstore._ckpt_restore import flat_tree
@@ -45,6 +45,24 @@ def storage_ptr(t: torch.Tensor) -> int:
     if is_dtensor(t):
         t = t.to_local()
     return int(t.untyped_storage().data_ptr())
+
+
+def copy_from_device(c: gpu.Copier, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` on the copy stream: one DMA from a dense device
+    tensor straight into its pinned slab slice, else torch's strided copy."""
+    n = src.numel() * src.element_size()
+    if (
+        src.is_contiguous()
+        and dst.is_contiguous()
+        and src.dtype == dst.dtype
+        and src.shape == dst.shape
+        and not src.is_conj()
+        and not src.is_neg()
+    ):
+        c.d2h(dst.data_ptr(), src.data_ptr(), n)
+        return
+    with torch.cuda.stream(c.torch_stream):
+        dst.copy_(src, non_blocking=True)
 
 
 class Capturer:
@@ -74,7 +92,6 @@ class Capturer:
         self.pending: list[Snapshot] = []  # not yet captured
         self.errors: list[BaseException] = []
         self.owned_cache: tuple[Any, set[int]] | None = None
-        self.stream: Any = None
 
     def plan(
         self, state: Mapping[str, Any], snap: Snapshot, owned: set[int] | None
@@ -126,14 +143,22 @@ class Capturer:
             snap.event = torch.cuda.Event()
             snap.event.record()
 
-    def wait_for_step(self) -> list[Snapshot]:
+    def wait_for_step(self, on_device: bool = False) -> list[Snapshot]:
         """At the optimizer step: copies or waits for the tensors it changes;
-        returns the snapshots waited for."""
+        returns the snapshots waited for. ``on_device``: the step changes
+        GPU tensors only with work on the current stream, so for a GPU
+        snapshot that stream waits for the event after their copies and this
+        thread waits only until the copies are issued."""
         with self.lock:
             pending = list(self.pending)
         for s in pending:
             if s.event is None:
                 self.steal(s)
+            elif on_device and not self.debug:
+                s.mutable_issue.wait()
+                if s.mutable_event is not None and s.error is None:
+                    torch.cuda.current_stream(s.mutable_device).wait_event(s.mutable_event)
+                    continue
             # The debug check compares version counters once the capture is
             # complete, so there the step waits for all of it.
             (s.captured if self.debug else s.mutable_done).wait()
@@ -204,36 +229,51 @@ class Capturer:
         return copy.deepcopy(obj, memo)
 
     def capture_device(self, snap: Snapshot) -> None:
+        """Capture of GPU tensors: every copy is issued at once on the
+        device's copy stream (the shim's, else torch's), ordered after the
+        event recorded at ``save``; each tensor's gate advances as its copy
+        completes. Once the copies of the tensors the step changes are
+        issued, an event after them is what the step waits for, on the device
+        (:meth:`wait_for_step`), not on this thread."""
         try:
+            c = None
             if snap.event is not None:
-                if self.stream is None:
-                    self.stream = torch.cuda.Stream()
-                self.stream.wait_event(snap.event)
-            done_mutable = False
-            gate = snap.gate
-            on_device = snap.event is not None  # copies finish at stream syncs, not in order
+                dev = next(it.src.device for it in snap.items if it.src.is_cuda)
+                c = gpu.copier(dev)
+                c.torch_stream.wait_event(snap.event)
+            events: list[tuple[int, gpu.Event]] = []
             for i, it in enumerate(snap.items):
-                if not it.mutable and not done_mutable:
-                    self.sync(snap)
-                    snap.advance(Capture.MUTABLE_DONE)
-                    done_mutable = True
-                    if gate is not None:
-                        gate.advance(i)
-                if it.src.is_cuda:
-                    with torch.cuda.stream(self.stream):
-                        it.dst.copy_(it.src, non_blocking=True)
+                if i == snap.n_mutable and c is not None:
+                    self.mutable_issued(snap, c)
+                if it.src.is_cuda and c is not None:
+                    copy_from_device(c, it.dst, it.src)
+                    events.append((i, c.record()))
                 else:
                     it.dst.copy_(it.src)
-                if gate is not None and not on_device:
-                    gate.advance(i + 1)  # the flush may write this tensor now
-            self.sync(snap)
-            if gate is not None:
-                gate.advance(len(snap.items))
+                    if not events:
+                        self.copied(snap, (i,))
+                    else:
+                        events.append((i, c.record()))  # type: ignore[union-attr]  # in order behind the copies
+            if c is not None and len(snap.items) == snap.n_mutable:
+                self.mutable_issued(snap, c)
+            for i, ev in events:
+                ev.wait()
+                self.copied(snap, (i,))  # the flush may write it now; the step may run once the mutable ones are
+            self.copied(snap, list(range(len(snap.items))))
         except BaseException as e:
             self.fail(snap, e)
             self.errors.append(e)
         finally:
+            snap.mutable_issue.set()
             self.finish(snap)
+
+    @staticmethod
+    def mutable_issued(snap: Snapshot, c: gpu.Copier) -> None:
+        ev = torch.cuda.Event()
+        ev.record(c.torch_stream)
+        snap.mutable_event = ev
+        snap.mutable_device = c.device
+        snap.mutable_issue.set()
 
     def capture_host(self, snap: Snapshot) -> None:
         """Capture of host tensors: this (low-priority) thread copies items in
@@ -358,10 +398,6 @@ class Capturer:
             snap.verified.set()
         if torn is not None:
             raise torn
-
-    def sync(self, snap: Snapshot) -> None:
-        if snap.event is not None and self.stream is not None:
-            self.stream.synchronize()
 
     @staticmethod
     def torn_msg(snap: Snapshot, it: Item) -> str:

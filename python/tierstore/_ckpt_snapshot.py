@@ -153,6 +153,10 @@ class Snapshot:
         self.error: BaseException | None = None
         self.t_save = time.perf_counter()
         self.event: Any = None  # CUDA event recorded on the training stream at save()
+        # GPU capture: after the copies of the tensors the step changes (on the copy stream)
+        self.mutable_event: Any = None
+        self.mutable_device: Any = None
+        self.mutable_issue = threading.Event()  # set once that event is recorded (or the capture ended)
         self.local_dir: Path | None = None
         # Without the debug check the flush starts at once and writes each
         # tensor as soon as its capture passes this gate (item index + 1).

@@ -21,7 +21,7 @@ from typing import IO, Any
 
 import torch
 
-from tierstore import _archive, _core, _pickle, _progress, manifest
+from tierstore import _archive, _core, _pickle, _progress, gpu, manifest
 from tierstore._engine import get_engine
 from tierstore.errors import (
     ChecksumError,
@@ -172,6 +172,21 @@ def load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts: 
             for k in keys
         ]
         total = sum(s[2] for s in specs)
+        device = _gpu_target(opts["map_location"])
+        if device is not None and byteorder == sys.byteorder:
+            # Every storage goes to one GPU: read through pinned buffers
+            # straight into device memory, the copies overlapped with the reads.
+            with _progress.bar(_progress.wanted(progress) and total > 0, f"loading {path} to {device}") as cb:
+                done = 0
+
+                def step(n: int) -> None:
+                    nonlocal done
+                    done += n
+                    if cb is not None:
+                        cb(done, total)
+
+                got = gpu.load_records_to_device(path, specs, device, on_chunk=step)
+            return _unpickle(path, data_pkl, dict(zip(keys, got, strict=True)), byteorder, opts)
         # The reads run in the engine while this thread unpickles: tensors are
         # built on the buffers as they fill, and nothing reads their bytes
         # before the read has finished (see _unpickle's `ready`).
@@ -349,6 +364,23 @@ def _storage_over(buf: Any) -> torch.UntypedStorage:
     return torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
 
 
+def _gpu_target(map_location: Any) -> torch.device | None:
+    """The GPU every storage is restored to, when ``map_location`` names one
+    (``"cuda"``, ``"cuda:1"``, a ``torch.device``) and it exists."""
+    if not isinstance(map_location, (str, torch.device)):
+        return None
+    try:
+        dev = torch.device(map_location)
+    except (RuntimeError, TypeError):
+        return None
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if not 0 <= index < torch.cuda.device_count():
+        return None  # torch's restore raises its own error for a missing device
+    return torch.device("cuda", index)
+
+
 def _stays_on_host(map_location: Any, location: str) -> bool:
     """True when restoring a storage saved at ``location`` keeps it on the CPU
     (or makes it meta) without reading its bytes."""
@@ -427,7 +459,9 @@ def _unpickle(
             ready()
         if byteorder != sys.byteorder:
             raw.byteswap(dtype)
-        typed = torch.storage.TypedStorage(wrap_storage=restore(raw, location), dtype=dtype, _internal=True)
+        # A storage already read into device memory is where map_location sends it.
+        placed = raw if raw.device.type != "cpu" else restore(raw, location)
+        typed = torch.storage.TypedStorage(wrap_storage=placed, dtype=dtype, _internal=True)
         if key not in loaded:
             loaded[key] = typed
         return typed

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierstore import _core, _dist, _limits, _paths, _tree
+from tierstore import _core, _dist, _limits, _paths, _tree, gpu
 from tierstore._engine import get_engine
 from tierstore._leaves import flatten, is_dtensor, tensor_and_layout
 from tierstore.errors import FormatError, InvalidArgumentError, LayoutError, MissingRecordError, NotFoundError
@@ -171,6 +171,8 @@ def _target(ck: Checkpoint, key: str, v: torch.Tensor, world: int) -> Target:
     dest = local
     if not local.is_contiguous() or (src_dtype is not None and src_dtype != local.dtype):
         dest = torch.empty(local.shape, dtype=src_dtype or local.dtype)
+    elif local.device.type == "cuda":
+        dest = gpu.pinned_empty(local.shape, local.dtype)  # the reads land in page-locked memory: one DMA each
     elif local.device.type != "cpu":
         dest = torch.empty(local.shape, dtype=local.dtype)
     if sum(p.box.numel for p in lay.pieces) < local.numel():
@@ -324,9 +326,12 @@ def read_sharded(
     plan = expand_plan(the_plan, targets, ck)
     needed = the_plan.needed
     read, checked, blocks = read_plan(ck, plan, verify)
+    to_device = [(t.final, t.dest) for t in targets if t.dest is not t.final and t.final.is_cuda]
     for t in targets:
-        if t.dest is not t.final:
+        if t.dest is not t.final and not t.final.is_cuda:
             t.final.copy_(t.dest)
+    if to_device:
+        gpu.copy_to_device(to_device)
     _load_objects(ck, objects_wanted, rank, world, per_rank_policy, weights_only)
     if stats is not None:
         stats["bytes_read"] = read

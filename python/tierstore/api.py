@@ -22,7 +22,7 @@ from typing import IO, Any
 
 import torch
 
-from tierstore import _core, _load, _pickle, _progress, manifest
+from tierstore import _core, _load, _pickle, _progress, gpu, manifest
 from tierstore._engine import get_engine
 from tierstore.errors import (
     InternalError,
@@ -110,20 +110,36 @@ def _tensor_entries(
 
 
 def _host_storages(
-    collector: _pickle.StorageCollector, skip: set[str] | None = None
+    collector: _pickle.StorageCollector, skip: set[str] | None = None, staged: list[gpu.Staged] | None = None
 ) -> list[tuple[str, torch.UntypedStorage]]:
-    """Each storage not in ``skip`` on the host (device storages are copied;
-    meta ones refused)."""
-    out = []
+    """Each storage not in ``skip`` on the host (meta ones refused). GPU
+    storages are copied asynchronously into pinned memory the writer reads
+    directly; their copies are appended to ``staged``, whose gates say when
+    each is complete (without ``staged`` this waits for them). Other device
+    storages are copied with ``storage.cpu()``."""
+    out: list[tuple[str, torch.UntypedStorage]] = []
+    on_gpu: list[tuple[int, str, torch.UntypedStorage]] = []
     for key, s in collector.storages.items():
         if skip is not None and key in skip:
             continue
         st = s.storage
         if st.device.type == "meta":
             raise TierstoreError(f"cannot save the data of meta storage data/{key}: it has none")
+        if st.device.type == "cuda" and st.nbytes():
+            on_gpu.append((len(out), key, st))
+            out.append((key, st))
+            continue
         if st.device.type != "cpu":
             st = st.cpu()
         out.append((key, st))
+    if on_gpu:
+        sg = gpu.Staged([st for _i, _k, st in on_gpu])
+        for (i, key, _st), host in zip(on_gpu, sg.host, strict=True):
+            out[i] = (key, host)
+        if staged is None:
+            sg.wait()  # the buffer is not cached again: it lives as long as the storages over it
+        else:
+            staged.append(sg)
     return out
 
 
@@ -184,10 +200,17 @@ def save(
         pickler = _PickleJob(obj, pickle_module, pickle_protocol)
         prefix = _archive_name(f)
         data_pkl = pickler.run()
-        storages = _host_storages(pickler.collector)
-        parts = _ManifestParts(prefix, pickler.collector, pickler.found, align)
-        small = _small_records(not _disable_byteorder_record, align)
-        _save_stream(f, prefix, data_pkl, storages, small, parts, align)
+        staged: list[gpu.Staged] = []
+        try:
+            storages = _host_storages(pickler.collector, None, staged)
+            for sg in staged:
+                sg.wait()
+            parts = _ManifestParts(prefix, pickler.collector, pickler.found, align)
+            small = _small_records(not _disable_byteorder_record, align)
+            _save_stream(f, prefix, data_pkl, storages, small, parts, align)
+        finally:
+            for sg in staged:
+                sg.release()
 
 
 def _check_align(align: int) -> None:
@@ -350,10 +373,15 @@ def _save_path(
     added: set[str] = set()
     # Host copies of device storages must live until their bytes are written.
     keep: list[tuple[str, torch.UntypedStorage]] = []
+    staged: list[gpu.Staged] = []
 
     def add_new() -> int:
-        new = _host_storages(collector, added)
-        _add_storages(w, prefix, new, gates)
+        n_staged = len(staged)
+        new = _host_storages(collector, added, staged)
+        all_gates = dict(gates or {})
+        for sg in staged[n_staged:]:
+            all_gates.update(sg.gates())
+        _add_storages(w, prefix, new, all_gates)
         keep.extend(new)
         added.update(k for k, _st in new)
         return sum(st.nbytes() for _k, st in new)
@@ -385,7 +413,12 @@ def _save_path(
         file_len = w.commit()
     except BaseException:
         w.abort()
+        for sg in staged:
+            sg.raise_error()  # a failed GPU copy is the cause, not the writer's stop
         raise
+    finally:
+        for sg in staged:
+            sg.release()
     return Written(file_len, parts.records, parts.tensors, zlib.crc32(built))
 
 

@@ -547,7 +547,10 @@ class Checkpointer:
         if self._last_hook is not None:
             self._step_times.append(now - self._last_hook)
             del self._step_times[:-50]
-        pending = self.capturer.wait_for_step()
+        # A torch optimizer changes GPU tensors with work on the current
+        # stream: that stream can wait for the capture's copies on the device.
+        # An offloaded optimizer copies its own way, so its step waits here.
+        pending = self.capturer.wait_for_step(on_device=not hasattr(optimizer, "checkpoint_parts"))
         waited = time.perf_counter() - now
         if pending:
             pending[-1].handle.timings["blocked"] += waited

@@ -358,10 +358,26 @@ def _verify_dcp(path: str, weights_only: bool) -> int:
     return 0
 
 
+def _gpu_line(g: dict[str, Any]) -> str:
+    if g["path"] == "shim":
+        v = g["runtime_version"]
+        devices = ", ".join(g["devices"])
+        what = f"the shim ({g['platform']} runtime {v // 1000}.{v % 1000 // 10}, {devices}; {g['library']})"
+    elif g["path"] == "torch":
+        what = f"torch's pinned copies ({g['reason']})"
+    elif g["path"] == "error":
+        what = f"error: {g['reason']}"
+    else:
+        what = f"none ({g['reason']})"
+    return f"GPU path:       {what}"
+
+
 def cmd_info(args: argparse.Namespace) -> int:
+    from tierstore import gpu
     from tierstore._engine import info
 
     d = info(args.path)
+    d["gpu"] = gpu.status()
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
@@ -375,6 +391,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"chunk size:     {_human(d['chunk_bytes'])}; staging pool bound {_human(d['pool_bytes'])}",
         f"cpu threads:    {d['cpu_threads']} (copy and checksum)",
         f"huge pages:     {'yes' if d['huge_pages'] else 'no'} ({d['huge_pages_reason']})",
+        _gpu_line(d["gpu"]),
         f"path:           {os.path.abspath(p['path'])} ({p['fs_type']})",
     ]
     if p["direct_io"]:

@@ -19,6 +19,7 @@ when one is concerned), and its message names both::
     ├── TornSnapshotError        (RuntimeError)       a tensor changed before its capture finished
     ├── WaitTimeoutError         (TimeoutError)       a wait with a timeout ran out
     ├── InternalError            (AssertionError)     a broken invariant inside tierstore (a bug)
+    ├── DeviceError              (RuntimeError)       a GPU runtime call or the GPU shim's build failed
     ├── FormatError              (ValueError)         the file's contents are wrong
     │   ├── NotAContainerError                        not a zip archive at all
     │   ├── TruncatedFileError                        cut short
@@ -46,6 +47,7 @@ __all__ = [
     "ChecksumError",
     "CorruptFileError",
     "CoverageError",
+    "DeviceError",
     "DirectoryError",
     "FormatError",
     "InternalError",
@@ -202,6 +204,11 @@ class InternalError(TierstoreError, AssertionError):
     """A broken invariant inside tierstore (an internal state move its
     transition table forbids, a call on an object that cannot serve it): a bug
     in tierstore, never caused by the user's data; please report it."""
+
+
+class DeviceError(TierstoreError, RuntimeError):
+    """A GPU runtime call failed, or the GPU shim could not be built or
+    loaded where it was asked for; the message carries the runtime's own."""
 
 
 class UsageError(TierstoreError, RuntimeError):

@@ -218,6 +218,13 @@ fn crc32_regions(py: Python<'_>, regions: Vec<(usize, usize)>, threads: usize) -
     })
 }
 
+/// The CRC-32 of `a`'s bytes followed by `b`'s, from their CRCs and the
+/// length of `b` (zlib's `crc32_combine`): a record checked in windows.
+#[pyfunction]
+fn crc32_combine(crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
+    tierstore_core::crc::combine(crc_a, crc_b, len_b)
+}
+
 /// Splits `n` 32-bit words at `src` into their rounded high halves at `hi`
 /// and their low halves at `lo` (see `tierstore_core::halves`).
 #[pyfunction]
@@ -495,6 +502,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(join_halves, m)?)?;
     m.add_function(wrap_pyfunction!(read_directory_stream, m)?)?;
     m.add_function(wrap_pyfunction!(crc32_regions, m)?)?;
+    m.add_function(wrap_pyfunction!(crc32_combine, m)?)?;
     m.add_function(wrap_pyfunction!(start_read, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(read_ranges_verified, m)?)?;
