@@ -18,6 +18,7 @@ __all__ = [
     "__version__",
     "chunk_checksums",
     "copy_file",
+    "crc32_combine",
     "crc32_regions",
     "create_writer",
     "fast_dumps",
