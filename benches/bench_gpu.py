@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import gc
 import json
 import os
@@ -480,11 +481,13 @@ def main() -> int:
             continue
         log(f"[{name}]")
         t0 = time.perf_counter()
+        faulthandler.dump_traceback_later(150)  # where a section that hangs is stuck
         try:
             r[name] = fn()
         except Exception:
             r["errors"][name] = traceback.format_exc()
             log(r["errors"][name])
+        faulthandler.cancel_dump_traceback_later()
         log(f"  ({time.perf_counter() - t0:.0f} s)")
         torch.cuda.empty_cache()
         gc.collect()

@@ -37,14 +37,14 @@ fi
 "$PY" -m tierstore info | tee "$OUT/info.txt"
 
 echo "== 2. GPU tests"
-"$PY" -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/test_gpu.py tests/test_offload.py \
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu -o addopts="" --timeout=120 tests/test_gpu.py tests/test_offload.py \
     2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 [ "$tests_rc" -eq 0 ] || status=1
 
 echo "== 3. benchmark"
 bench_dir=${GPU_CHECK_DIR:-$PWD/bench-gpu-tmp}
-"$PY" benches/bench_gpu.py --dir "$bench_dir" --gib "$GIB" --json "$OUT/gpu.json" --out "$OUT/gpu.txt" \
+timeout 360 "$PY" benches/bench_gpu.py --dir "$bench_dir" --gib "$GIB" --json "$OUT/gpu.json" --out "$OUT/gpu.txt" \
     2>&1 | tee "$OUT/bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 rm -rf "$bench_dir"
