@@ -113,27 +113,46 @@ def bench_copies(nbytes: int, reps: int) -> dict[str, Any]:
 # -------------------------------------------------------------- save/load
 
 
-def dd_ceilings(d: Path, gib: float) -> dict[str, Any]:
+def dd_ceilings(d: Path, gib: float, streams: int = 4) -> dict[str, Any]:
+    """The disk's write and read ceilings with ``dd`` (O_DIRECT, 64 MiB
+    requests), ``streams`` at once on disjoint parts of one file (one dd keeps
+    a single request in flight, which a fast device does not fill)."""
     f = d / "ceiling.bin"
-    count = max(1, int(gib * 1024 / 64))
-    nbytes = count * (64 << 20)
-    out: dict[str, Any] = {"bytes": nbytes}
-    for flags in (["oflag=direct", "conv=fsync"], ["conv=fsync"]):
+    count = max(streams, int(gib * 1024 / 64)) // streams  # 64 MiB blocks per stream
+    nbytes = count * streams * (64 << 20)
+    out: dict[str, Any] = {"bytes": nbytes, "streams": streams}
+
+    def run(args: list[list[str]]) -> float | None:
         t0 = time.perf_counter()
-        r = subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=64M", f"count={count}", *flags], capture_output=True)
-        if r.returncode == 0:
-            out["write_gbps"] = nbytes / (time.perf_counter() - t0) / GB
-            out["write_flags"] = " ".join(flags)
+        procs = [subprocess.Popen(a, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for a in args]
+        ok = all(p.wait() == 0 for p in procs)
+        return time.perf_counter() - t0 if ok else None
+
+    with open(f, "wb") as fh:
+        fh.truncate(nbytes)
+    for flags in (["oflag=direct", "conv=fsync,notrunc"], ["conv=fsync,notrunc"]):
+        dt = run(
+            [
+                ["dd", "if=/dev/zero", f"of={f}", "bs=64M", f"count={count}", f"seek={i * count}", *flags]
+                for i in range(streams)
+            ]
+        )
+        if dt is not None:
+            out["write_gbps"], out["write_flags"] = nbytes / dt / GB, " ".join(flags)
             break
     out["cold"] = drop_caches()
     for flags in (["iflag=direct"], []):
-        t0 = time.perf_counter()
-        r = subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=64M", *flags], capture_output=True)
-        if r.returncode == 0:
-            out["read_gbps"] = nbytes / (time.perf_counter() - t0) / GB
-            out["read_flags"] = " ".join(flags)
+        dt = run(
+            [
+                ["dd", f"if={f}", "of=/dev/null", "bs=64M", f"count={count}", f"skip={i * count}", *flags]
+                for i in range(streams)
+            ]
+        )
+        if dt is not None:
+            out["read_gbps"], out["read_flags"] = nbytes / dt / GB, " ".join(flags)
             break
     f.unlink()
+    log(f"  write {out.get('write_gbps', 0):.2f} GB/s, read {out.get('read_gbps', 0):.2f} GB/s ({streams} dd streams)")
     return out
 
 
@@ -232,7 +251,10 @@ def bench_checkpoint(
     sync()
     state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())
     modes = ["none", "torch.save", "dcp.async_save", "tierstore"]
-    res: dict[str, dict[str, list[float]]] = {m: {"loop": [], "step": [], "blocked": [], "durable": []} for m in modes}
+    res: dict[str, dict[str, list[float]]] = {
+        m: {"loop": [], "step": [], "ck_step": [], "blocked": [], "durable": [], "first": [], "later": []}
+        for m in modes
+    }
 
     def run(mode: str, rnd: int) -> None:
         base = d / f"ck-{mode.replace('.', '_')}-{rnd}"
@@ -272,6 +294,8 @@ def bench_checkpoint(
             opt.zero_grad(set_to_none=True)
             sync()
             step_times.append(time.perf_counter() - t_step)
+            if i % every == 0:
+                res[mode]["ck_step"].append(step_times[-1])
         loop = time.perf_counter() - t_loop
         t0 = time.perf_counter()
         if fut is not None:
@@ -283,6 +307,8 @@ def bench_checkpoint(
         res[mode]["loop"].append(loop)
         res[mode]["step"].append(statistics.median(step_times))
         res[mode]["blocked"].append(statistics.mean(blocked) if blocked else 0.0)
+        res[mode]["first"].append(blocked[0] if blocked else 0.0)
+        res[mode]["later"].extend(blocked[1:])
         res[mode]["durable"].append(time.perf_counter() - t0)
         shutil.rmtree(base, ignore_errors=True)
         log(
@@ -311,7 +337,10 @@ def bench_checkpoint(
         out[m] = {
             "loop_s": loop,
             "step_s": statistics.median(res[m]["step"]),
+            "ck_step_s": statistics.median(res[m]["ck_step"]),
             "blocked_s": statistics.median(res[m]["blocked"]),
+            "first_blocked_s": statistics.median(res[m]["first"]),
+            "later_blocked_s": statistics.median(res[m]["later"]) if res[m]["later"] else 0.0,
             "lost_per_checkpoint_s": (loop - none_loop) / n_ck if m != "none" else 0.0,
             "overhead": loop / none_loop - 1,
             "runs": res[m],
@@ -322,13 +351,13 @@ def bench_checkpoint(
 # ---------------------------------------------------------------- offload
 
 
-def bench_offload(d: Path, params: float, ceilings: dict[str, Any], steps: int) -> dict[str, Any]:
+def bench_offload(d: Path, params: float, ceilings: dict[str, Any], steps: int, device: str = "cuda") -> dict[str, Any]:
     width = 4096
     layers = max(1, int(params / (width * width)))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
-    model = model.to("cuda", torch.bfloat16)
-    x = torch.randn(256, width, device="cuda", dtype=torch.bfloat16)
+    model = model.to(device, torch.bfloat16)
+    x = torch.randn(256, width, device=device, dtype=torch.bfloat16)
     n = sum(p.numel() for p in model.parameters())
     path = d / "offload"
     shutil.rmtree(path, ignore_errors=True)
@@ -351,6 +380,8 @@ def bench_offload(d: Path, params: float, ceilings: dict[str, Any], steps: int) 
         r0, w0 = opt.stats["read_bytes"], opt.stats["write_bytes"]
         times.append(timed(one))
         moved.append((opt.stats["read_bytes"] - r0, opt.stats["write_bytes"] - w0))
+    stats = dict(opt.stats)
+    duplex = [dev.duplex for dev in opt.devices]
     opt.close()
     shutil.rmtree(path, ignore_errors=True)
     # The update alone: torch's AdamW on fp32 CPU copies, in memory.
@@ -367,12 +398,14 @@ def bench_offload(d: Path, params: float, ceilings: dict[str, Any], steps: int) 
     io = max(rb / (ceilings["read_gbps"] * GB), wb / (ceilings["write_gbps"] * GB))
     step = statistics.median(times)
     bound = max(io, compute)
+    log(f"  stats after {steps + 1} steps: {stats}; duplex {duplex}")
     log(
-        f"  offload step {step:.2f} s ({n / 1e6:.0f} M bf16 params on the GPU); read {rb / GB:.2f} GB, "
+        f"  offload step {step:.2f} s ({n / 1e6:.0f} M bf16 params on {device}); read {rb / GB:.2f} GB, "
         f"write {wb / GB:.2f} GB; I/O at the ceilings {io:.2f} s; update {compute:.2f} s; {step / bound:.2f}x bound"
     )
     return {"params": n, "step_s": step, "read_bytes": rb, "write_bytes": wb, "io_s": io, "update_s": compute,
-            "bound_s": bound, "x_bound": step / bound}  # fmt: skip
+            "bound_s": bound, "x_bound": step / bound, "device": device, "stats": stats, "duplex": duplex,
+            "io_serial_s": rb / (ceilings["read_gbps"] * GB) + wb / (ceilings["write_gbps"] * GB)}  # fmt: skip
 
 
 # ------------------------------------------------------------------ table
@@ -414,24 +447,35 @@ def table(r: dict[str, Any]) -> str:
             f"a checkpoint every {k['every']} steps, {k['steps']} steps (medians of rounds)"
         )
         lines.append(
-            f"  {'mode':16} {'loop s':>7} {'step ms':>8} {'blocked ms/ckpt':>16} {'lost s/ckpt':>12} {'overhead':>9}"
+            f"  {'mode':16} {'loop s':>7} {'step ms':>8} {'ckpt step ms':>13} {'blocked ms/ckpt':>16} "
+            f"{'lost s/ckpt':>12} {'overhead':>9}"
         )
         for m in ("none", "torch.save", "dcp.async_save", "tierstore"):
             v = k[m]
             lines.append(
-                f"  {m:16} {v['loop_s']:7.2f} {v['step_s'] * 1e3:8.1f} {v['blocked_s'] * 1e3:16.1f} "
+                f"  {m:16} {v['loop_s']:7.2f} {v['step_s'] * 1e3:8.1f} {v['ck_step_s'] * 1e3:13.1f} "
+                f"{v['blocked_s'] * 1e3:16.1f} "
                 f"{v['lost_per_checkpoint_s']:12.3f} {v['overhead'] * 100:8.1f}%"
             )
+        lines.append(
+            "  blocked, first checkpoint of a run / the later ones (median): "
+            + "; ".join(
+                f"{m} {k[m]['first_blocked_s'] * 1e3:.1f} / {k[m]['later_blocked_s'] * 1e3:.1f} ms"
+                for m in ("torch.save", "dcp.async_save", "tierstore")
+            )
+        )
         ts, sv, dc = k["tierstore"]["blocked_s"], k["torch.save"]["blocked_s"], k["dcp.async_save"]["blocked_s"]
         lines.append(
             f"  tierstore blocked = {ts / sv * 100:.1f}% of torch.save's, {ts / dc * 100:.1f}% of DCP async_save's"
         )
-    o = r.get("offload")
-    if o:
-        lines.append(
-            f"\noffload, {o['params'] / 1e6:.0f} M bf16 parameters on the GPU: step {o['step_s']:.2f} s, bound "
-            f"{o['bound_s']:.2f} s (I/O {o['io_s']:.2f} s, update {o['update_s']:.2f} s): {o['x_bound']:.2f}x bound"
-        )
+    for key in ("offload", "offload_cpu"):
+        o = r.get(key)
+        if o:
+            lines.append(
+                f"\noffload, {o['params'] / 1e6:.0f} M bf16 parameters on {o['device']}: step {o['step_s']:.2f} s, "
+                f"bound {o['bound_s']:.2f} s (I/O at both ceilings at once {o['io_s']:.2f} s, one after the other "
+                f"{o['io_serial_s']:.2f} s; update {o['update_s']:.2f} s): {o['x_bound']:.2f}x bound"
+            )
     for name, err in r.get("errors", {}).items():
         lines.append(f"\n{name}: FAILED: {err.splitlines()[-1] if err else ''}")
     return "\n".join(lines)
@@ -443,7 +487,7 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--copy-gib", type=float, default=1.0)
-    ap.add_argument("--sections", default="copies,save_load,checkpoint,offload")
+    ap.add_argument("--sections", default="copies,save_load,checkpoint,offload,offload_cpu")
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8192)
@@ -475,6 +519,7 @@ def main() -> int:
         ("save_load", lambda: bench_save_load(d, a.gib, a.rounds)),
         ("checkpoint", lambda: bench_checkpoint(d, a.width, a.layers, a.batch, a.steps, a.every, a.rounds)),
         ("offload", lambda: bench_offload(d, a.offload_params, r["ceilings"], 3)),
+        ("offload_cpu", lambda: bench_offload(d, a.offload_params, r["ceilings"], 3, "cpu")),
     ]
     for name, fn in steps:
         if name != "ceilings" and name not in sections:
@@ -493,10 +538,13 @@ def main() -> int:
         gc.collect()
     with contextlib.suppress(OSError):
         shutil.rmtree(d) if a.dir is None else None
-    text = table(r)
-    print("\n" + text)
     if a.json:
         Path(a.json).write_text(json.dumps(r, indent=2, default=str))
+    try:
+        text = table(r)
+    except Exception:
+        text = "the table could not be made:\n" + traceback.format_exc()
+    print("\n" + text)
     if a.out:
         Path(a.out).write_text(text + "\n")
     return 1 if r["errors"] else 0

@@ -125,9 +125,10 @@ def _host_storages(
         st = s.storage
         if st.device.type == "meta":
             raise TierstoreError(f"cannot save the data of meta storage data/{key}: it has none")
-        if st.device.type == "cuda" and st.nbytes():
-            on_gpu.append((len(out), key, st))
-            out.append((key, st))
+        if st.device.type == "cuda":
+            if st.nbytes():
+                on_gpu.append((len(out), key, st))
+            out.append((key, st if st.nbytes() else torch.UntypedStorage(0)))
             continue
         if st.device.type != "cpu":
             st = st.cpu()
