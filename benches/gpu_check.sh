@@ -41,6 +41,10 @@ timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu -o addopts="" --timeou
     2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 [ "$tests_rc" -eq 0 ] || status=1
+echo "== 2b. the same device tests on torch's pinned copies (the fallback: TIERSTORE_GPU_SHIM=0)"
+TIERSTORE_GPU_SHIM=0 timeout 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu -o addopts="" --timeout=60 tests/test_gpu.py \
+    2>&1 | tee "$OUT/gpu_tests_fallback.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== 3. benchmark"
 bench_dir=${GPU_CHECK_DIR:-$PWD/bench-gpu-tmp}
@@ -52,6 +56,7 @@ rm -rf "$bench_dir"
 echo
 echo "================ gpu_check summary ($(($(date +%s) - t0)) s) ================"
 grep -E "^GPU path:" "$OUT/info.txt" || true
-echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
+echo "gpu tests (shim): $(tail -1 "$OUT/gpu_tests.log")"
+echo "gpu tests (torch's copies): $(tail -1 "$OUT/gpu_tests_fallback.log")"
 [ -f "$OUT/gpu.txt" ] && cat "$OUT/gpu.txt"
 exit $status
