@@ -54,22 +54,28 @@ MOVES: dict[Residence, frozenset[Residence]] = {
 }
 
 
-def split_master(p: torch.Tensor, master: torch.Tensor, lo: torch.Tensor, threads: int) -> None:
+def split_master(
+    p: torch.Tensor, master: torch.Tensor, lo: torch.Tensor, threads: int, hi_out: torch.Tensor | None = None
+) -> None:
     """Stores fp32 ``master``: its low halves into ``lo``, its rounded high
-    halves into the bf16 parameter ``p``."""
+    halves into the bf16 parameter ``p`` (or into the host tensor ``hi_out``,
+    which the caller copies into ``p``)."""
     n = master.numel()
     src = master.detach().contiguous()
     direct = p.device.type == "cpu" and p.dtype == torch.bfloat16 and p.is_contiguous()
-    hi = p.detach() if direct else torch.empty(n, dtype=torch.bfloat16)
+    hi = hi_out if hi_out is not None else (p.detach() if direct else torch.empty(n, dtype=torch.bfloat16))
     _core.split_halves(src.data_ptr(), hi.data_ptr(), lo.data_ptr(), n, threads)
-    if not direct:
+    if not direct and hi_out is None:
         p.detach().copy_(hi.view(p.shape))
 
 
-def join_master(p: torch.Tensor, lo: torch.Tensor, out: torch.Tensor, threads: int) -> None:
+def join_master(
+    p: torch.Tensor, lo: torch.Tensor, out: torch.Tensor, threads: int, hi: torch.Tensor | None = None
+) -> None:
     """Rebuilds the fp32 master into ``out`` from the parameter's high halves
-    and the stored low halves."""
-    hi = p.detach()
+    (or their host copy ``hi``) and the stored low halves."""
+    if hi is None:
+        hi = p.detach()
     if hi.device.type != "cpu" or hi.dtype != torch.bfloat16 or not hi.is_contiguous():
         hi = hi.to("cpu", torch.bfloat16).contiguous()
     _core.join_halves(hi.data_ptr(), lo.data_ptr(), out.data_ptr(), out.numel(), threads)
@@ -198,33 +204,37 @@ class Subgroup:
         for m in self.masters:
             m.data = empty
 
-    def rebuild_masters(self, threads: int, into: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def rebuild_masters(
+        self, threads: int, into: torch.Tensor | None = None, his: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
         """The split subgroup's fp32 masters, rebuilt into views of ``into``
-        (default: new tensors)."""
+        (default: new tensors), from the parameters or their host copies ``his``."""
         out: list[torch.Tensor] = []
         off = 0
-        for p, lo in zip(self.params, self.low_halves(), strict=True):
+        for i, (p, lo) in enumerate(zip(self.params, self.low_halves(), strict=True)):
             m = torch.empty(p.shape) if into is None else into[off : off + p.numel()].view(p.shape)
-            join_master(p, lo, m, threads)
+            join_master(p, lo, m, threads, None if his is None else his[i])
             out.append(m)
             off += p.numel()
         return out
 
-    def store_split(self, threads: int) -> None:
+    def store_split(self, threads: int, his: list[torch.Tensor] | None = None) -> None:
         """Stores the updated fp32 masters split: low halves into the layout,
-        high halves into the parameters."""
-        for p, m, lo in zip(self.params, self.masters, self.low_halves(), strict=True):
-            split_master(p, m, lo, threads)
+        high halves into the parameters (or into host tensors ``his`` that
+        the caller copies into them)."""
+        for i, (p, m, lo) in enumerate(zip(self.params, self.masters, self.low_halves(), strict=True)):
+            split_master(p, m, lo, threads, None if his is None else his[i])
 
     # --- the wrapped optimizer on this subgroup
 
-    def take_grads(self, scratch: torch.Tensor) -> None:
-        """Gives each master its parameter's gradient: an fp32 CPU gradient
-        as it is, any other converted to fp32 into ``scratch`` (one reused
-        buffer of at least ``numel`` elements: the only conversion)."""
+    def take_grads(self, scratch: torch.Tensor, grads: list[torch.Tensor | None] | None = None) -> None:
+        """Gives each master its parameter's gradient (or ``grads[i]``, its
+        host copy): an fp32 CPU gradient as it is, any other converted to fp32
+        into ``scratch`` (one reused buffer of at least ``numel`` elements: the
+        only conversion)."""
         off = 0
-        for p, m in zip(self.params, self.masters, strict=True):
-            g = p.grad
+        for i, (p, m) in enumerate(zip(self.params, self.masters, strict=True)):
+            g = p.grad if grads is None else grads[i]
             if g is None:
                 m.grad = None
                 continue

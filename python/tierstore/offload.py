@@ -61,6 +61,7 @@ import torch
 
 from tierstore._engine import get_engine, lock_dir
 from tierstore._offload_checkpoint import restore_subgroups, same_partition, take_subgroups
+from tierstore._offload_device import DeviceTransfers, dense_on_one_gpu
 from tierstore._offload_entry import (
     OFFLOAD_FORMAT,
     OFFLOAD_FORMATS_READ,
@@ -183,6 +184,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.devices = self._placement.devices
         self._grad32: torch.Tensor | None = None  # the reused fp32 gradient buffer
         self._master32: torch.Tensor | None = None  # the reused buffer of rebuilt split masters
+        self._device = DeviceTransfers()  # pinned buffers for parameters on a GPU
         self._threads = max(1, torch.get_num_threads())
         self._warned: set[str] = set()
         self._pending_warnings: list[str] = []
@@ -346,12 +348,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         t0 = time.perf_counter()
         inner = self._inner(sg)
         inner.param_groups[0].update(self._hyper(sg))
+        # Parameters on a GPU: they and their gradients come down in one batch
+        # of copies into pinned memory, the new values go up the same way.
+        dev = dense_on_one_gpu(sg.params)
+        his, grads = self._device.fetch(dev, sg.params, sg.split) if dev is not None else (None, None)
         if sg.split:
             if self._master32 is None or self._master32.numel() < sg.numel:
                 self._master32 = torch.empty(sg.numel, dtype=torch.float32)
-            for m, v in zip(sg.masters, sg.rebuild_masters(self._threads, self._master32), strict=True):
+            for m, v in zip(sg.masters, sg.rebuild_masters(self._threads, self._master32, his), strict=True):
                 m.data = v
-        sg.take_grads(self._grad_buffer(sg.numel))
+        sg.take_grads(self._grad_buffer(sg.numel), grads)
         before = len(sg.tensors())
         inner.step()
         for m in sg.masters:
@@ -362,6 +368,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             # a new layout (split masters are stored, parameters set, by pack).
             sg.split = split
             self._store.pack(sg)
+        elif split and dev is not None:
+            up = self._device.staging(sg.params)
+            sg.store_split(self._threads, up)
+            self._device.push(dev, sg.params, up)
         elif split:
             sg.store_split(self._threads)
         if split:
@@ -377,6 +387,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def wait_io(self) -> None:
         """Waits for the reads and write-backs in flight; raises their errors."""
+        self._device.wait()
         self._store.settle_all()
         self._flush_warnings()
 
