@@ -216,3 +216,16 @@ def test_resharding_load_into_device_memory(tmp_path: Path) -> None:
     tierstore.load_sharded(tmp_path / "ck", target)
     assert target["w"].is_cuda
     assert torch.equal(target["w"].cpu(), full[:, 32:64])
+
+
+def test_without_map_location_each_storage_goes_back_where_it_was_saved(tmp_path: Path, no_pageable) -> None:  # type: ignore[no-untyped-def]
+    sd = {"g": torch.randn(1000, device="cuda"), "c": torch.randn(10), "h": torch.ones(7, device="cuda").half()}
+    p = tmp_path / "m.pt"
+    torch.save(sd, p)
+    with no_pageable():
+        got = tierstore.load(p)  # the GPU storages through pinned memory, the CPU one by the engine
+    assert got["g"].is_cuda and got["h"].is_cuda and not got["c"].is_cuda
+    _same(sd, got)
+    with no_pageable():
+        back = tierstore.load(p, map_location={"cuda:0": "cpu"})
+    assert not back["g"].is_cuda and torch.equal(back["g"], sd["g"].cpu())

@@ -172,21 +172,9 @@ def load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts: 
             for k in keys
         ]
         total = sum(s[2] for s in specs)
-        device = _gpu_target(opts["map_location"])
-        if device is not None and byteorder == sys.byteorder:
-            # Every storage goes to one GPU: read through pinned buffers
-            # straight into device memory, the copies overlapped with the reads.
-            with _progress.bar(_progress.wanted(progress) and total > 0, f"loading {path} to {device}") as cb:
-                done = 0
-
-                def step(n: int) -> None:
-                    nonlocal done
-                    done += n
-                    if cb is not None:
-                        cb(done, total)
-
-                got = gpu.load_records_to_device(path, specs, device, on_chunk=step)
-            return _unpickle(path, data_pkl, dict(zip(keys, got, strict=True)), byteorder, opts)
+        routes = _gpu_routes(opts["map_location"], data_pkl, keys) if byteorder == sys.byteorder else {}
+        if routes:
+            return _load_with_gpu(path, data_pkl, keys, specs, routes, byteorder, verify, progress, opts)
         # The reads run in the engine while this thread unpickles: tensors are
         # built on the buffers as they fill, and nothing reads their bytes
         # before the read has finished (see _unpickle's `ready`).
@@ -362,6 +350,77 @@ def _storage_over(buf: Any) -> torch.UntypedStorage:
     if not len(buf):
         return _empty_storage()
     return torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
+
+
+def _load_with_gpu(
+    path: str,
+    data_pkl: bytes,
+    keys: list[str],
+    specs: list[tuple[str, int, int, int | None]],
+    routes: dict[str, torch.device],
+    byteorder: str,
+    verify: bool,
+    progress: bool | None,
+    opts: dict[str, Any],
+) -> Any:
+    """A load where the storages in ``routes`` go to a GPU: those are read
+    through pinned buffers straight into device memory (the copies overlapped
+    with the reads), the others into host buffers by the engine meanwhile."""
+    storages: dict[str, torch.UntypedStorage] = {}
+    host = [(k, s) for k, s in zip(keys, specs, strict=True) if k not in routes]
+    total = sum(s[2] for s in specs)
+    pending = _core.start_read(get_engine(), path, [s for _k, s in host], verify=verify) if host else None
+    try:
+        if pending is not None:
+            for (k, _s), b in zip(host, pending.buffers, strict=True):
+                storages[k] = _storage_over(b)
+        with _progress.bar(_progress.wanted(progress) and total > 0, f"loading {path}") as cb:
+            done = 0
+
+            def step(n: int) -> None:
+                nonlocal done
+                done += n
+                if cb is not None:
+                    cb(done, total)
+
+            for dev in dict.fromkeys(routes.values()):
+                mine = [(k, s) for k, s in zip(keys, specs, strict=True) if routes.get(k) == dev]
+                got = gpu.load_records_to_device(path, [s for _k, s in mine], dev, on_chunk=step)
+                storages.update(zip((k for k, _s in mine), got, strict=True))
+            if pending is not None:
+                pending.wait()
+    except BaseException:
+        if pending is not None:
+            pending.abandon()
+        raise
+    return _unpickle(path, data_pkl, storages, byteorder, opts)
+
+
+def _gpu_routes(map_location: Any, data_pkl: bytes, keys: list[str]) -> dict[str, torch.device]:
+    """The storages that the restore sends to a GPU, by key, with their
+    device: every storage for a ``map_location`` naming a GPU; for ``None``
+    or a dict, those whose saved location (read from ``data.pkl``'s opcodes)
+    maps to one. Empty without a GPU, for a callable, or when unsure."""
+    if not keys or not torch.cuda.is_available():
+        return {}
+    one = _gpu_target(map_location)
+    if one is not None:
+        return dict.fromkeys(keys, one)
+    if map_location is not None and not isinstance(map_location, dict):
+        return {}
+    locs = _pickle.saved_locations(data_pkl)
+    if not locs:
+        return {}
+    out: dict[str, torch.device] = {}
+    for k in keys:
+        loc = locs.get(k)
+        if loc is None:
+            continue
+        target = map_location.get(loc, loc) if isinstance(map_location, dict) else loc
+        dev = _gpu_target(target)
+        if dev is not None:
+            out[k] = dev
+    return out
 
 
 def _gpu_target(map_location: Any) -> torch.device | None:

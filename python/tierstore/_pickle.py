@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import io
 import pickle
+import pickletools
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -439,3 +440,79 @@ def describe_storages(data: bytes) -> tuple[dict[str, str], dict[str, list[str]]
             shown = ".".join(str(p) for p in path) or "(root)"
             views.setdefault(f"data/{key}", []).append(f"{shown} {tuple(t.shape)}")
     return dtypes, views
+
+
+_PUSH_ARG = frozenset(
+    {
+        "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE", "BINSTRING", "SHORT_BINSTRING", "STRING",
+        "BININT", "BININT1", "BININT2", "INT", "LONG", "LONG1", "LONG4", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8",
+    }
+)  # fmt: skip
+_SCAN_LIMIT = 64 << 20
+
+
+def saved_locations(data: bytes) -> dict[str, str] | None:
+    """The location each storage was saved from (``cpu``, ``cuda:0``) by its
+    key, read from the opcodes of a torch pickle without unpickling it: the
+    stack is simulated just enough to see each persistent id
+    ``('storage', type, key, location, numel)``. ``None`` when the pickle does
+    not parse this way (the caller then decides per storage while
+    unpickling). Only a choice of path rests on it, never the bytes loaded."""
+    if len(data) > _SCAN_LIMIT:
+        return None
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: dict[int, Any] = {}
+    out: dict[str, str] = {}
+    try:
+        for op, arg, _pos in pickletools.genops(data):
+            name = op.name
+            if name in _PUSH_ARG:
+                stack.append(arg)
+            elif name == "MARK":
+                marks.append(len(stack))
+            elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
+                memo[int(str(arg))] = stack[-1]
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1]
+            elif name in ("BINGET", "LONG_BINGET", "GET"):
+                stack.append(memo.get(int(str(arg))))
+            elif name == "TUPLE":
+                at = marks.pop()
+                items = tuple(stack[at:])
+                del stack[at:]
+                stack.append(items)
+            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+                n = int(name[-1])
+                if len(stack) < n:
+                    return None
+                items = tuple(stack[len(stack) - n :])
+                del stack[len(stack) - n :]
+                stack.append(items)
+            elif name == "BINPERSID":
+                pid = stack.pop()
+                if (
+                    isinstance(pid, tuple)
+                    and len(pid) == 5
+                    and pid[0] in ("storage", b"storage")
+                    and isinstance(pid[2], str)
+                    and isinstance(pid[3], str)
+                ):
+                    out[pid[2]] = pid[3]
+                stack.append(None)
+            else:
+                before = [s.name for s in op.stack_before]
+                if "mark" in before:
+                    at = marks.pop()
+                    del stack[at:]
+                    pops = before.index("mark")
+                else:
+                    pops = len(before)
+                if pops > len(stack):
+                    return None
+                if pops:
+                    del stack[len(stack) - pops :]
+                stack.extend([None] * len(op.stack_after))
+    except Exception:  # any malformed pickle: no answer (the unpickler then reports what is wrong)
+        return None
+    return out
