@@ -194,3 +194,13 @@ def test_gpu_check_stops_clearly_without_a_gpu(tmp_path: Path) -> None:
     assert r.returncode == 2, r.stdout + r.stderr
     assert "no GPU" in r.stderr and "nothing was run" in r.stderr
     assert tierstore.__version__
+
+
+def test_the_wheel_carries_the_shim_source() -> None:
+    """The shim is built on first use from the source inside the package
+    (python/tierstore/_hip is hip/, included in the wheel by pyproject)."""
+    pkg = ROOT / "python" / "tierstore" / "_hip"
+    assert pkg.resolve() == (ROOT / "hip").resolve()
+    assert 'path = "python/tierstore/_hip/*"' in (ROOT / "pyproject.toml").read_text()
+    src = gpu.source_dir()
+    assert src is not None and all((src / s).is_file() for s in gpu.SOURCES)
