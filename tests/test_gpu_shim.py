@@ -204,3 +204,46 @@ def test_the_wheel_carries_the_shim_source() -> None:
     assert 'path = "python/tierstore/_hip/*"' in (ROOT / "pyproject.toml").read_text()
     src = gpu.source_dir()
     assert src is not None and all((src / s).is_file() for s in gpu.SOURCES)
+
+
+def test_pinned_memory_is_unlocked_when_its_buffer_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page-locked buffer is unlocked once nothing holds it (its finalizer
+    must not keep it alive), so a cache that lets buffers go leaks no pinned
+    memory. The runtime is a recording stand-in here."""
+    import gc
+    import weakref
+
+    calls: list[tuple[str, int]] = []
+
+    class FakeLib:
+        def ts_gpu_host_unregister(self, p: ctypes.c_void_p) -> int:
+            calls.append(("unregister", int(p.value or 0)))
+            return 0
+
+    class FakeShim:
+        lib = FakeLib()
+
+        def call(self, name: str, p: ctypes.c_void_p, n: ctypes.c_size_t) -> None:
+            calls.append(("register", int(p.value or 0)))
+
+    monkeypatch.setattr(gpu, "shim", lambda: FakeShim())
+    b = gpu.PinnedBuffer(1 << 20)
+    addr = b.addr
+    v = b.view(4096, 100)  # a view keeps the memory, not the lock
+    ref = weakref.ref(b)
+    del b
+    gc.collect()
+    assert ref() is None, "the buffer is collected"
+    assert calls == [("register", addr), ("unregister", addr)]
+    v[:] = 7  # the memory itself is still valid for the view
+    assert int(v.sum()) == 700
+    monkeypatch.setattr(gpu, "shim", lambda: FakeShim())
+    keep = [gpu.take_pinned(1 << 20) for _ in range(3)]
+    for k in keep:
+        gpu.give_back(k)
+    del keep, k
+    gc.collect()
+    assert sum(1 for c, _a in calls if c == "unregister") == 1 + 2  # the cache keeps one of the three
+    gpu.empty_cache()
+    gc.collect()
+    assert sum(1 for c, _a in calls if c == "register") == sum(1 for c, _a in calls if c == "unregister")

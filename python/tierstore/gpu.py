@@ -441,18 +441,18 @@ class PinnedBuffer:
         self.addr = self.tensor.data_ptr()
         self.mem = memoryview(self.tensor.numpy())  # type: ignore[arg-type]
         s = shim()
+        addr, size = self.addr, self.tensor.numel()
+        # The unlocking owns no reference to this object (else it would never
+        # be collected); it runs before the memory itself is released.
         if s is not None:
-            s.call("ts_gpu_host_register", ctypes.c_void_p(self.addr), ctypes.c_size_t(self.tensor.numel()))
-            unregister: Callable[[], None] = lambda: s.lib.ts_gpu_host_unregister(ctypes.c_void_p(self.addr))  # noqa: E731
+            s.call("ts_gpu_host_register", ctypes.c_void_p(addr), ctypes.c_size_t(size))
+            weakref.finalize(self, s.lib.ts_gpu_host_unregister, ctypes.c_void_p(addr))
         else:
             rt = torch.cuda.cudart()
-            err = rt.cudaHostRegister(self.addr, self.tensor.numel(), 1)  # 1: portable
+            err = rt.cudaHostRegister(addr, size, 1)  # 1: portable
             if int(err) != 0:
-                raise DeviceError(
-                    f"page-locking {self.tensor.numel()} bytes of host memory failed: {rt.cudaGetErrorString(err)}"
-                )
-            unregister = lambda: rt.cudaHostUnregister(self.addr)  # noqa: E731
-        weakref.finalize(self, unregister)
+                raise DeviceError(f"page-locking {size} bytes of host memory failed: {rt.cudaGetErrorString(err)}")
+            weakref.finalize(self, rt.cudaHostUnregister, addr)
 
     def view(self, off: int, n: int) -> torch.Tensor:
         """A uint8 tensor over ``[off, off + n)``: its own storage of exactly
