@@ -56,30 +56,29 @@ int ts_gpu_host_register(void* ptr, size_t nbytes) {
 
 int ts_gpu_host_unregister(void* ptr) { return (int)hipHostUnregister(ptr); }
 
+// What the runtime knows of `ptr`: its memory type and device, or false
+// for memory it does not know (the error is cleared, not sticky).
+static bool pointer_attributes(const void* ptr, hipPointerAttribute_t* attr) {
+    std::memset(attr, 0, sizeof(*attr));
+    if (hipPointerGetAttributes(attr, ptr) != hipSuccess) {
+        (void)hipGetLastError();
+        return false;
+    }
+    return true;
+}
+
 // 1 if `ptr` is page-locked host memory the runtime knows, 0 if not (or on
 // error): the check behind the copy-counting tests.
 int ts_gpu_is_pinned(const void* ptr) {
     hipPointerAttribute_t attr;
-    std::memset(&attr, 0, sizeof(attr));
-    hipError_t e = hipPointerGetAttributes(&attr, ptr);
-    if (e != hipSuccess) {
-        (void)hipGetLastError();
-        return 0;
-    }
-    return TS_GPU_PTR_TYPE(attr) == hipMemoryTypeHost ? 1 : 0;
+    return pointer_attributes(ptr, &attr) && TS_GPU_PTR_TYPE(attr) == hipMemoryTypeHost ? 1 : 0;
 }
 
 // The device ordinal that owns `ptr`, or -1 for host or unknown memory.
 int ts_gpu_pointer_device(const void* ptr, int* device) {
     hipPointerAttribute_t attr;
-    std::memset(&attr, 0, sizeof(attr));
-    hipError_t e = hipPointerGetAttributes(&attr, ptr);
-    if (e != hipSuccess) {
-        (void)hipGetLastError();
-        *device = -1;
-        return 0;
-    }
-    *device = TS_GPU_PTR_TYPE(attr) == hipMemoryTypeDevice ? attr.device : -1;
+    bool known = pointer_attributes(ptr, &attr);
+    *device = known && TS_GPU_PTR_TYPE(attr) == hipMemoryTypeDevice ? attr.device : -1;
     return 0;
 }
 
