@@ -49,6 +49,14 @@ def _exports(lib: Path) -> set[str]:
     return {line.split()[-1] for line in out.splitlines() if line.strip()}
 
 
+def _no_warnings(tc: gpu.Toolchain, out: Path) -> None:
+    """The shim compiles without a warning (-Wall -Wextra)."""
+    src = gpu.source_dir()
+    assert src is not None
+    r = subprocess.run(tc.command(src / gpu.SOURCES[0], out), capture_output=True, text=True, check=False)
+    assert r.returncode == 0 and "warning" not in (r.stdout + r.stderr).lower(), r.stdout + r.stderr
+
+
 def _nvcc() -> gpu.Toolchain:
     tc = gpu.find_toolchain("cuda")
     if tc is None:
@@ -61,6 +69,7 @@ def test_the_shim_compiles_with_nvcc_and_loads(tmp_path: Path) -> None:
     assert tc.runtime_lib is not None and tc.runtime_lib.name.startswith("libcudart.so.")
     lib = gpu.build(tc, tmp_path)
     assert lib.is_file() and set(EXPORTS) <= _exports(lib)
+    _no_warnings(tc, tmp_path / "w.so")
     # It needs the shared CUDA runtime by soname (the copy torch loads, when
     # torch has loaded one): one runtime, one set of streams and events.
     needed = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True, check=True).stdout
@@ -83,6 +92,7 @@ def test_the_shim_compiles_with_hipcc(tmp_path: Path) -> None:
     assert tc is not None
     lib = gpu.build(tc, tmp_path)
     assert set(EXPORTS) <= _exports(lib)
+    _no_warnings(tc, tmp_path / "w.so")
     needed = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True, check=True).stdout
     assert "libamdhip64.so" in needed
 
