@@ -257,3 +257,20 @@ def test_pinned_memory_is_unlocked_when_its_buffer_is_dropped(monkeypatch: pytes
     gpu.empty_cache()
     gc.collect()
     assert sum(1 for c, _a in calls if c == "register") == sum(1 for c, _a in calls if c == "unregister")
+
+
+def test_memory_that_cannot_be_page_locked_still_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runtime that refuses to page-lock (a memory limit) costs speed, not
+    the save or load: the buffer is plain memory, with a warning."""
+
+    class Refusing:
+        def call(self, name: str, *args: object) -> None:
+            raise DeviceError(f"{name} failed: out of memory (GPU runtime error 2)")
+
+    monkeypatch.setattr(gpu, "shim", lambda: Refusing())
+    with pytest.warns(RuntimeWarning, match="page-locking .* failed .*out of memory"):
+        b = gpu.PinnedBuffer(1 << 16)
+    assert not b.pinned
+    v = b.view(0, 16)
+    v[:] = 3
+    assert int(v.sum()) == 48

@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -442,17 +443,29 @@ class PinnedBuffer:
         self.mem = memoryview(self.tensor.numpy())  # type: ignore[arg-type]
         s = shim()
         addr, size = self.addr, self.tensor.numel()
+        self.pinned = True
         # The unlocking owns no reference to this object (else it would never
         # be collected); it runs before the memory itself is released.
-        if s is not None:
-            s.call("ts_gpu_host_register", ctypes.c_void_p(addr), ctypes.c_size_t(size))
-            weakref.finalize(self, s.lib.ts_gpu_host_unregister, ctypes.c_void_p(addr))
-        else:
-            rt = torch.cuda.cudart()
-            err = rt.cudaHostRegister(addr, size, 1)  # 1: portable
-            if int(err) != 0:
-                raise DeviceError(f"page-locking {size} bytes of host memory failed: {rt.cudaGetErrorString(err)}")
-            weakref.finalize(self, rt.cudaHostUnregister, addr)
+        try:
+            if s is not None:
+                s.call("ts_gpu_host_register", ctypes.c_void_p(addr), ctypes.c_size_t(size))
+                weakref.finalize(self, s.lib.ts_gpu_host_unregister, ctypes.c_void_p(addr))
+            else:
+                rt = torch.cuda.cudart()
+                err = rt.cudaHostRegister(addr, size, 1)  # 1: portable
+                if int(err) != 0:
+                    raise DeviceError(f"{rt.cudaGetErrorString(err)} (GPU runtime error {int(err)})")
+                weakref.finalize(self, rt.cudaHostUnregister, addr)
+        except DeviceError as e:
+            # Still correct, only slower: the runtime copies through its own
+            # staging buffers. A save or load must not fail for want of it.
+            self.pinned = False
+            warnings.warn(
+                f"tierstore: page-locking {size} bytes of host memory failed ({e}); GPU copies go through "
+                "pageable memory, more slowly",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def view(self, off: int, n: int) -> torch.Tensor:
         """A uint8 tensor over ``[off, off + n)``: its own storage of exactly
