@@ -332,6 +332,7 @@ impl AtomicFile {
         }
         let from = cpath(&self.inner.path)?;
         let to = cpath(&self.final_path)?;
+        let replaced = hold_replaced(&self.final_path);
         // SAFETY: two NUL-terminated paths.
         if unsafe { libc::rename(from.as_ptr(), to.as_ptr()) } != 0 {
             return Err(Error::io(
@@ -344,6 +345,7 @@ impl AtomicFile {
         if durable {
             sync_dir(&self.dir)?;
         }
+        release_in_background(replaced);
         remove_stale_temps(&self.final_path);
         Ok(())
     }
@@ -354,6 +356,40 @@ impl Drop for AtomicFile {
         if !self.committed {
             let _ = std::fs::remove_file(&self.inner.path);
         }
+    }
+}
+
+/// Files from this size up are let go of off the caller's thread when a
+/// save replaces them.
+const RELEASE_IN_BACKGROUND: u64 = 64 << 20;
+
+/// An open handle on the large regular file a rename is about to replace.
+///
+/// Renaming over a file drops its last link, and the file system frees its
+/// blocks inside `rename` (ext4: about 0.4 s for 2.5 GiB), time the save's
+/// caller would wait for. Held open, the old file outlives the rename; it is
+/// freed when the handle is closed on another thread. Anything but a regular
+/// file (a FIFO is opened without blocking and let go at once) or a small
+/// one is not held.
+fn hold_replaced(path: &Path) -> Option<File> {
+    let f = open_raw(
+        path,
+        libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK,
+        0,
+    )
+    .ok()?;
+    let meta = f.metadata().ok()?;
+    (meta.file_type().is_file() && meta.len() >= RELEASE_IN_BACKGROUND).then_some(f)
+}
+
+/// Closes a replaced file's handle on a thread of its own (inline when no
+/// thread can be started), so that freeing its blocks costs the caller nothing.
+fn release_in_background(replaced: Option<File>) {
+    if let Some(f) = replaced {
+        // Where no thread starts, the closure (and the file with it) is dropped here.
+        let _ = std::thread::Builder::new()
+            .name("tierstore-release".into())
+            .spawn(move || drop(f));
     }
 }
 
@@ -469,6 +505,32 @@ mod tests {
         f.inner.file.write_all_at(b"new!", 0).unwrap();
         f.commit(true).unwrap();
         assert_eq!(std::fs::read(&target).unwrap(), b"new!");
+    }
+
+    #[test]
+    fn a_large_file_replaced_by_a_commit_is_held_then_let_go() {
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("x.pt");
+        let big = std::fs::File::create(&target).unwrap();
+        big.set_len(RELEASE_IN_BACKGROUND).unwrap(); // sparse: the size is what counts
+        drop(big);
+        let held = hold_replaced(&target).expect("a large regular file is held");
+        let f = AtomicFile::create(&target, false).unwrap();
+        f.inner.file.write_all_at(b"new!", 0).unwrap();
+        f.commit(true).unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), b"new!");
+        assert_eq!(held.metadata().unwrap().len(), RELEASE_IN_BACKGROUND); // the old inode, unlinked
+        drop(held);
+        // Small files, directories and missing paths are not held.
+        std::fs::write(d.path().join("small"), b"x").unwrap();
+        assert!(hold_replaced(&d.path().join("small")).is_none());
+        assert!(hold_replaced(d.path()).is_none());
+        assert!(hold_replaced(&d.path().join("missing")).is_none());
+        // A FIFO is not waited on.
+        let fifo = cpath(&d.path().join("fifo")).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        assert!(hold_replaced(&d.path().join("fifo")).is_none());
     }
 
     #[test]
