@@ -563,10 +563,6 @@ class Copier:
             self.torch_stream = torch.cuda.Stream(device=device, priority=0)
             self.stream_handle = self.torch_stream.cuda_stream
 
-    @property
-    def path(self) -> str:
-        return "shim" if self.shim is not None else "torch"
-
     def after_current(self) -> None:
         """Copies issued after this wait for the work already queued on
         torch's current stream of the device (the step that produced the
@@ -669,10 +665,6 @@ def copier(device: torch.device | str | int) -> Copier:
         if c is None:
             c = _copiers[dev] = Copier(dev)
         return c
-
-
-def is_gpu_storage(st: torch.UntypedStorage) -> bool:
-    return st.device.type == "cuda"
 
 
 def pinned_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

@@ -369,9 +369,15 @@ const RELEASE_IN_BACKGROUND: u64 = 64 << 20;
 /// blocks inside `rename` (ext4: about 0.4 s for 2.5 GiB), time the save's
 /// caller would wait for. Held open, the old file outlives the rename; it is
 /// freed when the handle is closed on another thread. Anything but a regular
-/// file (a FIFO is opened without blocking and let go at once) or a small
-/// one is not held.
+/// file, or a small one, is neither held nor opened (a file swapped in
+/// between the look and the open is opened without blocking and checked again).
 fn hold_replaced(path: &Path) -> Option<File> {
+    // Looked at before it is opened: a save to a new name, or over a small
+    // file, opens nothing it did not write.
+    let seen = std::fs::symlink_metadata(path).ok()?;
+    if !seen.file_type().is_file() || seen.len() < RELEASE_IN_BACKGROUND {
+        return None;
+    }
     let f = open_raw(
         path,
         libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK,
