@@ -156,6 +156,17 @@ def dd_ceilings(d: Path, gib: float, streams: int = 4) -> dict[str, Any]:
     return out
 
 
+def best_ceilings(d: Path, gib: float) -> dict[str, Any]:
+    """The disk's ceilings as the better of one ``dd`` stream and four: a
+    device that one stream does not fill, and one that several streams
+    slow down, are both measured at their best (the stricter comparison)."""
+    runs = {n: dd_ceilings(d, gib, n) for n in (1, 4)}
+    out: dict[str, Any] = {"runs": runs, "cold": all(r.get("cold") for r in runs.values())}
+    for k in ("write_gbps", "read_gbps"):
+        out[k] = max(r.get(k, 0.0) for r in runs.values())
+    return out
+
+
 def gpu_state(gib: float, parts: int = 32) -> dict[str, torch.Tensor]:
     per = int(gib * (1 << 30)) // parts // 2
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -426,7 +437,8 @@ def table(r: dict[str, Any]) -> str:
         ceil = r.get("ceilings", {})
         lines.append(
             f"\nsave/load of {s['bytes'] / 2**30:.1f} GiB on the GPU (medians)     GB/s   "
-            f"(disk ceilings here: write {ceil.get('write_gbps', 0):.2f}, read {ceil.get('read_gbps', 0):.2f} GB/s, dd)"
+            f"(disk ceilings here: write {ceil.get('write_gbps', 0):.2f}, read {ceil.get('read_gbps', 0):.2f} GB/s, "
+            "the better of 1 and 4 dd streams)"
         )
         for k in ("tierstore.save", "torch.save+fsync"):
             lines.append(f"  {k:36} {s[k]['gbps']:7.2f}   {s[k]['gbps'] / ceil.get('write_gbps', 1):5.2f}x ceiling")
@@ -515,7 +527,7 @@ def main() -> int:
     log(f"{r['device']}; GPU path {st['path']} ({st.get('reason')})")
     steps: list[tuple[str, Any]] = [
         ("copies", lambda: bench_copies(int(a.copy_gib * (1 << 30)), 5)),
-        ("ceilings", lambda: dd_ceilings(d, a.gib)),
+        ("ceilings", lambda: best_ceilings(d, a.gib)),
         ("save_load", lambda: bench_save_load(d, a.gib, a.rounds)),
         ("checkpoint", lambda: bench_checkpoint(d, a.width, a.layers, a.batch, a.steps, a.every, a.rounds)),
         ("offload", lambda: bench_offload(d, a.offload_params, r["ceilings"], 3)),
