@@ -146,7 +146,11 @@ def test_without_a_gpu_the_path_says_why(monkeypatch: pytest.MonkeyPatch) -> Non
     assert st["path"] == "none" and st["reason"] == "TIERSTORE_GPU_SHIM=0"
 
 
-def test_info_reports_the_gpu_path() -> None:
+def test_info_reports_the_gpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERSTORE_GPU_SHIM", "0")
+    d = tierstore.info()
+    assert d["gpu"]["path"] in ("torch", "none") and d["gpu"]["reason"] == "TIERSTORE_GPU_SHIM=0"
+    assert "backend" in d and "path" in d
     env = {**os.environ, "TIERSTORE_GPU_SHIM": "0"}
     out = subprocess.run(
         [sys.executable, "-m", "tierstore", "info", "--json"], capture_output=True, text=True, env=env, check=True

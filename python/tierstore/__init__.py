@@ -11,7 +11,8 @@ Files are ordinary torch zip archives: ``torch.load`` opens them, and
 from __future__ import annotations
 
 from tierstore._core import __version__
-from tierstore._engine import configure, get_engine, info
+from tierstore._engine import configure, get_engine
+from tierstore._info import info
 from tierstore.api import load, save
 from tierstore.checkpointer import Checkpointer, CheckpointHandle
 from tierstore.devices import DeviceShare, take_turns

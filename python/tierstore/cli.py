@@ -373,11 +373,9 @@ def _gpu_line(g: dict[str, Any]) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from tierstore import gpu
-    from tierstore._engine import info
+    from tierstore._info import info
 
     d = info(args.path)
-    d["gpu"] = gpu.status()
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
