@@ -110,13 +110,13 @@ def _tensor_entries(
 
 
 def _host_storages(
-    collector: _pickle.StorageCollector, skip: set[str] | None = None, staged: list[gpu.Staged] | None = None
+    collector: _pickle.StorageCollector, skip: set[str] | None, staged: list[gpu.Staged]
 ) -> list[tuple[str, torch.UntypedStorage]]:
     """Each storage not in ``skip`` on the host (meta ones refused). GPU
     storages are copied asynchronously into pinned memory the writer reads
     directly; their copies are appended to ``staged``, whose gates say when
-    each is complete (without ``staged`` this waits for them). Other device
-    storages are copied with ``storage.cpu()``."""
+    each is complete, and which the caller releases. Other device storages
+    are copied with ``storage.cpu()``."""
     out: list[tuple[str, torch.UntypedStorage]] = []
     on_gpu: list[tuple[int, str, torch.UntypedStorage]] = []
     for key, s in collector.storages.items():
@@ -137,10 +137,7 @@ def _host_storages(
         sg = gpu.Staged([st for _i, _k, st in on_gpu])
         for (i, key, _st), host in zip(on_gpu, sg.host, strict=True):
             out[i] = (key, host)
-        if staged is None:
-            sg.wait()  # the buffer is not cached again: it lives as long as the storages over it
-        else:
-            staged.append(sg)
+        staged.append(sg)
     return out
 
 
