@@ -16,8 +16,10 @@ from tierstore._info import info
 from tierstore.api import load, save
 from tierstore.checkpointer import Checkpointer, CheckpointHandle
 from tierstore.devices import DeviceShare, take_turns
+from tierstore.codec import Delta
 from tierstore.errors import (
     ChecksumError,
+    CompressedFileError,
     CorruptFileError,
     CoverageError,
     DeviceError,
@@ -64,6 +66,8 @@ __all__ = [
     "CheckpointHandle",
     "Checkpointer",
     "ChecksumError",
+    "CompressedFileError",
+    "Delta",
     "CorruptFileError",
     "CoverageError",
     "DeviceError",

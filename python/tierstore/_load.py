@@ -22,10 +22,12 @@ from typing import IO, Any
 import torch
 
 from tierstore import _archive, _core, _pickle, _progress, gpu, manifest
+from tierstore import codec as _codec
 from tierstore._engine import get_engine
 from tierstore.errors import (
     ChecksumError,
     CorruptFileError,
+    InvalidArgumentError,
     ManifestError,
     MissingRecordError,
     NotAContainerError,
@@ -143,6 +145,9 @@ def load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts: 
             f"{path}: missing record '{arch.full('data.pkl')}'", path=path, record=arch.full("data.pkl")
         )
     _m, offsets = _archive.manifest_and_offsets(arch)
+    if _codec.is_compressed(_m):
+        assert _m is not None
+        return _load_encoded(path, arch, _m, offsets, mmap, verify, opts)
     pkl = arch.records["data.pkl"]
     data_pkl = _archive.load_small(arch, offsets["data.pkl"], pkl.size, "data.pkl")
     if verify:
@@ -197,6 +202,37 @@ def load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts: 
                 pending.abandon()
                 raise
         return result
+    return _unpickle(path, data_pkl, storages, byteorder, opts)
+
+
+def _load_encoded(
+    path: str,
+    arch: _archive.Archive,
+    m: dict[str, Any],
+    offsets: dict[str, int],
+    mmap: bool,
+    verify: bool,
+    opts: dict[str, Any],
+) -> Any:
+    """A compressed file (:mod:`tierstore.codec`): its storages decoded into
+    fresh host memory (with the references they are deltas against), then
+    the object graph of ``.tierstore/data.pkl`` built over them."""
+    if mmap:
+        raise InvalidArgumentError(
+            f"{path}: mmap=True cannot map a compressed file's tensors; load it without mmap, or write a plain copy "
+            f"with `tierstore convert --plain {path} PLAIN.pt`"
+        )
+    _codec.check_codec(path, m)
+    pk = _codec.PICKLE_NAME
+    if pk not in arch.records:
+        raise MissingRecordError(f"{path}: missing record '{arch.full(pk)}'", path=path, record=arch.full(pk))
+    rec = arch.records[pk]
+    data_pkl = _archive.load_small(arch, offsets[pk], rec.size, pk)
+    if verify:
+        _archive.check_crc(path, arch.full(pk), data_pkl, rec.crc32)
+    byteorder = _archive.byteorder(arch, offsets, lambda off, n: _archive.load_small(arch, off, n, "byteorder"))
+    decoded = _codec.read_decoded(path, None, verify=verify, delta_base=opts.get("delta_base"))
+    storages = {n[5:]: (t.untyped_storage() if t.numel() else _empty_storage()) for n, t in decoded.items()}
     return _unpickle(path, data_pkl, storages, byteorder, opts)
 
 

@@ -23,6 +23,7 @@ from typing import IO, Any
 import torch
 
 from tierstore import _core, _load, _pickle, _progress, gpu, manifest
+from tierstore import codec as _codec
 from tierstore._engine import get_engine
 from tierstore.errors import (
     InternalError,
@@ -163,6 +164,7 @@ def save(
     progress: bool | None = False,
     align: int = DEFAULT_ALIGN,
     background: bool = False,
+    codec: Any = None,
 ) -> None:
     """Saves ``obj`` to ``f`` like ``torch.save``, at the disk's speed.
 
@@ -174,7 +176,23 @@ def save(
     ``progress`` shows a progress bar (``None``: when stderr is a terminal).
     ``background=True`` sends the writes through the engine's background
     class (yielding to foreground loads, subject to its rate limit).
+    ``codec``: ``"zstd"`` (lossless compression) or
+    ``tierstore.Delta(base="base.pt")`` (each storage encoded against the
+    same tensor of ``base``); ``tierstore.load`` decodes such files
+    transparently, ``torch.load`` refuses them with a message saying how to
+    convert them (:mod:`tierstore.codec`).
     """
+    spec = _codec.resolve(codec)
+    if spec is not None:
+        if not _use_new_zipfile_serialization or _skip_data():
+            raise InvalidArgumentError("codec= needs the zip format and real data (not skip_data())")
+        if not isinstance(f, (str, os.PathLike)):
+            raise InvalidArgumentError("codec= needs a file path (a compressed file is written in one piece)")
+        _check_align(align)
+        pickler = _PickleJob(obj, pickle_module, pickle_protocol)
+        small = _small_records(not _disable_byteorder_record, align)
+        _save_encoded(os.fspath(f), pickler, small, spec, durable=durable, align=align, background=background)
+        return
     if not _use_new_zipfile_serialization:
         # The legacy pre-1.6 format is torch's alone.
         _TORCH_SAVE(obj, f, pickle_module or pickle, pickle_protocol, _use_new_zipfile_serialization=False)
@@ -297,6 +315,7 @@ class _ManifestParts:
         entries: list[_core.PlannedRecord],
         crcs: dict[str, int],
         chunks: dict[str, dict[str, Any]] | None = None,
+        encoded: Mapping[str, _codec.Encoded] | None = None,
     ) -> bytes:
         from tierstore import __version__
 
@@ -314,10 +333,14 @@ class _ManifestParts:
                 rec["location"] = s.location
                 rec["codec"] = "raw"
                 rec["delta_base"] = None
+                if encoded is not None and rel[5:] in encoded:
+                    rec.update(encoded[rel[5:]].fields)
                 if chunks is not None and rel in chunks:
                     rec["chunks"] = chunks[rel]
+            elif encoded is not None and rel == "data.pkl":
+                rec["kind"] = "guard"  # torch.load's entry: it says the file is compressed
             else:
-                rec["kind"] = "pickle" if rel == "data.pkl" else "meta"
+                rec["kind"] = "pickle" if rel in ("data.pkl", _codec.PICKLE_NAME) else "meta"
             records.append(rec)
         self.records = records
         return manifest.build(
@@ -327,6 +350,7 @@ class _ManifestParts:
             tensors_json=self.tensors_json,
             writer=f"tierstore {__version__}",
             torch_version=torch.__version__,
+            extra=None if encoded is None else {"codec": _codec.CODEC, "pickle": _codec.PICKLE_NAME},
         )
 
 
@@ -420,6 +444,77 @@ def _save_path(
     return Written(file_len, parts.records, parts.tensors, zlib.crc32(built))
 
 
+def _save_encoded(
+    path: str,
+    pickler: _PickleJob,
+    small: list[tuple[str, bytes]],
+    spec: _codec.Spec,
+    *,
+    durable: bool,
+    align: int,
+    background: bool,
+) -> None:
+    """A compressed file (see :mod:`tierstore.codec`): every storage is
+    encoded before the file is laid out (an encoded record's size is known
+    only then), then written like any other."""
+    collector, found, prefix = pickler.collector, pickler.found, _archive_name(path)
+    data_pkl = pickler.run()
+    staged: list[gpu.Staged] = []
+    try:
+        storages = _host_storages(collector, None, staged)
+        for sg in staged:
+            sg.wait()
+        base = _codec.BaseFile(spec.base, os.path.dirname(os.path.abspath(path))) if spec.base else None
+        paths_of: dict[str, list[tuple[Any, ...]]] = {}
+        for p, t in found:
+            try:
+                key = collector.key_of(t.untyped_storage())
+            except (RuntimeError, NotImplementedError):
+                continue
+            if key is not None:
+                paths_of.setdefault(key, []).append(tuple(p))
+        encoded: dict[str, _codec.Encoded] = {}
+        for key, st in storages:
+            dtype = collector.storages[key].dtype
+            ref = None
+            if base is not None:
+                rname = base.match(paths_of.get(key, []), dtype, st.nbytes())
+                if rname is not None:
+                    ref = base.bytes_of(rname)
+            e = _codec.encode_storage(st, dtype, spec, ref)
+            if e is not None:
+                encoded[key] = e
+        w = _core.create_writer(get_engine(), path, align=align, durable=durable, background=background)
+        try:
+            for key, st in storages:
+                name = f"{prefix}/data/{key}"
+                if key in encoded:
+                    w.add_bytes(name, encoded[key].data, align)
+                elif st.nbytes() == 0:
+                    w.add_bytes(name, b"")
+                else:
+                    w.add_memory(name, st.data_ptr(), st.nbytes(), st)
+            w.start_data()
+            w.wait_data(None)
+            metas = [("data.pkl", _codec.guard_pickle(os.path.basename(path))), (_codec.PICKLE_NAME, data_pkl), *small]
+            for name, data in metas:
+                w.add_bytes(f"{prefix}/{name}", data, _META_ALIGN)
+            entries = w.entries()
+            crcs = {e.name: e.crc32 for e in entries if e.crc32 is not None}
+            for name, data in metas:
+                crcs[f"{prefix}/{name}"] = zlib.crc32(data)
+            parts = _ManifestParts(prefix, collector, found, align)
+            built = parts.build(entries, crcs, None, encoded)
+            w.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", built, _META_ALIGN)
+            w.commit()
+        except BaseException:
+            w.abort()
+            raise
+    finally:
+        for sg in staged:
+            sg.release()
+
+
 def _chunk_table(
     w: _core.Writer, prefix: str, storages: list[tuple[str, torch.UntypedStorage]]
 ) -> tuple[bytes, dict[str, dict[str, Any]]]:
@@ -479,6 +574,7 @@ def load(
     mmap: bool | None = None,
     verify: bool = True,
     progress: bool | None = False,
+    delta_base: str | os.PathLike[str] | None = None,
     **pickle_load_args: Any,
 ) -> Any:
     """Loads an object saved by ``tierstore.save`` or ``torch.save``, like ``torch.load``.
@@ -492,6 +588,9 @@ def load(
     loads: a file changed through a shared mapping then fails them); a
     damaged record raises ``ChecksumError`` naming it.
     Files in torch's legacy pre-1.6 format are handed to ``torch.load``.
+    Compressed files (``save(..., codec=...)``) are decoded; a delta file's
+    base is looked for where the file names it, inside the file's directory
+    only, unless ``delta_base`` names it.
     """
     weights_only = _load.resolve_weights_only(weights_only, pickle_module)
     if pickle_load_args and weights_only:
@@ -505,6 +604,7 @@ def load(
         encoding=encoding,
         encoding_given=encoding_given,
         pickle_load_args=pickle_load_args,
+        delta_base=None if delta_base is None else os.fspath(delta_base),
     )
     if _skip_data() or not _pickle.no_fake_mode():
         # torch.serialization.skip_data(): storages are made, not read (fake

@@ -175,6 +175,21 @@ def _exactly_covered(boxes: list[Any], shape: Any) -> bool:
     return sum(b.numel for b in boxes) == math.prod(shape) and overlapping_pair(boxes) is None
 
 
+def _codec_fields(rec: dict[str, Any] | None, size: int) -> dict[str, Any]:
+    """A record's codec, transform, reference and ratio (decoded / stored)."""
+    if not rec or rec.get("codec") in (None, "raw"):
+        return {"codec": "raw" if rec and rec.get("kind") == "storage" else "", "transform": "", "reference": "", "ratio": ""}
+    ref = rec.get("delta_base")
+    decoded = rec.get("decoded_size")
+    ratio = f"{decoded / size:.2f}x" if isinstance(decoded, int) and size else ""
+    return {
+        "codec": str(rec.get("codec")),
+        "transform": str(rec.get("transform", "")),
+        "reference": f"{ref.get('file')}:{ref.get('record')}" if isinstance(ref, dict) else "",
+        "ratio": ratio,
+    }
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     path = args.file
     if os.path.isdir(path):
@@ -206,6 +221,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             if "dtype" in r:
                 dtypes[r["name"]] = str(r["dtype"])
             kinds[r["name"]] = str(r.get("kind", ""))
+    recs_by_name = {r["name"]: r for r in m["records"]} if m is not None else {}
     rows: list[dict[str, Any]] = []
     for rel, rec in sorted(arch.records.items(), key=lambda kv: offsets[kv[0]]):
         off, size, crc = offsets[rel], rec.size, rec.crc32
@@ -221,6 +237,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "aligned": off % 4096 == 0 if rel.startswith("data/") else off % 64 == 0,
                 "crc32": f"{crc:08x}",
                 "checksum": states[rel],
+                **_codec_fields(recs_by_name.get(rel), size),
             }
         )
     damaged = [r["record"] for r in rows if r["checksum"] == "DAMAGED"]
@@ -245,7 +262,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"in a {_human(arch.file_len)} file, written by {escape(str(writer))}"
     )
     table = Table(show_lines=False)
-    for col in ("record", "kind", "dtype", "tensors (path shape)", "size", "offset", "aligned", "checksum"):
+    coded = any(r["codec"] not in ("", "raw") for r in rows)
+    cols = ["record", "kind", "dtype", "tensors (path shape)", "size", "offset", "aligned", "checksum"]
+    if coded:
+        cols.append("codec transform reference ratio")
+    for col in cols:
         table.add_column(col, overflow="fold")
     for r in rows:
         tens = r["tensors"]
@@ -261,6 +282,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             str(r["offset"]),
             str(min(r["alignment"], 4096)),
             f"[{style}]{state}[/{style}] {r['crc32']}",
+            *([escape(" ".join(x for x in (r["codec"], r["transform"], r["reference"], r["ratio"]) if x))] if coded else []),
         )
     con.print(table)
     if damaged:
@@ -421,6 +443,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from tierstore.sharded import consolidate, save_sharded
 
     src, dst = args.src, args.dst
+    if args.plain:
+        from tierstore.codec import convert_plain
+
+        n = convert_plain(src, dst, delta_base=args.delta_base)
+        print(f"{dst}: plain copy of {src} ({n} storages decoded), readable by torch.load")
+        return 0
     if dcp.is_dcp(src) and not os.path.exists(os.path.join(src, "manifest.json")):
         save_sharded(dcp.to_state_dict(src, weights_only=not args.unsafe, nested=True), dst)
         print(f"{dst}: tierstore sharded checkpoint converted from DCP {src}")
@@ -452,9 +480,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out")
     c.add_argument("--unsafe", action="store_true", help="allow objects outside torch's weights_only allow-list")
     c.set_defaults(func=cmd_consolidate)
-    cv = sub.add_parser("convert", help="convert between PyTorch DCP and tierstore sharded checkpoints")
+    cv = sub.add_parser(
+        "convert",
+        help="convert between PyTorch DCP and tierstore sharded checkpoints; --plain: a compressed file to a plain one",
+    )
     cv.add_argument("src")
     cv.add_argument("dst")
+    cv.add_argument("--plain", action="store_true", help="write SRC decoded (codec raw), a file torch.load reads")
+    cv.add_argument("--delta-base", default=None, help="with --plain: the base file a delta SRC was encoded against")
     cv.add_argument("--unsafe", action="store_true", help="allow objects outside torch's weights_only allow-list")
     cv.set_defaults(func=cmd_convert)
     n = sub.add_parser("info", help="backend, io_uring availability and O_DIRECT alignment of a path")

@@ -45,6 +45,7 @@ import pickle
 
 __all__ = [
     "ChecksumError",
+    "CompressedFileError",
     "CorruptFileError",
     "CoverageError",
     "DeviceError",
@@ -165,6 +166,12 @@ class MissingRecordError(FormatError):
 class MissingKeyError(TierstoreError, KeyError):
     """A name a checkpoint's table does not hold (a ``KeyError``, as a
     mapping raises)."""
+
+
+class CompressedFileError(FormatError):
+    """A tierstore-compressed file was opened by a reader that cannot decode
+    it (``torch.load``): load it with ``tierstore.load`` or convert it with
+    ``tierstore convert --plain``."""
 
 
 class ChecksumError(FormatError):

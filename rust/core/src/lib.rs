@@ -14,11 +14,13 @@
 //! - [`chunks`]: checksums per 4 KiB chunk of a record, and verified partial reads.
 //! - [`gather`]: copy blocks (affine grids of byte runs) expanded into merged runs.
 //! - [`crc`]: a record's CRC-32 and its chunks' in one pass (CRC combination).
+//! - [`codec`]: the `tsz1` record codec (chunked byte planes, zstd, deltas against a reference).
 //! - [`halves`]: 32-bit words split into 16-bit halves and joined (the offload's split masters).
 
 pub mod archive;
 pub mod buf;
 pub mod chunks;
+pub mod codec;
 pub mod copy;
 pub mod crc;
 pub mod engine;

@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 
 mod archive;
 mod buffer;
+mod codec;
 mod engine;
 mod errors;
 mod fastpath;
@@ -28,6 +29,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     archive::register(m)?;
     buffer::register(m)?;
+    codec::register(m)?;
     engine::register(m)?;
     reader::register(m)?;
     turns::register(m)?;

@@ -1,0 +1,477 @@
+"""Compressed and delta-encoded files: ``tierstore.save(..., codec=...)``.
+
+``codec="zstd"`` stores each storage of 64 KiB or more with the ``tsz1``
+record codec of the Rust core (``rust/core/src/codec.rs``): chunks of 1 MiB,
+byte planes by element width, zstd per plane, raw where coding does not pay,
+an xxh3 checksum of every decoded chunk. ``codec=Delta(base="base.pt")``
+also predicts each storage from the storage at the same place in ``base``
+(same tensor path, dtype and size): the integer difference of the elements'
+bit patterns (or their exclusive or, whichever a sample says codes smaller),
+and chunks equal to the base's cost nothing. ``tierstore.load`` decodes
+transparently and bit-exact.
+
+A compressed file is still a zip archive, but ``torch.load`` must not build
+tensors from encoded bytes: its ``data.pkl`` is a guard whose only content is
+a call of :func:`tierstore_compressed_file__load_with_tierstore_or_convert_plain`,
+which ``torch.load`` refuses by name under ``weights_only=True`` and which
+raises :class:`~tierstore.errors.CompressedFileError` (what to do) when run.
+The object graph is ``.tierstore/data.pkl``. ``tierstore convert --plain``
+writes a plain, torch-compatible copy. docs/FORMAT.md has the format.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from tierstore import _core
+from tierstore.errors import CompressedFileError, CorruptFileError, InvalidArgumentError, MissingRecordError
+
+__all__ = ["Delta", "tierstore_compressed_file__load_with_tierstore_or_convert_plain"]
+
+#: The record codec's name in manifests.
+CODEC = "tsz1"
+#: Storages smaller than this stay raw: the codec's header and directory
+#: would cost more than 0.1% of them.
+MIN_BYTES = 64 << 10
+#: Where a compressed file keeps its object graph (``data.pkl`` is the guard).
+PICKLE_NAME = ".tierstore/data.pkl"
+#: Longest chain of references a load follows (a cycle is damage).
+MAX_CHAIN = 64
+_TRANSFORMS = (None, "none", "isub", "xor")
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A delta codec: each storage is encoded against the same storage of a
+    reference. ``base``: a file to difference against (a pre-trained model
+    for a fine-tune's checkpoints, an earlier checkpoint). ``keyframe_every``:
+    for tiers that keep a series of checkpoints, how often one is a keyframe
+    (encoded on its own). ``transform``: ``"isub"``, ``"xor"`` or ``"none"``;
+    None chooses per storage by trial on a sample. ``level``: zstd level."""
+
+    base: str | os.PathLike[str] | None = None
+    keyframe_every: int = 8
+    level: int = 1
+    transform: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keyframe_every, int) or self.keyframe_every < 1:
+            raise InvalidArgumentError(f"keyframe_every must be a positive integer, got {self.keyframe_every!r}")
+        _check_level(self.level)
+        if self.transform not in _TRANSFORMS:
+            raise InvalidArgumentError(f"transform must be one of isub, xor, none or None, got {self.transform!r}")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A resolved codec choice."""
+
+    level: int = 1
+    transform: str | None = None
+    base: str | None = None
+
+
+def _check_level(level: Any) -> None:
+    if not isinstance(level, int) or isinstance(level, bool) or not 1 <= level <= 19:
+        raise InvalidArgumentError(f"the zstd level must be an integer from 1 to 19, got {level!r}")
+
+
+def resolve(codec: Any) -> Spec | None:
+    """The codec a ``save`` was asked for: None (raw), ``"zstd"`` or
+    ``"zstd:N"`` (level N), or a :class:`Delta`."""
+    if codec is None or codec == "raw":
+        return None
+    if isinstance(codec, Delta):
+        base = None if codec.base is None else os.fspath(codec.base)
+        if base is not None and not os.path.isfile(base):
+            raise InvalidArgumentError(f"Delta(base={base!r}): no such file")
+        return Spec(codec.level, codec.transform, base)
+    if isinstance(codec, str) and (codec == "zstd" or codec.startswith("zstd:")):
+        level = 1
+        if codec != "zstd":
+            try:
+                level = int(codec[5:])
+            except ValueError:
+                raise InvalidArgumentError(f"codec {codec!r}: the level after 'zstd:' must be an integer") from None
+        _check_level(level)
+        return Spec(level)
+    raise InvalidArgumentError(f"unknown codec {codec!r}: use None, 'zstd', 'zstd:LEVEL' or tierstore.Delta(...)")
+
+
+def tierstore_compressed_file__load_with_tierstore_or_convert_plain(path: str) -> NoReturn:
+    """What ``torch.load(weights_only=False)`` of a compressed file calls."""
+    raise CompressedFileError(
+        f"{path} is a tierstore-compressed file (codec {CODEC}): load it with tierstore.load, or write a plain "
+        f"copy that torch.load reads with `tierstore convert --plain {path} PLAIN.pt`",
+        path=path,
+    )
+
+
+class _Guard:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (tierstore_compressed_file__load_with_tierstore_or_convert_plain, (self.name,))
+
+
+def guard_pickle(name: str) -> bytes:
+    """The ``data.pkl`` of a compressed file (see the module's doc)."""
+    return pickle.dumps(_Guard(name), protocol=2)
+
+
+def element_width(dtype: torch.dtype) -> int:
+    """The unit the codec splits into byte planes: the element's size (the
+    largest power of two dividing it, at most 8: complex128 as two float64)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    for w in (8, 4, 2):
+        if size % w == 0:
+            return w
+    return 1
+
+
+def threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+@dataclass
+class Encoded:
+    """One storage's encoded record and what the manifest says of it."""
+
+    data: bytes
+    fields: dict[str, Any]
+
+
+def encode_storage(
+    st: torch.UntypedStorage,
+    dtype: torch.dtype,
+    spec: Spec,
+    reference: tuple[torch.Tensor, dict[str, Any]] | None,
+) -> Encoded | None:
+    """``st`` encoded (None: it stays raw, too small to gain). ``reference``:
+    the bytes to predict from and the manifest's reference entry."""
+    n = st.nbytes()
+    if n < MIN_BYTES:
+        return None
+    width = element_width(dtype)
+    if n % width:
+        width = 1
+    ref_addr = ref_len = 0
+    if reference is not None:
+        ref_addr, ref_len = reference[0].data_ptr(), reference[0].numel()
+    data, transform, stats = _core.codec_encode(
+        st.data_ptr(),
+        n,
+        width,
+        ref_addr,
+        ref_len,
+        level=spec.level,
+        threads=threads(),
+        transform=spec.transform if reference is not None else None,
+    )
+    if len(data) >= n:  # nothing gained: the record stays raw
+        return None
+    raw, coded, dup, same, zero = stats
+    fields: dict[str, Any] = {
+        "codec": CODEC,
+        "transform": transform,
+        "decoded_size": n,
+        "chunk_bytes": 1 << 20,
+        "chunk_kinds": {"raw": raw, "coded": coded, "dup": dup, "same": same, "zero": zero},
+        "delta_base": reference[1] if reference is not None else None,
+    }
+    return Encoded(data, fields)
+
+
+# ---------------------------------------------------------------------------------------------
+# references
+
+
+class BaseFile:
+    """A file deltas are taken against: its storages by tensor path, read
+    (and decoded) only when a storage of the same place is encoded."""
+
+    def __init__(self, path: str, out_dir: str) -> None:
+        from tierstore import _archive
+
+        self.path = path
+        self.rel = os.path.relpath(os.path.abspath(path), os.path.abspath(out_dir))
+        self.arch, m, self.offsets = _archive.open_archive(path)
+        if m is None:
+            raise InvalidArgumentError(
+                f"Delta(base={path!r}): the base has no tierstore manifest (a torch.save file); save it once with "
+                "tierstore.save to use it as a base"
+            )
+        self.manifest = m
+        self.records = {r["name"]: r for r in m["records"]}
+        self.by_path: dict[tuple[Any, ...], dict[str, Any]] = {}
+        for t in m.get("tensors", []):
+            self.by_path.setdefault(tuple(t["path"]), t)
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def match(self, paths: list[tuple[Any, ...]], dtype: torch.dtype, nbytes: int) -> str | None:
+        """The base record at the first of ``paths`` holding a storage of the
+        same dtype and size."""
+        name = str(dtype).removeprefix("torch.")
+        for p in paths:
+            t = self.by_path.get(p)
+            if t is None or t.get("dtype") != name:
+                continue
+            rec = self.records.get(t.get("record", ""))
+            if rec is None or rec.get("kind") != "storage":
+                continue
+            if rec.get("decoded_size", rec["size"]) == nbytes:
+                return str(t["record"])
+        return None
+
+    def bytes_of(self, record: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        if record not in self._cache:
+            self._cache = {record: read_decoded(self.path, [record], depth=0)[record]}
+        rec = self.records[record]
+        return self._cache[record], {
+            "file": self.rel,
+            "record": record,
+            "crc32": rec["crc32"],
+            "size": rec["size"],
+        }
+
+
+def resolve_reference(path: str, ref: Any, record: str, override: str | None) -> str:
+    """The file a record's ``delta_base`` names, confined to the directory
+    of ``path`` unless the caller named the base (``override``)."""
+    if not isinstance(ref, dict) or not isinstance(ref.get("file"), str) or not isinstance(ref.get("record"), str):
+        raise CorruptFileError(f"{path}: record '{record}': bad delta_base {ref!r:.200}", path=path, record=record)
+    if override is not None:
+        return override
+    rel = ref["file"]
+    parts = Path(rel).parts
+    if not rel or Path(rel).is_absolute() or ".." in parts or "\0" in rel:
+        raise CorruptFileError(
+            f"{path}: record '{record}' is a delta against '{rel}', outside the file's directory; if that is the "
+            "base you mean, name it: tierstore.load(path, delta_base=BASE)",
+            path=path,
+            record=record,
+        )
+    return str(Path(path).parent / rel)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def is_compressed(m: dict[str, Any] | None) -> bool:
+    return m is not None and m.get("codec") is not None
+
+
+def check_codec(path: str, m: dict[str, Any]) -> None:
+    """Refuses a codec this tierstore does not know, by name."""
+    codec = m.get("codec")
+    if codec != CODEC:
+        raise CorruptFileError(
+            f"{path}: encoded with codec {codec!r:.40}, which this tierstore does not know (it reads {CODEC!r}); "
+            "upgrade tierstore",
+            path=path,
+        )
+    for r in m["records"]:
+        c = r.get("codec", "raw")
+        if c not in ("raw", None, CODEC):
+            raise CorruptFileError(
+                f"{path}: record '{r['name']}': codec {c!r:.40} is not one this tierstore knows ({CODEC!r})",
+                path=path,
+                record=r["name"],
+            )
+
+
+def read_decoded(
+    path: str,
+    names: list[str] | None,
+    *,
+    depth: int = 0,
+    verify: bool = True,
+    delta_base: str | None = None,
+    seen: frozenset[str] = frozenset(),
+) -> dict[str, torch.Tensor]:
+    """The decoded bytes (uint8 tensors) of the storage records ``names`` of
+    ``path`` (None: all), with the references they need read likewise."""
+    from tierstore import _archive
+    from tierstore._engine import get_engine
+
+    real = os.path.realpath(path)
+    if depth > MAX_CHAIN or real in seen:
+        raise CorruptFileError(
+            f"{path}: its chain of delta references is longer than {MAX_CHAIN} or loops back to itself",
+            path=path,
+        )
+    arch, m, offsets = _archive.open_archive(path)
+    recs = {} if m is None else {r["name"]: r for r in m["records"]}
+    if names is None:
+        names = [n for n in arch.records if n.startswith("data/")]
+    if m is not None and is_compressed(m):
+        check_codec(path, m)
+    for n in names:
+        if n not in arch.records:
+            raise MissingRecordError(f"{path}: missing record '{arch.full(n)}'", path=path, record=arch.full(n))
+    specs = []
+    for n in names:
+        want = recs.get(n, {}).get("crc32") if verify else None
+        if want is None and verify:
+            want = arch.records[n].crc32
+        specs.append((arch.full(n), offsets[n], arch.records[n].size, want))
+    pending = _core.start_read(get_engine(), path, specs, verify=verify)
+    pending.wait(None)
+    out: dict[str, torch.Tensor] = {}
+    for n, buf in zip(names, pending.buffers, strict=True):
+        stored = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+        rec = recs.get(n, {})
+        if rec.get("codec") != CODEC:
+            out[n] = stored
+            continue
+        out[n] = decode_record(path, n, rec, stored, depth=depth, verify=verify, delta_base=delta_base, seen=seen | {real})
+    return out
+
+
+def decode_record(
+    path: str,
+    name: str,
+    rec: dict[str, Any],
+    stored: torch.Tensor,
+    *,
+    depth: int,
+    verify: bool,
+    delta_base: str | None,
+    seen: frozenset[str],
+) -> torch.Tensor:
+    """Record ``name`` of ``path`` decoded from its ``stored`` bytes."""
+    size = rec.get("decoded_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise CorruptFileError(f"{path}: record '{name}': bad decoded_size {size!r:.40}", path=path, record=name)
+    # The codec's directory bounds what a record can decode to (chunks of at
+    # most 4 MiB, 32 bytes each): a size beyond that is damage, not a reason
+    # to allocate.
+    if size > (stored.numel() // _core.CODEC_ENTRY) * (4 << 20):
+        raise CorruptFileError(
+            f"{path}: record '{name}': decoded_size {size} is more than its {stored.numel()} stored bytes can hold",
+            path=path,
+            record=name,
+        )
+    ref = rec.get("delta_base")
+    ref_t = None
+    if ref is not None:
+        base = resolve_reference(path, ref, name, delta_base)
+        if not os.path.isfile(base):
+            raise MissingRecordError(
+                f"{path}: record '{name}' is a delta against {base}, which does not exist", path=path, record=name
+            )
+        from tierstore import _archive
+
+        _a, bm, _o = _archive.open_archive(base)
+        brec = next((r for r in (bm or {}).get("records", []) if r.get("name") == ref["record"]), None)
+        if brec is None or brec.get("crc32") != ref.get("crc32") or brec.get("size") != ref.get("size"):
+            raise CorruptFileError(
+                f"{path}: record '{name}' is a delta against record '{ref['record']}' of {base}, which is not the "
+                f"one it was encoded against (its size or CRC-32 changed)",
+                path=path,
+                record=name,
+            )
+        ref_t = read_decoded(base, [ref["record"]], depth=depth + 1, verify=verify, seen=seen)[ref["record"]]
+    out = torch.empty(size, dtype=torch.uint8)
+    _core.codec_decode(
+        stored.data_ptr() if stored.numel() else 0,
+        stored.numel(),
+        out.data_ptr() if size else 0,
+        size,
+        ref_t.data_ptr() if ref_t is not None and ref_t.numel() else (1 if ref_t is not None else 0),
+        ref_t.numel() if ref_t is not None else 0,
+        threads=threads(),
+        path=path,
+        record=name,
+    )
+    return out
+
+
+def stored_crc(data: bytes) -> int:
+    return zlib.crc32(data)
+
+
+# ---------------------------------------------------------------------------------------------
+# tierstore convert --plain
+
+
+def convert_plain(src: str, dst: str, *, delta_base: str | None = None, durable: bool = True) -> int:
+    """Writes ``dst``: ``src`` with every record decoded, a plain file that
+    ``torch.load`` reads (record by record: nothing is unpickled). Returns
+    the number of storages written."""
+    import json
+
+    from tierstore import _archive, manifest
+    from tierstore._engine import get_engine
+
+    arch, m, offsets = _archive.open_archive(src)
+    if m is None:
+        raise InvalidArgumentError(f"{src}: a torch.save file is plain already")
+    compressed = is_compressed(m)
+    if compressed:
+        check_codec(src, m)
+    pk = PICKLE_NAME if compressed else "data.pkl"
+    if pk not in arch.records:
+        raise MissingRecordError(f"{src}: missing record '{arch.full(pk)}'", path=src, record=arch.full(pk))
+
+    def small(rel: str) -> bytes:
+        rec = arch.records[rel]
+        data = _archive.load_small(arch, offsets[rel], rec.size, rel)
+        _archive.check_crc(src, arch.full(rel), data, rec.crc32)
+        return data
+
+    decoded = read_decoded(src, None, delta_base=delta_base)
+    old = {r["name"]: r for r in m["records"]}
+    prefix = arch.prefix or "archive"
+    skip = {"data.pkl", PICKLE_NAME, manifest.MANIFEST_NAME, manifest.CHUNKS_NAME}
+    metas = [("data.pkl", small(pk))]
+    metas += [(rel, small(rel)) for rel in arch.records if not rel.startswith("data/") and rel not in skip]
+    w = _core.create_writer(get_engine(), dst, align=int(m.get("alignment", 4096)), durable=durable)
+    try:
+        for name, t in decoded.items():
+            if t.numel():
+                w.add_memory(f"{prefix}/{name}", t.data_ptr(), t.numel(), t.untyped_storage())
+            else:
+                w.add_bytes(f"{prefix}/{name}", b"")
+        w.start_data()
+        w.wait_data(None)
+        for rel, data in metas:
+            w.add_bytes(f"{prefix}/{rel}", data, 64)
+        crcs = {e.name: e.crc32 for e in w.entries() if e.crc32 is not None}
+        for rel, data in metas:
+            crcs[f"{prefix}/{rel}"] = zlib.crc32(data)
+        records = []
+        for e in w.entries():
+            rel = e.name[len(prefix) + 1 :]
+            rec: dict[str, Any] = {"name": rel, "offset": e.data_offset, "size": e.size, "crc32": crcs[e.name]}
+            o = old.get(rel, {})
+            if rel.startswith("data/"):
+                rec.update({k: o[k] for k in ("kind", "dtype", "numel", "location") if k in o})
+                rec["codec"] = "raw"
+                rec["delta_base"] = None
+            else:
+                rec["kind"] = "pickle" if rel == "data.pkl" else "meta"
+            records.append(rec)
+        built = manifest.build(
+            archive=prefix,
+            alignment=int(m.get("alignment", 4096)),
+            records=records,
+            tensors_json=json.dumps(m.get("tensors", []), separators=(",", ":")),
+            writer=str(m.get("writer", "tierstore")),
+            torch_version=str(m.get("torch_version", torch.__version__)),
+        )
+        w.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", built, 64)
+        w.commit()
+    except BaseException:
+        w.abort()
+        raise
+    return len(decoded)

@@ -1,0 +1,161 @@
+//! The `tsz1` record codec (`tierstore_core::codec`) for Python: encode and
+//! decode between caller-owned memory, with the GIL released.
+
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use tierstore_core::codec::{self, CodecError, Options, Transform};
+
+/// A slice of `len` bytes at `addr` (None when `len` is 0).
+///
+/// # Safety
+///
+/// The caller keeps `len` bytes at `addr` alive and unchanged for the call.
+unsafe fn slice<'a>(addr: usize, len: usize) -> PyResult<&'a [u8]> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if addr == 0 {
+        return Err(pyo3::exceptions::PyValueError::new_err("null address"));
+    }
+    // SAFETY: per the function's contract.
+    Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
+}
+
+fn to_pyerr(py: Python<'_>, e: CodecError, path: Option<&str>, record: Option<&str>) -> PyErr {
+    let kind = match e {
+        CodecError::Mismatch { .. } => "checksum",
+        CodecError::Malformed(_) | CodecError::Reference(_) => "corrupt",
+        CodecError::Invalid(_) => "invalid",
+    };
+    let mut msg = String::new();
+    if let Some(p) = path {
+        msg.push_str(p);
+        msg.push_str(": ");
+    }
+    if let Some(r) = record {
+        msg.push_str(&format!("record '{r}': "));
+    }
+    msg.push_str(&e.to_string());
+    let made = py
+        .import("tierstore.errors")
+        .and_then(|m| m.getattr("_from_engine"))
+        .and_then(|f| f.call1((kind, msg.clone(), path, record, None::<i32>)));
+    match made {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(_) => pyo3::exceptions::PyRuntimeError::new_err(msg),
+    }
+}
+
+/// Encodes `n` bytes at `src` (elements of `width` bytes), against the
+/// reference at `ref_addr` (`ref_len` bytes; 0: none). Returns the encoded
+/// bytes, the transform used and the chunk counts (raw, coded, dup, same,
+/// zero).
+#[pyfunction]
+#[pyo3(signature = (src, n, width, ref_addr = 0, ref_len = 0, *, level = 1, chunk = codec::DEFAULT_CHUNK, threads = 1, transform = None))]
+#[allow(clippy::too_many_arguments)]
+fn codec_encode(
+    py: Python<'_>,
+    src: usize,
+    n: usize,
+    width: usize,
+    ref_addr: usize,
+    ref_len: usize,
+    level: i32,
+    chunk: usize,
+    threads: usize,
+    transform: Option<&str>,
+) -> PyResult<(Py<PyBytes>, &'static str, (usize, usize, usize, usize, usize))> {
+    let transform = match transform {
+        None => None,
+        Some(t) => Some(Transform::from_name(t).ok_or_else(|| {
+            pyo3::exceptions::PyValueError::new_err(format!("unknown transform {t:?} (none, isub, xor)"))
+        })?),
+    };
+    // SAFETY: the caller keeps both buffers alive and unchanged for the call.
+    let (data, reference) = unsafe { (slice(src, n)?, slice(ref_addr, ref_len)?) };
+    let reference = (ref_addr != 0).then_some(reference);
+    let opts = Options {
+        level,
+        chunk,
+        threads,
+        transform,
+    };
+    let enc = py
+        .detach(|| codec::encode(data, width, reference, &opts))
+        .map_err(|e| to_pyerr(py, e, None, None))?;
+    let s = &enc.stats;
+    Ok((
+        PyBytes::new(py, &enc.bytes).unbind(),
+        enc.transform.name(),
+        (s.raw, s.coded, s.dup, s.same, s.zero),
+    ))
+}
+
+/// Decodes the `n` encoded bytes at `src` into the `out_len` bytes at `out`,
+/// with the reference at `ref_addr` where the encoding used one. Errors name
+/// `path` and `record`.
+#[pyfunction]
+#[pyo3(signature = (src, n, out, out_len, ref_addr = 0, ref_len = 0, *, threads = 1, path = None, record = None))]
+#[allow(clippy::too_many_arguments)]
+fn codec_decode(
+    py: Python<'_>,
+    src: usize,
+    n: usize,
+    out: usize,
+    out_len: usize,
+    ref_addr: usize,
+    ref_len: usize,
+    threads: usize,
+    path: Option<&str>,
+    record: Option<&str>,
+) -> PyResult<()> {
+    // SAFETY: the caller keeps the buffers alive for the call; `out` is
+    // written only through the slice made here.
+    let (enc, reference) = unsafe { (slice(src, n)?, slice(ref_addr, ref_len)?) };
+    let reference = (ref_addr != 0).then_some(reference);
+    let dst: &mut [u8] = if out_len == 0 {
+        &mut []
+    } else {
+        if out == 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err("null output address"));
+        }
+        // SAFETY: as above.
+        unsafe { std::slice::from_raw_parts_mut(out as *mut u8, out_len) }
+    };
+    py.detach(|| codec::decode(enc, reference, dst, threads))
+        .map_err(|e| to_pyerr(py, e, path, record))
+}
+
+/// The header of an encoded stream and its chunk counts, as a dict.
+#[pyfunction]
+#[pyo3(signature = (data, *, path = None, record = None))]
+fn codec_info<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    path: Option<&str>,
+    record: Option<&str>,
+) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+    let (h, s) = codec::stats(data).map_err(|e| to_pyerr(py, e, path, record))?;
+    let d = pyo3::types::PyDict::new(py);
+    d.set_item("width", h.width)?;
+    d.set_item("transform", h.transform.name())?;
+    d.set_item("predicted", h.predicted)?;
+    d.set_item("chunk", h.chunk)?;
+    d.set_item("chunks", h.count)?;
+    d.set_item("decoded", h.decoded_len)?;
+    d.set_item("raw", s.raw)?;
+    d.set_item("coded", s.coded)?;
+    d.set_item("dup", s.dup)?;
+    d.set_item("same", s.same)?;
+    d.set_item("zero", s.zero)?;
+    Ok(d)
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(codec_encode, m)?)?;
+    m.add_function(wrap_pyfunction!(codec_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(codec_info, m)?)?;
+    m.add("CODEC_HEADER", codec::HEADER)?;
+    m.add("CODEC_ENTRY", codec::ENTRY)?;
+    Ok(())
+}

@@ -1,0 +1,312 @@
+"""Compressed and delta files (issue 18, first part): ``tierstore.save(...,
+codec="zstd" | tierstore.Delta(base=...))``, transparent and bit-exact loads,
+``torch.load`` refusing them clearly, ``tierstore convert --plain``, and
+damage (a chunk, a reference) reported by file, record and chunk."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tierstore
+from tierstore import _core, codec
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()) if t.numel() else b""
+
+
+def _same(a: object, b: object) -> None:
+    """Bit-exact equality of nested tensors (NaN payloads and signed zeros included)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert _bits(a) == _bits(b)
+        return
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+        return
+    assert a == b
+
+
+def _special_floats(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Values with NaN payloads, infinities, denormals, signed zeros and noise."""
+    g = torch.Generator().manual_seed(seed)
+    width = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * width,), generator=g, dtype=torch.uint8)
+    t = raw.view(dtype).clone()
+    if dtype.is_floating_point and dtype.itemsize >= 2:
+        specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan")], dtype=torch.float32)
+        k = min(n, 5)
+        t[:k] = specials[:k].to(dtype)
+        if dtype == torch.float32:
+            t.view(torch.int32)[5:8] = torch.tensor([0x7FC00001, 0x7F800123, 0x00000001], dtype=torch.int32)[: max(0, min(3, n - 5))]
+    return t
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_round_trips_bit_exact(tmp_path: Path, dtype: torch.dtype) -> None:
+    n = 100_000
+    if dtype.is_floating_point and dtype.itemsize >= 2:
+        t = _special_floats(n, dtype, 1)
+    elif dtype == torch.bool:
+        t = torch.rand(n) > 0.5
+    elif dtype.is_complex:
+        t = torch.randn(n, dtype=dtype)
+    else:
+        t = torch.randint(0, 100, (n,), dtype=torch.int64).to(dtype) if dtype != torch.uint8 else torch.randint(0, 255, (n,), dtype=torch.uint8)
+    sd = {"t": t, "view": t[10:20], "small": t[:7].clone()}
+    p = tmp_path / "z.pt"
+    tierstore.save(sd, p, codec="zstd")
+    _same(tierstore.load(p), sd)
+    base = tmp_path / "base.pt"
+    tierstore.save(sd, base)
+    nt = t.clone()
+    nt.view(torch.uint8)[::97] ^= 1
+    nudged = {"t": nt, "view": nt[10:20], "small": sd["small"]}
+    d = tmp_path / "d.pt"
+    tierstore.save(nudged, d, codec=tierstore.Delta(base=base))
+    got = tierstore.load(d)
+    _same(got, nudged)
+    # The view still shares its storage with the tensor it views.
+    assert got["view"].untyped_storage().data_ptr() == got["t"].untyped_storage().data_ptr()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8]),
+    n=st.integers(0, 70_000),
+    seed=st.integers(0, 2**31),
+    flips=st.integers(0, 50),
+    transform=st.sampled_from([None, "isub", "xor", "none"]),
+)
+def test_property_round_trips(tmp_path: Path, dtype: torch.dtype, n: int, seed: int, flips: int, transform: str | None) -> None:
+    a = _special_floats(n, dtype, seed)
+    b = a.clone()
+    if n:
+        g = torch.Generator().manual_seed(seed + 1)
+        idx = torch.randint(0, b.numel() * b.element_size(), (flips,), generator=g)
+        b.view(torch.uint8)[idx] ^= 0x10
+    base, out = tmp_path / f"b{seed}.pt", tmp_path / f"d{seed}.pt"
+    tierstore.save({"x": a}, base)
+    tierstore.save({"x": b}, out, codec=tierstore.Delta(base=base, transform=transform))
+    _same(tierstore.load(out)["x"], b)
+    # Never larger than the input by more than 0.1% (plus the fixed records of a file).
+    plain = tmp_path / f"p{seed}.pt"
+    tierstore.save({"x": b}, plain)
+    assert os.path.getsize(out) <= os.path.getsize(plain) * 1.001 + 4096
+
+
+def _training_like(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(64, 256)
+
+    def state() -> dict[str, torch.Tensor]:
+        sd = {f"w.{k}": v.clone() for k, v in model.state_dict().items()}
+        for i, s in opt.state_dict()["state"].items():
+            sd[f"m1.{i}"] = s["exp_avg"].clone()
+            sd[f"m2.{i}"] = s["exp_avg_sq"].clone()
+        return sd
+
+    for _ in range(10):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    a = state()
+    for _ in range(10):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return a, state()
+
+
+def test_delta_of_a_training_step_is_smaller_than_plain_zstd(tmp_path: Path) -> None:
+    a, b = _training_like()
+    tierstore.save(a, tmp_path / "a.pt")
+    tierstore.save(b, tmp_path / "b.pt")
+    tierstore.save(b, tmp_path / "bz.pt", codec="zstd")
+    tierstore.save(b, tmp_path / "bd.pt", codec=tierstore.Delta(base=tmp_path / "a.pt"))
+    raw, z, d = (os.path.getsize(tmp_path / n) for n in ("b.pt", "bz.pt", "bd.pt"))
+    assert d < z < raw, (raw, z, d)
+    _same(tierstore.load(tmp_path / "bd.pt"), b)
+    m = _manifest(tmp_path / "bd.pt")
+    encoded = [r for r in m["records"] if r.get("codec") == codec.CODEC]
+    assert encoded and all(r["delta_base"]["file"] == "a.pt" for r in encoded)
+    assert {r["transform"] for r in encoded} <= {"isub", "xor", "none"}
+
+
+def test_identical_chunks_cost_nothing(tmp_path: Path) -> None:
+    frozen = torch.randn(1 << 20)  # 4 MiB: four chunks, none compressible on its own
+    tierstore.save({"f": frozen}, tmp_path / "a.pt")
+    tierstore.save({"f": frozen}, tmp_path / "b.pt", codec=tierstore.Delta(base=tmp_path / "a.pt"))
+    rec = next(r for r in _manifest(tmp_path / "b.pt")["records"] if r.get("codec"))
+    assert rec["chunk_kinds"]["same"] == 4
+    assert rec["size"] < 1024
+    rep = torch.cat([frozen[:262144]] * 4)  # one chunk four times over
+    tierstore.save({"r": rep}, tmp_path / "r.pt", codec="zstd")
+    rec = next(r for r in _manifest(tmp_path / "r.pt")["records"] if r.get("codec"))
+    assert rec["chunk_kinds"]["dup"] == 3
+    _same(tierstore.load(tmp_path / "r.pt"), {"r": rep})
+
+
+def _manifest(p: Path) -> dict:
+    with zipfile.ZipFile(p) as z:
+        name = next(n for n in z.namelist() if n.endswith(".tierstore/manifest.json"))
+        return json.loads(z.read(name))
+
+
+def test_torch_load_refuses_a_compressed_file_clearly(tmp_path: Path) -> None:
+    p = tmp_path / "c.pt"
+    tierstore.save({"w": torch.randn(100_000)}, p, codec="zstd")
+    with pytest.raises(Exception, match="tierstore_compressed_file"):
+        torch.load(p)
+    with pytest.raises(tierstore.CompressedFileError, match=r"tierstore-compressed.*convert --plain"):
+        torch.load(p, weights_only=False)
+
+
+def test_convert_plain_gives_a_file_torch_loads(tmp_path: Path) -> None:
+    a, b = _training_like()
+    tierstore.save(a, tmp_path / "a.pt")
+    tierstore.save(b, tmp_path / "d.pt", codec=tierstore.Delta(base=tmp_path / "a.pt"))
+    r = subprocess.run(
+        [sys.executable, "-m", "tierstore", "convert", "--plain", str(tmp_path / "d.pt"), str(tmp_path / "p.pt")],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    _same(torch.load(tmp_path / "p.pt"), b)
+    _same(tierstore.load(tmp_path / "p.pt"), b)
+
+
+def test_inspect_shows_codec_transform_reference_and_ratio(tmp_path: Path) -> None:
+    a, b = _training_like()
+    tierstore.save(a, tmp_path / "a.pt")
+    tierstore.save(b, tmp_path / "d.pt", codec=tierstore.Delta(base=tmp_path / "a.pt"))
+    r = subprocess.run([sys.executable, "-m", "tierstore", "inspect", str(tmp_path / "d.pt")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "tsz1" in r.stdout and "a.pt" in r.stdout and "x" in r.stdout
+    assert any(t in r.stdout for t in ("isub", "xor"))
+
+
+def test_a_damaged_chunk_names_file_record_and_chunk(tmp_path: Path) -> None:
+    p = tmp_path / "c.pt"
+    tierstore.save({"w": torch.randn(600_000)}, p, codec="zstd")
+    m = _manifest(p)
+    rec = next(r for r in m["records"] if r.get("codec"))
+    with open(p, "r+b") as f:
+        f.seek(rec["offset"] + rec["size"] - 100)
+        b = f.read(1)
+        f.seek(rec["offset"] + rec["size"] - 100)
+        f.write(bytes([b[0] ^ 0x20]))
+    with pytest.raises(tierstore.ChecksumError, match=rf"c\.pt: record '.*{rec['name']}'"):
+        tierstore.load(p)
+    # With the record's CRC not checked, the codec's own chunk checksum still catches it.
+    with pytest.raises(tierstore.FormatError, match=r"chunk \d+"):
+        tierstore.load(p, verify=False)
+
+
+def test_reference_that_changed_or_is_gone_is_refused_by_name(tmp_path: Path) -> None:
+    a, b = _training_like()
+    tierstore.save(a, tmp_path / "a.pt")
+    tierstore.save(b, tmp_path / "d.pt", codec=tierstore.Delta(base=tmp_path / "a.pt"))
+    tierstore.save(b, tmp_path / "a.pt")  # the base replaced by other bytes
+    with pytest.raises(tierstore.CorruptFileError, match=r"d\.pt: record '.*' is a delta against record .*a\.pt"):
+        tierstore.load(tmp_path / "d.pt")
+    os.unlink(tmp_path / "a.pt")
+    with pytest.raises(tierstore.MissingRecordError, match=r"a\.pt, which does not exist"):
+        tierstore.load(tmp_path / "d.pt")
+
+
+def test_a_reference_outside_the_directory_needs_the_caller_to_name_it(tmp_path: Path) -> None:
+    a, b = _training_like()
+    (tmp_path / "base").mkdir()
+    (tmp_path / "run").mkdir()
+    tierstore.save(a, tmp_path / "base" / "a.pt")
+    tierstore.save(b, tmp_path / "run" / "d.pt", codec=tierstore.Delta(base=tmp_path / "base" / "a.pt"))
+    with pytest.raises(tierstore.CorruptFileError, match="outside the file's directory"):
+        tierstore.load(tmp_path / "run" / "d.pt")
+    _same(tierstore.load(tmp_path / "run" / "d.pt", delta_base=tmp_path / "base" / "a.pt"), b)
+
+
+def test_unknown_codec_is_refused_by_name(tmp_path: Path) -> None:
+    import zlib
+
+    p = tmp_path / "c.pt"
+    tierstore.save({"w": torch.randn(100_000)}, p, codec="zstd")
+    data = bytearray(p.read_bytes())
+    with zipfile.ZipFile(p) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("manifest.json"))
+    head = info.header_offset
+    start = head + 30 + int.from_bytes(data[head + 26 : head + 28], "little") + int.from_bytes(data[head + 28 : head + 30], "little")
+    body = bytes(data[start : start + info.compress_size])
+    assert body.count(b'"codec":"tsz1","pickle"') == 1
+    body = body.replace(b'"codec":"tsz1","pickle"', b'"codec":"tsz9","pickle"')
+    data[start : start + len(body)] = body
+    crc = zlib.crc32(body).to_bytes(4, "little")
+    data[head + 14 : head + 18] = crc  # the local header's CRC-32
+    cd = data.find(b"PK\x01\x02")
+    while int.from_bytes(data[cd + 42 : cd + 46], "little") != head:  # its directory entry
+        cd = data.find(b"PK\x01\x02", cd + 4)
+        assert cd > 0
+    data[cd + 16 : cd + 20] = crc
+    (tmp_path / "u.pt").write_bytes(bytes(data))
+    with pytest.raises(tierstore.CorruptFileError, match="codec 'tsz9'"):
+        tierstore.load(tmp_path / "u.pt")
+
+
+def test_codec_arguments_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(tierstore.InvalidArgumentError):
+        tierstore.save({"w": torch.zeros(3)}, tmp_path / "x.pt", codec="lz77")
+    with pytest.raises(tierstore.InvalidArgumentError):
+        tierstore.Delta(keyframe_every=0)
+    with pytest.raises(tierstore.InvalidArgumentError):
+        tierstore.save({"w": torch.zeros(3)}, tmp_path / "x.pt", codec=tierstore.Delta(base=tmp_path / "none.pt"))
+
+
+def test_hostile_streams_are_refused_without_reading_past_them() -> None:
+    src = torch.randn(300_000)
+    enc, _t, _s = _core.codec_encode(src.data_ptr(), src.numel() * 4, 4)
+    buf = torch.frombuffer(bytearray(enc), dtype=torch.uint8)
+    out = torch.empty(src.numel() * 4, dtype=torch.uint8)
+    for cut in (0, 16, 40, len(enc) // 2):
+        with pytest.raises(tierstore.FormatError):
+            _core.codec_decode(buf.data_ptr(), cut, out.data_ptr(), out.numel())
+    bad = bytearray(enc)
+    bad[12:16] = (10**6).to_bytes(4, "little")  # chunk count no decoded length fits
+    b2 = torch.frombuffer(bad, dtype=torch.uint8)
+    with pytest.raises(tierstore.FormatError):
+        _core.codec_decode(b2.data_ptr(), len(bad), out.data_ptr(), out.numel())
+    bad = bytearray(enc)
+    bad[32 + 8 : 32 + 16] = (2**62).to_bytes(8, "little")  # a payload offset far outside
+    b3 = torch.frombuffer(bad, dtype=torch.uint8)
+    with pytest.raises(tierstore.FormatError, match="outside"):
+        _core.codec_decode(b3.data_ptr(), len(bad), out.data_ptr(), out.numel())
