@@ -107,7 +107,7 @@ bench: setup ## save/load benchmark against torch.save, torch.load and safetenso
 	$(VPY) benches/bench_save_load.py
 
 bench-checkpoint: setup ## training loop with torch.save, DCP async_save and the Checkpointer
-	$(VPY) benches/bench_checkpoint.py --workloads gpt,mlp --rounds 3 --steps 24 --paired 6 --perf \
+	$(VPY) benches/bench_checkpoint.py --workloads gpt,mlp --rounds 3 --steps 24 --paired 8 --perf \
 	  --modes "none,torch.save,dcp.async_save,tierstore,tierstore 2-tier,tierstore idle-pri,tierstore low-pri" \
 	  --json docs/bench/checkpoint.json --out docs/bench/checkpoint.txt
 

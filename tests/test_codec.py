@@ -67,7 +67,9 @@ def _special_floats(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
         k = min(n, 5)
         t[:k] = specials[:k].to(dtype)
         if dtype == torch.float32:
-            t.view(torch.int32)[5:8] = torch.tensor([0x7FC00001, 0x7F800123, 0x00000001], dtype=torch.int32)[: max(0, min(3, n - 5))]
+            t.view(torch.int32)[5:8] = torch.tensor([0x7FC00001, 0x7F800123, 0x00000001], dtype=torch.int32)[
+                : max(0, min(3, n - 5))
+            ]
     return t
 
 
@@ -81,7 +83,11 @@ def test_every_dtype_round_trips_bit_exact(tmp_path: Path, dtype: torch.dtype) -
     elif dtype.is_complex:
         t = torch.randn(n, dtype=dtype)
     else:
-        t = torch.randint(0, 100, (n,), dtype=torch.int64).to(dtype) if dtype != torch.uint8 else torch.randint(0, 255, (n,), dtype=torch.uint8)
+        t = (
+            torch.randint(0, 100, (n,), dtype=torch.int64).to(dtype)
+            if dtype != torch.uint8
+            else torch.randint(0, 255, (n,), dtype=torch.uint8)
+        )
     sd = {"t": t, "view": t[10:20], "small": t[:7].clone()}
     p = tmp_path / "z.pt"
     tierstore.save(sd, p, codec="zstd")
@@ -107,7 +113,9 @@ def test_every_dtype_round_trips_bit_exact(tmp_path: Path, dtype: torch.dtype) -
     flips=st.integers(0, 50),
     transform=st.sampled_from([None, "isub", "xor", "none"]),
 )
-def test_property_round_trips(tmp_path: Path, dtype: torch.dtype, n: int, seed: int, flips: int, transform: str | None) -> None:
+def test_property_round_trips(
+    tmp_path: Path, dtype: torch.dtype, n: int, seed: int, flips: int, transform: str | None
+) -> None:
     a = _special_floats(n, dtype, seed)
     b = a.clone()
     if n:
@@ -211,7 +219,9 @@ def test_inspect_shows_codec_transform_reference_and_ratio(tmp_path: Path) -> No
     a, b = _training_like()
     tierstore.save(a, tmp_path / "a.pt")
     tierstore.save(b, tmp_path / "d.pt", codec=tierstore.Delta(base=tmp_path / "a.pt"))
-    r = subprocess.run([sys.executable, "-m", "tierstore", "inspect", str(tmp_path / "d.pt")], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "tierstore", "inspect", str(tmp_path / "d.pt")], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
     assert "tsz1" in r.stdout and "a.pt" in r.stdout and "x" in r.stdout
     assert any(t in r.stdout for t in ("isub", "xor"))
@@ -266,7 +276,12 @@ def test_unknown_codec_is_refused_by_name(tmp_path: Path) -> None:
     with zipfile.ZipFile(p) as z:
         info = next(i for i in z.infolist() if i.filename.endswith("manifest.json"))
     head = info.header_offset
-    start = head + 30 + int.from_bytes(data[head + 26 : head + 28], "little") + int.from_bytes(data[head + 28 : head + 30], "little")
+    start = (
+        head
+        + 30
+        + int.from_bytes(data[head + 26 : head + 28], "little")
+        + int.from_bytes(data[head + 28 : head + 30], "little")
+    )
     body = bytes(data[start : start + info.compress_size])
     assert body.count(b'"codec":"tsz1","pickle"') == 1
     body = body.replace(b'"codec":"tsz1","pickle"', b'"codec":"tsz9","pickle"')
@@ -310,3 +325,18 @@ def test_hostile_streams_are_refused_without_reading_past_them() -> None:
     b3 = torch.frombuffer(bad, dtype=torch.uint8)
     with pytest.raises(tierstore.FormatError, match="outside"):
         _core.codec_decode(b3.data_ptr(), len(bad), out.data_ptr(), out.numel())
+
+
+def test_manifest_of_a_delta_file_follows_the_schema(tmp_path: Path) -> None:
+    import jsonschema
+
+    from tierstore import manifest
+
+    a, b = _training_like()
+    tierstore.save(a, tmp_path / "a.pt")
+    tierstore.save(b, tmp_path / "d.pt", codec=tierstore.Delta(base=tmp_path / "a.pt"))
+    m = _manifest(tmp_path / "d.pt")
+    jsonschema.validate(m, manifest.schema("manifest"))
+    assert m["codec"] == codec.CODEC and m["pickle"] == codec.PICKLE_NAME
+    kinds = {r["name"]: r["kind"] for r in m["records"]}
+    assert kinds["data.pkl"] == "guard" and kinds[codec.PICKLE_NAME] == "pickle"

@@ -15,8 +15,8 @@ from tierstore._engine import configure, get_engine
 from tierstore._info import info
 from tierstore.api import load, save
 from tierstore.checkpointer import Checkpointer, CheckpointHandle
-from tierstore.devices import DeviceShare, take_turns
 from tierstore.codec import Delta
+from tierstore.devices import DeviceShare, take_turns
 from tierstore.errors import (
     ChecksumError,
     CompressedFileError,
@@ -67,9 +67,9 @@ __all__ = [
     "Checkpointer",
     "ChecksumError",
     "CompressedFileError",
-    "Delta",
     "CorruptFileError",
     "CoverageError",
+    "Delta",
     "DeviceError",
     "DeviceShare",
     "DirectoryError",

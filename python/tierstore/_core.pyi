@@ -5,6 +5,8 @@ from os import PathLike
 from typing import Any, final
 
 __all__ = [
+    "CODEC_ENTRY",
+    "CODEC_HEADER",
     "Buffer",
     "Container",
     "DeviceTurns",
@@ -17,6 +19,9 @@ __all__ = [
     "Writer",
     "__version__",
     "chunk_checksums",
+    "codec_decode",
+    "codec_encode",
+    "codec_info",
     "copy_file",
     "crc32_combine",
     "crc32_regions",
@@ -281,3 +286,33 @@ def read_blocks(
 ) -> tuple[int, int, int]: ...
 def split_halves(src: int, hi: int, lo: int, n: int, threads: int = 1) -> None: ...
 def join_halves(hi: int, lo: int, out: int, n: int, threads: int = 1) -> None: ...
+
+# The tsz1 record codec (rust/core/src/codec.rs).
+CODEC_HEADER: int
+CODEC_ENTRY: int
+
+def codec_encode(
+    src: int,
+    n: int,
+    width: int,
+    ref_addr: int = 0,
+    ref_len: int = 0,
+    *,
+    level: int = 1,
+    chunk: int = 1048576,
+    threads: int = 1,
+    transform: str | None = None,
+) -> tuple[bytes, str, tuple[int, int, int, int, int]]: ...
+def codec_decode(
+    src: int,
+    n: int,
+    out: int,
+    out_len: int,
+    ref_addr: int = 0,
+    ref_len: int = 0,
+    *,
+    threads: int = 1,
+    path: str | None = None,
+    record: str | None = None,
+) -> None: ...
+def codec_info(data: bytes, *, path: str | None = None, record: str | None = None) -> dict[str, Any]: ...

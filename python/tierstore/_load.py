@@ -362,6 +362,11 @@ def _check_stream_manifest(
     data = read(rel)
     _archive.check_crc(name, arch.full(rel), data, crc)
     m = manifest.parse(data, name, arch.file_len)
+    if _codec.is_compressed(m):
+        raise InvalidArgumentError(
+            f"{name}: a tierstore-compressed file (codec {m.get('codec')!r:.40}) loads from its path, not from a "
+            "file object: call tierstore.load(PATH)"
+        )
     for r in m["records"]:
         ent = arch.records.get(r["name"])
         if ent is None or ent.crc32 != r["crc32"] or ent.size != r["size"] or offsets.get(r["name"]) != r["offset"]:

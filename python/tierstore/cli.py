@@ -178,7 +178,12 @@ def _exactly_covered(boxes: list[Any], shape: Any) -> bool:
 def _codec_fields(rec: dict[str, Any] | None, size: int) -> dict[str, Any]:
     """A record's codec, transform, reference and ratio (decoded / stored)."""
     if not rec or rec.get("codec") in (None, "raw"):
-        return {"codec": "raw" if rec and rec.get("kind") == "storage" else "", "transform": "", "reference": "", "ratio": ""}
+        return {
+            "codec": "raw" if rec and rec.get("kind") == "storage" else "",
+            "transform": "",
+            "reference": "",
+            "ratio": "",
+        }
     ref = rec.get("delta_base")
     decoded = rec.get("decoded_size")
     ratio = f"{decoded / size:.2f}x" if isinstance(decoded, int) and size else ""
@@ -282,7 +287,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             str(r["offset"]),
             str(min(r["alignment"], 4096)),
             f"[{style}]{state}[/{style}] {r['crc32']}",
-            *([escape(" ".join(x for x in (r["codec"], r["transform"], r["reference"], r["ratio"]) if x))] if coded else []),
+            *(
+                [escape(" ".join(x for x in (r["codec"], r["transform"], r["reference"], r["ratio"]) if x))]
+                if coded
+                else []
+            ),
         )
     con.print(table)
     if damaged:

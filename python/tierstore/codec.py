@@ -333,7 +333,9 @@ def read_decoded(
         if rec.get("codec") != CODEC:
             out[n] = stored
             continue
-        out[n] = decode_record(path, n, rec, stored, depth=depth, verify=verify, delta_base=delta_base, seen=seen | {real})
+        out[n] = decode_record(
+            path, n, rec, stored, depth=depth, verify=verify, delta_base=delta_base, seen=seen | {real}
+        )
     return out
 
 

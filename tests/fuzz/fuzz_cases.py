@@ -1341,7 +1341,22 @@ def case_single(ctx: Ctx) -> None:
     tier_file = ctx.rng.random() < 0.85
     path = ctx.dir / "ck" / "model.pt"
     path.parent.mkdir()
-    if tier_file:
+    # A quarter of tierstore's files are compressed (codec tsz1), half of
+    # those as deltas against a base beside them: the mutators then damage
+    # encoded records, their directories and their references.
+    coded = tier_file and ctx.rng.random() < 0.25
+    if coded:
+        g = ctx.gen
+        obj["huge"] = torch.randn(ctx.rng.randint(17_000, 80_000), generator=g)
+        obj["frozen"] = torch.zeros(ctx.rng.randint(17_000, 40_000))
+        if ctx.rng.random() < 0.5:
+            base = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in obj.items()}
+            base["huge"] = base["huge"] + 1e-3 * torch.randn(base["huge"].shape, generator=g)
+            tierstore.save(base, path.parent / "base.pt")
+            tierstore.save(obj, path, codec=tierstore.Delta(base=path.parent / "base.pt"))
+        else:
+            tierstore.save(obj, path, codec="zstd")
+    elif tier_file:
         tierstore.save(obj, path)
     else:
         torch.save(obj, path)
@@ -1354,6 +1369,10 @@ def case_single(ctx: Ctx) -> None:
     p = str(path)
     check = ctx.same_check(obj, strides=True)
     ctx.op("load", lambda: tierstore.load(p), check)
+    if coded:  # a compressed file loads from its path only (mmap and file objects are refused by design)
+        ctx.cli_op("verify", ["verify", p])
+        ctx.cli_op("inspect", ["inspect", "--json", p])
+        return
     ctx.op("load_mmap", lambda: tierstore.load(p, mmap=True), check)
 
     try:

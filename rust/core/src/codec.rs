@@ -180,7 +180,12 @@ struct Entry {
 
 /// Encodes `data` (elements of `width` bytes) against `reference` (same
 /// length) when given.
-pub fn encode(data: &[u8], width: usize, reference: Option<&[u8]>, opts: &Options) -> Result<Encoded> {
+pub fn encode(
+    data: &[u8],
+    width: usize,
+    reference: Option<&[u8]>,
+    opts: &Options,
+) -> Result<Encoded> {
     if !matches!(width, 1 | 2 | 4 | 8) || data.len() % width != 0 {
         return Err(CodecError::Invalid(format!(
             "element width {width} must be 1, 2, 4 or 8 and divide the length {}",
@@ -204,7 +209,8 @@ pub fn encode(data: &[u8], width: usize, reference: Option<&[u8]>, opts: &Option
     }
     let chunk = opts.chunk;
     let count = data.len().div_ceil(chunk);
-    let u32_count = u32::try_from(count).map_err(|_| CodecError::Invalid("too many chunks".into()))?;
+    let u32_count =
+        u32::try_from(count).map_err(|_| CodecError::Invalid("too many chunks".into()))?;
     let transform = match (reference, opts.transform) {
         (None, _) => Transform::None,
         (Some(_), Some(t)) => t,
@@ -216,20 +222,7 @@ pub fn encode(data: &[u8], width: usize, reference: Option<&[u8]>, opts: &Option
         let (s, e) = span(i);
         xxh3_64(&data[s..e])
     });
-    let mut dup_of: Vec<Option<u32>> = vec![None; count];
-    {
-        let mut first: std::collections::HashMap<(u64, usize), usize> = std::collections::HashMap::new();
-        for i in 0..count {
-            let (s, e) = span(i);
-            match first.get(&(hashes[i], e - s)) {
-                Some(&j) if data[span(j).0..span(j).1] == data[s..e] => dup_of[i] = Some(j as u32),
-                Some(_) => {}
-                None => {
-                    first.insert((hashes[i], e - s), i);
-                }
-            }
-        }
-    }
+    let dup_of = find_dups(data, &hashes, chunk);
     let level = opts.level;
     let parts: Vec<(Entry, Vec<u8>)> = parallel_map_state(
         count,
@@ -237,50 +230,15 @@ pub fn encode(data: &[u8], width: usize, reference: Option<&[u8]>, opts: &Option
         || Scratch::new(chunk, level),
         |sc, i| {
             let (s, e) = span(i);
-            let d = &data[s..e];
-            let hash = hashes[i];
-            let mut ent = Entry {
-                kind: KIND_RAW,
-                mask: 0,
-                arg: 0,
-                offset: 0,
-                len: 0,
-                hash,
-            };
-            if is_zero(d) {
-                ent.kind = KIND_ZERO;
-                return (ent, Vec::new());
-            }
-            let rchunk = reference.map(|r| &r[s..e]);
-            if rchunk == Some(d) {
-                ent.kind = KIND_SAME;
-                return (ent, Vec::new());
-            }
-            if let Some(j) = dup_of[i] {
-                ent.kind = KIND_DUP;
-                ent.arg = j;
-                return (ent, Vec::new());
-            }
-            let mut pred = std::mem::take(&mut sc.pred);
-            let src: &[u8] = match (rchunk, transform) {
-                (Some(r), Transform::Isub | Transform::Xor) => {
-                    pred.clear();
-                    pred.resize(d.len(), 0);
-                    predict(d, r, width, transform, &mut pred);
-                    &pred
-                }
-                _ => d,
-            };
-            let coded = code_planes(src, width, sc);
-            sc.pred = pred;
-            match coded {
-                Some((mask, payload)) if payload.len() < d.len() => {
-                    ent.kind = KIND_CODED;
-                    ent.mask = mask;
-                    (ent, payload)
-                }
-                _ => (ent, d.to_vec()),
-            }
+            encode_chunk(
+                &data[s..e],
+                reference.map(|r| &r[s..e]),
+                hashes[i],
+                dup_of[i],
+                width,
+                transform,
+                sc,
+            )
         },
     );
     let mut stats = Stats::default();
@@ -324,10 +282,84 @@ pub fn encode(data: &[u8], width: usize, reference: Option<&[u8]>, opts: &Option
     })
 }
 
+/// For each chunk, the first earlier chunk with the same bytes (if any).
+fn find_dups(data: &[u8], hashes: &[u64], chunk: usize) -> Vec<Option<u32>> {
+    let span = |i: usize| (i * chunk, ((i + 1) * chunk).min(data.len()));
+    let mut dup_of: Vec<Option<u32>> = vec![None; hashes.len()];
+    let mut first: std::collections::HashMap<(u64, usize), usize> =
+        std::collections::HashMap::new();
+    for (i, &h) in hashes.iter().enumerate() {
+        let (s, e) = span(i);
+        match first.get(&(h, e - s)) {
+            Some(&j) if data[span(j).0..span(j).1] == data[s..e] => dup_of[i] = Some(j as u32),
+            Some(_) => {}
+            None => {
+                first.insert((h, e - s), i);
+            }
+        }
+    }
+    dup_of
+}
+
+/// One chunk's directory entry and payload (see the module's doc).
+fn encode_chunk(
+    d: &[u8],
+    rchunk: Option<&[u8]>,
+    hash: u64,
+    dup_of: Option<u32>,
+    width: usize,
+    transform: Transform,
+    sc: &mut Scratch,
+) -> (Entry, Vec<u8>) {
+    let mut ent = Entry {
+        kind: KIND_RAW,
+        mask: 0,
+        arg: 0,
+        offset: 0,
+        len: 0,
+        hash,
+    };
+    if is_zero(d) {
+        ent.kind = KIND_ZERO;
+        return (ent, Vec::new());
+    }
+    if rchunk == Some(d) {
+        ent.kind = KIND_SAME;
+        return (ent, Vec::new());
+    }
+    if let Some(j) = dup_of {
+        ent.kind = KIND_DUP;
+        ent.arg = j;
+        return (ent, Vec::new());
+    }
+    let mut pred = std::mem::take(&mut sc.pred);
+    let src: &[u8] = match (rchunk, transform) {
+        (Some(r), Transform::Isub | Transform::Xor) => {
+            pred.clear();
+            pred.resize(d.len(), 0);
+            predict(d, r, width, transform, &mut pred);
+            &pred
+        }
+        _ => d,
+    };
+    let coded = code_planes(src, width, sc);
+    sc.pred = pred;
+    match coded {
+        Some((mask, payload)) if payload.len() < d.len() => {
+            ent.kind = KIND_CODED;
+            ent.mask = mask;
+            (ent, payload)
+        }
+        _ => (ent, d.to_vec()),
+    }
+}
+
 /// Reads and checks the header of `enc`.
 pub fn header(enc: &[u8]) -> Result<Header> {
     if enc.len() < HEADER || &enc[..4] != MAGIC {
-        return Err(CodecError::Malformed("not a tsz1 stream (bad magic or shorter than its header)".into()));
+        return Err(CodecError::Malformed(
+            "not a tsz1 stream (bad magic or shorter than its header)".into(),
+        ));
     }
     let version = u16::from_le_bytes([enc[4], enc[5]]);
     if version != VERSION {
@@ -348,7 +380,9 @@ pub fn header(enc: &[u8]) -> Result<Header> {
         )));
     }
     if !(MIN_CHUNK..=MAX_CHUNK).contains(&chunk) || chunk % 8 != 0 {
-        return Err(CodecError::Malformed(format!("chunk size {chunk} out of range")));
+        return Err(CodecError::Malformed(format!(
+            "chunk size {chunk} out of range"
+        )));
     }
     if decoded_len.div_ceil(chunk as u64) != count as u64 {
         return Err(CodecError::Malformed(format!(
@@ -385,7 +419,11 @@ pub fn stats(enc: &[u8]) -> Result<(Header, Stats)> {
             KIND_DUP => s.dup += 1,
             KIND_SAME => s.same += 1,
             KIND_ZERO => s.zero += 1,
-            k => return Err(CodecError::Malformed(format!("chunk {i}: unknown kind {k}"))),
+            k => {
+                return Err(CodecError::Malformed(format!(
+                    "chunk {i}: unknown kind {k}"
+                )))
+            }
         }
     }
     Ok((h, s))
@@ -436,36 +474,15 @@ pub fn decode(enc: &[u8], reference: Option<&[u8]>, out: &mut [u8], threads: usi
     let chunk = h.chunk;
     let total = out.len();
     let span = |i: usize| (i * chunk, ((i + 1) * chunk).min(total));
-    // Structural checks before any work.
-    for (i, e) in entries.iter().enumerate() {
-        let end = e.offset.checked_add(e.len);
-        if end.is_none_or(|x| x > payload.len() as u64) {
-            return Err(CodecError::Malformed(format!(
-                "chunk {i}: payload [{}, +{}) lies outside the stream's {} payload bytes",
-                e.offset,
-                e.len,
-                payload.len()
-            )));
-        }
-        let (s, en) = span(i);
-        let ok = match e.kind {
-            KIND_RAW => e.len == (en - s) as u64,
-            KIND_CODED => e.len >= 4 * h.width as u64,
-            KIND_DUP => (e.arg as usize) < i && e.len == 0,
-            KIND_SAME | KIND_ZERO => e.len == 0,
-            _ => false,
-        };
-        if !ok {
-            return Err(CodecError::Malformed(format!(
-                "chunk {i}: kind {} with payload length {} (argument {}) is not valid here",
-                e.kind, e.len, e.arg
-            )));
-        }
-    }
+    check_entries(&entries, &h, payload.len(), total)?;
     let first_err: Mutex<Option<(usize, CodecError)>> = Mutex::new(None);
     let base = SendPtr(out.as_mut_ptr());
     let width = h.width;
-    let transform = if h.predicted { h.transform } else { Transform::None };
+    let transform = if h.predicted {
+        h.transform
+    } else {
+        Transform::None
+    };
     let next = AtomicUsize::new(0);
     let nthreads = threads.clamp(1, h.count.max(1));
     std::thread::scope(|sc| {
@@ -487,9 +504,18 @@ pub fn decode(enc: &[u8], reference: Option<&[u8]>, out: &mut [u8], threads: usi
                     // written by one thread only; `out` outlives the scope.
                     let dst = unsafe { std::slice::from_raw_parts_mut(base.get().add(s), en - s) };
                     let p = &payload[e.offset as usize..(e.offset + e.len) as usize];
-                    let r = decode_chunk(e, p, reference.map(|r| &r[s..en]), dst, width, transform, &mut planes, dctx.as_mut())
-                        .map_err(|err| in_chunk(i, s, en, err))
-                        .and_then(|()| check(i, s, en, e.hash, dst));
+                    let r = decode_chunk(
+                        e,
+                        p,
+                        reference.map(|r| &r[s..en]),
+                        dst,
+                        width,
+                        transform,
+                        &mut planes,
+                        dctx.as_mut(),
+                    )
+                    .map_err(|err| in_chunk(i, s, en, err))
+                    .and_then(|()| check(i, s, en, e.hash, dst));
                     if let Err(err) = r {
                         let mut f = first_err.lock().expect("lock");
                         if f.as_ref().is_none_or(|(j, _)| i < *j) {
@@ -515,6 +541,36 @@ pub fn decode(enc: &[u8], reference: Option<&[u8]>, out: &mut [u8], threads: usi
             }
             out.copy_within(js..je, s);
             check(i, s, en, e.hash, &out[s..en])?;
+        }
+    }
+    Ok(())
+}
+
+/// The structural checks of a stream's directory, made before any decoding.
+fn check_entries(entries: &[Entry], h: &Header, payload_len: usize, total: usize) -> Result<()> {
+    let chunk = h.chunk;
+    let span = |i: usize| (i * chunk, ((i + 1) * chunk).min(total));
+    for (i, e) in entries.iter().enumerate() {
+        let end = e.offset.checked_add(e.len);
+        if end.is_none_or(|x| x > payload_len as u64) {
+            return Err(CodecError::Malformed(format!(
+                "chunk {i}: payload [{}, +{}) lies outside the stream's {} payload bytes",
+                e.offset, e.len, payload_len
+            )));
+        }
+        let (s, en) = span(i);
+        let ok = match e.kind {
+            KIND_RAW => e.len == (en - s) as u64,
+            KIND_CODED => e.len >= 4 * h.width as u64,
+            KIND_DUP => (e.arg as usize) < i && e.len == 0,
+            KIND_SAME | KIND_ZERO => e.len == 0,
+            _ => false,
+        };
+        if !ok {
+            return Err(CodecError::Malformed(format!(
+                "chunk {i}: kind {} with payload length {} (argument {}) is not valid here",
+                e.kind, e.len, e.arg
+            )));
         }
     }
     Ok(())
@@ -563,10 +619,14 @@ fn decode_chunk(
         _ => {
             let n = dst.len() / width;
             let lens: Vec<usize> = (0..width)
-                .map(|k| u32::from_le_bytes(p[4 * k..4 * k + 4].try_into().expect("4 bytes")) as usize)
+                .map(|k| {
+                    u32::from_le_bytes(p[4 * k..4 * k + 4].try_into().expect("4 bytes")) as usize
+                })
                 .collect();
             if lens.iter().sum::<usize>() != p.len() - 4 * width {
-                return Err(CodecError::Malformed("plane lengths do not add up to the chunk's payload".into()));
+                return Err(CodecError::Malformed(
+                    "plane lengths do not add up to the chunk's payload".into(),
+                ));
             }
             planes.clear();
             planes.resize(dst.len(), 0);
@@ -580,12 +640,16 @@ fn decode_chunk(
                         .decompress_to_buffer(src, plane)
                         .map_err(|err| CodecError::Malformed(format!("plane {k}: zstd: {err}")))?;
                     if got != n {
-                        return Err(CodecError::Malformed(format!("plane {k}: decoded {got} bytes, {n} expected")));
+                        return Err(CodecError::Malformed(format!(
+                            "plane {k}: decoded {got} bytes, {n} expected"
+                        )));
                     }
                 } else if len == n {
                     plane.copy_from_slice(src);
                 } else {
-                    return Err(CodecError::Malformed(format!("plane {k}: stored plane of {len} bytes, {n} expected")));
+                    return Err(CodecError::Malformed(format!(
+                        "plane {k}: stored plane of {len} bytes, {n} expected"
+                    )));
                 }
                 at += len;
             }
@@ -593,7 +657,9 @@ fn decode_chunk(
             if let (Some(r), Transform::Isub | Transform::Xor) = (rchunk, transform) {
                 unpredict(dst, r, width, transform);
             } else if transform != Transform::None {
-                return Err(CodecError::Reference("a predicted chunk without its reference".into()));
+                return Err(CodecError::Reference(
+                    "a predicted chunk without its reference".into(),
+                ));
             }
         }
     }
@@ -654,7 +720,9 @@ fn choose_transform(d: &[u8], r: &[u8], width: usize, chunk: usize, level: i32) 
     let picks: Vec<usize> = if count <= SAMPLES {
         (0..count).collect()
     } else {
-        (0..SAMPLES).map(|k| k * (count - 1) / (SAMPLES - 1)).collect()
+        (0..SAMPLES)
+            .map(|k| k * (count - 1) / (SAMPLES - 1))
+            .collect()
     };
     let mut sc = Scratch::new(SAMPLE, level);
     let mut best = (usize::MAX, Transform::Isub);
@@ -856,7 +924,9 @@ fn parallel_map_state<S, T: Send>(
                 })
             })
             .collect();
-        hs.into_iter().flat_map(|h| h.join().expect("codec thread")).collect()
+        hs.into_iter()
+            .flat_map(|h| h.join().expect("codec thread"))
+            .collect()
     });
     got.sort_unstable_by_key(|(i, _)| *i);
     got.into_iter().map(|(_, t)| t).collect()
@@ -905,7 +975,12 @@ mod tests {
         let key = roundtrip(&d, 4, None, &o);
         let delta = roundtrip(&d, 4, Some(&r), &o);
         assert!(key.stats.zero >= 1);
-        assert!(delta.bytes.len() < key.bytes.len() / 2, "{} vs {}", delta.bytes.len(), key.bytes.len());
+        assert!(
+            delta.bytes.len() < key.bytes.len() / 2,
+            "{} vs {}",
+            delta.bytes.len(),
+            key.bytes.len()
+        );
         assert_ne!(delta.transform, Transform::None);
         // Identical to its reference: nothing but the directory.
         let same = roundtrip(&d, 4, Some(&d), &o);
@@ -943,7 +1018,10 @@ mod tests {
         // A directory naming a later chunk as the original is refused.
         let mut bad = e.bytes.clone();
         bad[HEADER + ENTRY + 4] = 2;
-        assert!(matches!(decode(&bad, None, &mut out, 1), Err(CodecError::Malformed(_))));
+        assert!(matches!(
+            decode(&bad, None, &mut out, 1),
+            Err(CodecError::Malformed(_))
+        ));
         // A truncated stream and a wrong length are refused, not read past.
         assert!(decode(&e.bytes[..40], None, &mut out, 1).is_err());
         let mut short = vec![0u8; d.len() - 4];
@@ -956,7 +1034,10 @@ mod tests {
         let r = floats(50_000, 6);
         let e = encode(&d, 4, Some(&r), &opts(4096, Some(Transform::Isub))).unwrap();
         let mut out = vec![0u8; d.len()];
-        assert!(matches!(decode(&e.bytes, None, &mut out, 1), Err(CodecError::Reference(_))));
+        assert!(matches!(
+            decode(&e.bytes, None, &mut out, 1),
+            Err(CodecError::Reference(_))
+        ));
         let wrong = floats(50_000, 7);
         assert!(decode(&e.bytes, Some(&wrong), &mut out, 1).is_err());
     }

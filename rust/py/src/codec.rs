@@ -5,6 +5,14 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tierstore_core::codec::{self, CodecError, Options, Transform};
 
+/// What `codec_encode` returns: the encoded bytes, the transform, and the
+/// chunk counts (raw, coded, dup, same, zero).
+type EncodeResult = (
+    Py<PyBytes>,
+    &'static str,
+    (usize, usize, usize, usize, usize),
+);
+
 /// A slice of `len` bytes at `addr` (None when `len` is 0).
 ///
 /// # Safety
@@ -33,7 +41,9 @@ fn to_pyerr(py: Python<'_>, e: CodecError, path: Option<&str>, record: Option<&s
         msg.push_str(": ");
     }
     if let Some(r) = record {
-        msg.push_str(&format!("record '{r}': "));
+        msg.push_str("record '");
+        msg.push_str(r);
+        msg.push_str("': ");
     }
     msg.push_str(&e.to_string());
     let made = py
@@ -51,7 +61,7 @@ fn to_pyerr(py: Python<'_>, e: CodecError, path: Option<&str>, record: Option<&s
 /// bytes, the transform used and the chunk counts (raw, coded, dup, same,
 /// zero).
 #[pyfunction]
-#[pyo3(signature = (src, n, width, ref_addr = 0, ref_len = 0, *, level = 1, chunk = codec::DEFAULT_CHUNK, threads = 1, transform = None))]
+#[pyo3(signature = (src, n, width, ref_addr = 0, ref_len = 0, *, level = 1, chunk = 1_048_576, threads = 1, transform = None))]
 #[allow(clippy::too_many_arguments)]
 fn codec_encode(
     py: Python<'_>,
@@ -64,11 +74,13 @@ fn codec_encode(
     chunk: usize,
     threads: usize,
     transform: Option<&str>,
-) -> PyResult<(Py<PyBytes>, &'static str, (usize, usize, usize, usize, usize))> {
+) -> PyResult<EncodeResult> {
     let transform = match transform {
         None => None,
         Some(t) => Some(Transform::from_name(t).ok_or_else(|| {
-            pyo3::exceptions::PyValueError::new_err(format!("unknown transform {t:?} (none, isub, xor)"))
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "unknown transform {t:?} (none, isub, xor)"
+            ))
         })?),
     };
     // SAFETY: the caller keeps both buffers alive and unchanged for the call.
@@ -117,7 +129,9 @@ fn codec_decode(
         &mut []
     } else {
         if out == 0 {
-            return Err(pyo3::exceptions::PyValueError::new_err("null output address"));
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "null output address",
+            ));
         }
         // SAFETY: as above.
         unsafe { std::slice::from_raw_parts_mut(out as *mut u8, out_len) }
