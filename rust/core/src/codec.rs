@@ -335,8 +335,7 @@ fn encode_chunk(
     let mut pred = std::mem::take(&mut sc.pred);
     let src: &[u8] = match (rchunk, transform) {
         (Some(r), Transform::Isub | Transform::Xor) => {
-            pred.clear();
-            pred.resize(d.len(), 0);
+            sized(&mut pred, d.len());
             predict(d, r, width, transform, &mut pred);
             &pred
         }
@@ -628,8 +627,7 @@ fn decode_chunk(
                     "plane lengths do not add up to the chunk's payload".into(),
                 ));
             }
-            planes.clear();
-            planes.resize(dst.len(), 0);
+            sized(planes, dst.len());
             let mut at = 4 * width;
             let dctx = dctx.ok_or_else(|| CodecError::Malformed("no zstd decoder".into()))?;
             for (k, &len) in lens.iter().enumerate() {
@@ -669,6 +667,9 @@ fn decode_chunk(
 struct Scratch {
     pred: Vec<u8>,
     planes: Vec<u8>,
+    /// One output buffer per plane, reused chunk after chunk (fresh ones
+    /// would cost page faults at every chunk).
+    coded: Vec<Vec<u8>>,
     cctx: Option<zstd::bulk::Compressor<'static>>,
 }
 
@@ -677,8 +678,46 @@ impl Scratch {
         Scratch {
             pred: Vec::with_capacity(chunk),
             planes: Vec::with_capacity(chunk),
+            coded: Vec::new(),
             cctx: zstd::bulk::Compressor::new(level).ok(),
         }
+    }
+}
+
+/// The size of `plane` under an ideal order-0 entropy coder (the Shannon
+/// bound of its byte histogram), in bytes.
+fn order0_bytes(plane: &[u8]) -> usize {
+    // Four histograms: consecutive equal bytes do not wait on each other's
+    // increments.
+    let mut h = [[0u32; 256]; 4];
+    let mut quads = plane.chunks_exact(4);
+    for q in &mut quads {
+        h[0][usize::from(q[0])] += 1;
+        h[1][usize::from(q[1])] += 1;
+        h[2][usize::from(q[2])] += 1;
+        h[3][usize::from(q[3])] += 1;
+    }
+    for &b in quads.remainder() {
+        h[0][usize::from(b)] += 1;
+    }
+    let n = plane.len() as f64;
+    let mut bits = 0.0f64;
+    let (h0, h1, h2, h3) = (&h[0], &h[1], &h[2], &h[3]);
+    for (((a, b), c), d) in h0.iter().zip(h1).zip(h2).zip(h3) {
+        let c = f64::from(a + b + c + d);
+        if c > 0.0 {
+            bits -= c * (c / n).log2();
+        }
+    }
+    (bits / 8.0) as usize
+}
+
+/// `v` holding exactly `n` bytes whose values do not matter (they are
+/// overwritten): no zero fill when it already has that length.
+fn sized(v: &mut Vec<u8>, n: usize) {
+    if v.len() != n {
+        v.clear();
+        v.resize(n, 0);
     }
 }
 
@@ -686,30 +725,56 @@ impl Scratch {
 /// (plane lengths, then planes) and the mask of coded planes.
 fn code_planes(src: &[u8], width: usize, sc: &mut Scratch) -> Option<(u8, Vec<u8>)> {
     let n = src.len() / width;
-    sc.planes.clear();
-    sc.planes.resize(src.len(), 0);
+    sized(&mut sc.planes, src.len());
     split_planes(src, width, &mut sc.planes);
     let cctx = sc.cctx.as_mut()?;
-    let mut payload = vec![0u8; 4 * width];
+    let room = n - n / PLANE_GAIN;
+    if sc.coded.len() < width {
+        sc.coded.resize_with(width, || Vec::with_capacity(room));
+    }
     let mut mask = 0u8;
+    let mut total = 4 * width;
     for k in 0..width {
         let plane = &sc.planes[k * n..(k + 1) * n];
-        let at = payload.len();
-        let room = n - n / PLANE_GAIN;
-        payload.resize(at + room, 0);
-        let len = match cctx.compress_to_buffer(plane, &mut payload[at..]) {
+        let out = &mut sc.coded[k];
+        out.clear();
+        // A plane whose bytes are close to uniformly distributed (the low
+        // mantissa bytes of floats, of their differences) cannot gain 2%
+        // from an order-0 entropy coder and rarely has matches: it is
+        // stored as it is without spending zstd's time on it.
+        if order0_bytes(plane) >= room {
+            total += n;
+            continue;
+        }
+        out.reserve(room);
+        // Written into the vector's spare capacity (no zero fill); a plane
+        // that does not fit (does not gain 2%) is stored as it is.
+        match cctx.compress_to_buffer(plane, out) {
             Ok(m) if m < room => {
                 mask |= 1 << k;
-                m
+                total += m;
             }
             _ => {
-                payload.resize(at, 0);
-                payload.extend_from_slice(plane);
-                n
+                out.clear();
+                total += n;
             }
+        }
+    }
+    let mut payload = Vec::with_capacity(total);
+    for k in 0..width {
+        let len = if mask & (1 << k) != 0 {
+            sc.coded[k].len()
+        } else {
+            n
         };
-        payload.truncate(at + len);
-        payload[4 * k..4 * k + 4].copy_from_slice(&(len as u32).to_le_bytes());
+        payload.extend_from_slice(&(len as u32).to_le_bytes());
+    }
+    for k in 0..width {
+        if mask & (1 << k) != 0 {
+            payload.extend_from_slice(&sc.coded[k]);
+        } else {
+            payload.extend_from_slice(&sc.planes[k * n..(k + 1) * n]);
+        }
     }
     Some((mask, payload))
 }

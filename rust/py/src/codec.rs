@@ -93,11 +93,16 @@ fn codec_encode(
         transform,
     };
     let enc = py
-        .detach(|| codec::encode(data, width, reference, &opts))
+        .detach(|| codec::encode_parts(data, width, reference, &opts))
         .map_err(|e| to_pyerr(py, e, None, None))?;
     let s = &enc.stats;
+    // The stream goes straight into the bytes object (one copy).
+    let bytes = PyBytes::new_with(py, enc.len(), |buf| {
+        enc.write_to(buf);
+        Ok(())
+    })?;
     Ok((
-        PyBytes::new(py, &enc.bytes).unbind(),
+        bytes.unbind(),
         enc.transform.name(),
         (s.raw, s.coded, s.dup, s.same, s.zero),
     ))
