@@ -158,6 +158,37 @@ pub struct Encoded {
     pub stats: Stats,
 }
 
+/// An encoding in pieces: the header and directory, then each chunk's
+/// payload, so that a caller writes them straight into memory of its own
+/// (one copy, no intermediate buffer of the whole stream).
+pub struct EncodedParts {
+    pub head: Vec<u8>,
+    pub payloads: Vec<Vec<u8>>,
+    pub transform: Transform,
+    pub stats: Stats,
+}
+
+impl EncodedParts {
+    pub fn len(&self) -> usize {
+        self.head.len() + self.payloads.iter().map(Vec::len).sum::<usize>()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Writes the stream into `out` (exactly [`EncodedParts::len`] bytes).
+    pub fn write_to(&self, out: &mut [u8]) {
+        let (h, mut rest) = out.split_at_mut(self.head.len());
+        h.copy_from_slice(&self.head);
+        for p in &self.payloads {
+            let (a, b) = rest.split_at_mut(p.len());
+            a.copy_from_slice(p);
+            rest = b;
+        }
+    }
+}
+
 /// The header of an encoded stream, checked.
 #[derive(Clone, Debug)]
 pub struct Header {
@@ -186,6 +217,23 @@ pub fn encode(
     reference: Option<&[u8]>,
     opts: &Options,
 ) -> Result<Encoded> {
+    let parts = encode_parts(data, width, reference, opts)?;
+    let mut bytes = vec![0u8; parts.len()];
+    parts.write_to(&mut bytes);
+    Ok(Encoded {
+        bytes,
+        transform: parts.transform,
+        stats: parts.stats,
+    })
+}
+
+/// [`encode`] in pieces (see [`EncodedParts`]).
+pub fn encode_parts(
+    data: &[u8],
+    width: usize,
+    reference: Option<&[u8]>,
+    opts: &Options,
+) -> Result<EncodedParts> {
     if !matches!(width, 1 | 2 | 4 | 8) || data.len() % width != 0 {
         return Err(CodecError::Invalid(format!(
             "element width {width} must be 1, 2, 4 or 8 and divide the length {}",
@@ -242,8 +290,7 @@ pub fn encode(
         },
     );
     let mut stats = Stats::default();
-    let payload_len: usize = parts.iter().map(|(_, p)| p.len()).sum();
-    let mut out = Vec::with_capacity(HEADER + ENTRY * count + payload_len);
+    let mut out = Vec::with_capacity(HEADER + ENTRY * count);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
     out.push(width as u8);
@@ -272,11 +319,9 @@ pub fn encode(
         out.extend_from_slice(&ent.hash.to_le_bytes());
         at += p.len() as u64;
     }
-    for (_, p) in &parts {
-        out.extend_from_slice(p);
-    }
-    Ok(Encoded {
-        bytes: out,
+    Ok(EncodedParts {
+        head: out,
+        payloads: parts.into_iter().map(|(_, p)| p).collect(),
         transform,
         stats,
     })
