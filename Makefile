@@ -80,7 +80,10 @@ $(VENV)/.deps-$(DEPS_HASH): $(DEPS)/.complete
 
 $(VENV)/.built: $(VENV)/.deps-$(DEPS_HASH) $(RUST_SRC)
 	@echo "building the Rust extension (release)"
-	@VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH $(DEPS)/bin/maturin develop --release -q 2>&1 | grep -v -E '^(📦|🔗|🐍|✏️|🛠|🍹)' || true
+	@# A failed build must stop here: a stale extension from an earlier build would otherwise be tested.
+	@VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH $(DEPS)/bin/maturin develop --release -q \
+	  > $(VENV)/build.log 2>&1 || { cat $(VENV)/build.log; exit 1; }
+	@grep -v -E '^(📦|🔗|🐍|✏️|🛠|🍹)' $(VENV)/build.log || true
 	@$(VPY) -c 'import tierstore; print("tierstore", tierstore.__version__, "built")'
 	@touch $@
 
