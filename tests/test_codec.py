@@ -340,3 +340,63 @@ def test_manifest_of_a_delta_file_follows_the_schema(tmp_path: Path) -> None:
     assert m["codec"] == codec.CODEC and m["pickle"] == codec.PICKLE_NAME
     kinds = {r["name"]: r["kind"] for r in m["records"]}
     assert kinds["data.pkl"] == "guard" and kinds[codec.PICKLE_NAME] == "pickle"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_lossy_mantissa_rounding_keeps_its_bound(tmp_path: Path, dtype: torch.dtype, k: int) -> None:
+    x = _special_floats(50_000, dtype, k).clone()
+    x[100:200] = (torch.randn(100) * 1e-3).to(dtype)
+    sd = {"exp_avg_sq": x, "w": x.clone()}
+    p = tmp_path / "l.pt"
+    tierstore.save(sd, p, codec=tierstore.Delta(keep_bits={"exp_avg_sq": k}))
+    got = tierstore.load(p)
+    _same(got["w"], sd["w"])  # not in the class: lossless
+    a, b = x.double(), got["exp_avg_sq"].double()
+    finite = torch.isfinite(a) & (a != 0)
+    normal = finite & (a.abs() >= torch.finfo(dtype).tiny)
+    rel = ((b[normal] - a[normal]).abs() / a[normal].abs()).max().item()
+    assert rel <= 2.0 ** -(k + 1)
+    # Specials stay as they were, bit for bit.
+    special = ~normal
+    assert _bits(got["exp_avg_sq"][special]) == _bits(x[special])
+    from tierstore import _lossy
+
+    if k >= _lossy.MANTISSA[dtype]:
+        return  # nothing to drop: the record is exact
+    rec = next(r for r in _manifest(p)["records"] if r.get("lossy"))
+    assert rec["lossy"]["keep_bits"] == k and rec["lossy"]["max_rel_error"] <= rec["lossy"]["bound"] == 2.0 ** -(k + 1)
+
+
+def test_lossy_bounds_below_what_the_dtype_holds_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(tierstore.InvalidArgumentError, match="mantissa bits"):
+        tierstore.save(
+            {"m": torch.randn(100_000).half()}, tmp_path / "x.pt", codec=tierstore.Delta(keep_bits={"m": 12})
+        )
+    with pytest.raises(tierstore.InvalidArgumentError):
+        tierstore.Delta(keep_bits={"m": 0})
+
+
+def test_lossy_rounding_shrinks_the_moments(tmp_path: Path) -> None:
+    _a, b = _training_like()
+    tierstore.save(b, tmp_path / "z.pt", codec="zstd")
+    tierstore.save(b, tmp_path / "l.pt", codec=tierstore.Delta(keep_bits={"*": 10}))
+    assert os.path.getsize(tmp_path / "l.pt") < 0.8 * os.path.getsize(tmp_path / "z.pt")
+
+
+def test_lossy_delta_records_follow_the_schema(tmp_path: Path) -> None:
+    import jsonschema
+
+    from tierstore import manifest
+
+    a, b = _training_like()
+    tierstore.save(a, tmp_path / "a.pt")
+    tierstore.save(b, tmp_path / "d.pt", codec=tierstore.Delta(base=tmp_path / "a.pt", keep_bits={"*": 10}))
+    m = _manifest(tmp_path / "d.pt")
+    jsonschema.validate(m, manifest.schema("manifest"))
+    lossy = [r for r in m["records"] if r.get("lossy")]
+    assert lossy and all(r["delta_base"] for r in lossy)
+    got = tierstore.load(tmp_path / "d.pt")
+    for k, v in b.items():
+        rel = ((got[k].double() - v.double()).abs() / v.double().abs().clamp(min=1e-30)).max().item()
+        assert rel <= 2.0**-11 or v.numel() * 4 < codec.MIN_BYTES, k

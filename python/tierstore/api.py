@@ -22,7 +22,7 @@ from typing import IO, Any
 
 import torch
 
-from tierstore import _core, _load, _pickle, _progress, gpu, manifest
+from tierstore import _core, _load, _lossy, _pickle, _progress, gpu, manifest
 from tierstore import codec as _codec
 from tierstore._engine import get_engine
 from tierstore.errors import (
@@ -485,7 +485,8 @@ def _save_encoded(
         for key, st in storages:
             dtype = collector.storages[key].dtype
             ref = base.bytes_of(refs[key]) if base is not None and key in refs else None
-            e = _codec.encode_storage(st, dtype, spec, ref)
+            bits = _lossy.bits_for(paths_of.get(key, []), spec.keep_bits) if spec.keep_bits else None
+            e = _codec.encode_storage(st, dtype, spec, ref, bits, f"{path}: storage data/{key}")
             if e is not None:
                 encoded[key] = e
         w = _core.create_writer(get_engine(), path, align=align, durable=durable, background=background)

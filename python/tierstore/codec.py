@@ -24,13 +24,14 @@ from __future__ import annotations
 import os
 import pickle
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
-from tierstore import _core
+from tierstore import _core, _lossy
 from tierstore.errors import CompressedFileError, CorruptFileError, InvalidArgumentError, MissingRecordError
 
 __all__ = ["Delta", "tierstore_compressed_file__load_with_tierstore_or_convert_plain"]
@@ -54,14 +55,21 @@ class Delta:
     for a fine-tune's checkpoints, an earlier checkpoint). ``keyframe_every``:
     for tiers that keep a series of checkpoints, how often one is a keyframe
     (encoded on its own). ``transform``: ``"isub"``, ``"xor"`` or ``"none"``;
-    None chooses per storage by trial on a sample. ``level``: zstd level."""
+    None chooses per storage by trial on a sample. ``level``: zstd level.
+    ``keep_bits``: lossy, opt-in per tensor class: ``{"exp_avg_sq": 10}``
+    rounds the mantissa of every float tensor whose path has that key to 10
+    bits (``"*"``: every float tensor), a relative error of at most
+    ``2**-(k+1)``, measured and recorded per record (:mod:`tierstore._lossy`);
+    everything else stays bit-exact."""
 
     base: str | os.PathLike[str] | None = None
     keyframe_every: int = 8
     level: int = 1
     transform: str | None = None
+    keep_bits: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
+        _lossy.check_keep_bits(self.keep_bits)
         if not isinstance(self.keyframe_every, int) or self.keyframe_every < 1:
             raise InvalidArgumentError(f"keyframe_every must be a positive integer, got {self.keyframe_every!r}")
         _check_level(self.level)
@@ -76,6 +84,7 @@ class Spec:
     level: int = 1
     transform: str | None = None
     base: str | None = None
+    keep_bits: Mapping[str, int] | None = None
 
 
 def _check_level(level: Any) -> None:
@@ -92,7 +101,7 @@ def resolve(codec: Any) -> Spec | None:
         base = None if codec.base is None else os.fspath(codec.base)
         if base is not None and not os.path.isfile(base):
             raise InvalidArgumentError(f"Delta(base={base!r}): no such file")
-        return Spec(codec.level, codec.transform, base)
+        return Spec(codec.level, codec.transform, base, _lossy.check_keep_bits(codec.keep_bits))
     if isinstance(codec, str) and (codec == "zstd" or codec.startswith("zstd:")):
         level = 1
         if codec != "zstd":
@@ -154,12 +163,20 @@ def encode_storage(
     dtype: torch.dtype,
     spec: Spec,
     reference: tuple[torch.Tensor, dict[str, Any]] | None,
+    keep_bits: int | None = None,
+    what: str = "",
 ) -> Encoded | None:
     """``st`` encoded (None: it stays raw, too small to gain). ``reference``:
-    the bytes to predict from and the manifest's reference entry."""
+    the bytes to predict from and the manifest's reference entry;
+    ``keep_bits``: round the mantissa first (lossy)."""
     n = st.nbytes()
     if n < MIN_BYTES:
         return None
+    lossy = None
+    if keep_bits is not None and dtype in _lossy.MANTISSA:
+        flat = torch.empty(0, dtype=dtype).set_(st, 0, (n // dtype.itemsize,))  # type: ignore[call-overload]
+        rounded, lossy = _lossy.round_mantissa(flat, keep_bits, what)
+        st = rounded.untyped_storage()
     width = element_width(dtype)
     if n % width:
         width = 1
@@ -176,7 +193,7 @@ def encode_storage(
         threads=threads(),
         transform=spec.transform if reference is not None else None,
     )
-    if len(data) >= n:  # nothing gained: the record stays raw
+    if len(data) >= n:  # nothing gained: the record stays raw (and exact)
         return None
     raw, coded, dup, same, zero = stats
     fields: dict[str, Any] = {
@@ -187,6 +204,8 @@ def encode_storage(
         "chunk_kinds": {"raw": raw, "coded": coded, "dup": dup, "same": same, "zero": zero},
         "delta_base": reference[1] if reference is not None else None,
     }
+    if lossy is not None:
+        fields["lossy"] = lossy
     return Encoded(data, fields)
 
 
