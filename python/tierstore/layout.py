@@ -406,6 +406,11 @@ class Rule:
         return r
 
 
+#: Layouts of whole tensors made by :meth:`Layout.full`, by (name, shape, replicated).
+_FULL: dict[tuple[str, tuple[int, ...], bool], Layout] = {}
+_FULL_MAX = 1 << 16
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where the elements of one local tensor sit in global tensors.
@@ -541,6 +546,15 @@ class Layout:
             raise LayoutError(f"{what}: pieces cover {covered} elements of a local tensor of {local_numel}")
 
     def to_json(self) -> dict[str, Any]:
+        """The layout as JSON values; made once per layout (a layout does not
+        change) and shared, so callers must not modify it."""
+        got = self.__dict__.get("_json")
+        if got is None:
+            got = self._to_json()
+            object.__setattr__(self, "_json", got)
+        return got
+
+    def _to_json(self) -> dict[str, Any]:
         out = {
             "local_shape": list(self.local_shape),
             "global_shapes": {k: list(v) for k, v in self.global_shapes.items()},
@@ -584,12 +598,23 @@ class Layout:
     def full(name: str, shape: Sequence[int], *, replicated: bool = True) -> Layout:
         """The whole global tensor (replicated on every rank by default)."""
         s = tuple(shape)
+        key = (name, s, replicated)
+        got = _FULL.get(key)
+        if got is not None:
+            return got
         # Unreplicated, it is the one position of a rule; replicated, each
         # holder is told on its own whether it writes it (writes balanced
         # over the ranks per tensor).
         if not replicated:
-            return Rule(name, s, (), 0, False).layout_at(())
-        return Layout(s, (Piece(name, Box.whole(s), Box.whole(s)),), {name: s}, replicated)
+            got = Rule(name, s, (), 0, False).layout_at(())
+        else:
+            got = Layout(s, (Piece(name, Box.whole(s), Box.whole(s)),), {name: s}, replicated)
+        # A Checkpointer asks for the same layouts at every save: the one
+        # made first (and its JSON, made once) serves them all.
+        if len(_FULL) >= _FULL_MAX:
+            _FULL.clear()
+        _FULL[key] = got
+        return got
 
     @staticmethod
     def block(
