@@ -655,3 +655,80 @@ def test_a_record_name_twice_in_the_directory_is_refused_by_path_and_stream_load
         tierstore.load(p)
     with open(p, "rb") as f, pytest.raises(CorruptFileError, match="data/0' appears twice"):
         tierstore.load(f)
+
+
+def _own_manifest(p: Path) -> tuple[dict[str, Any], int, int]:
+    """A data file's own manifest, the offset of its bytes in the file and their length."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(p) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(".tierstore/manifest.json"))
+        fm = json.loads(z.read(info))
+    with open(p, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+    return fm, info.header_offset + 30 + name_len + extra_len, info.file_size
+
+
+def _rewrite_own_manifest(p: Path, old: bytes, new: bytes) -> int:
+    """Replaces ``old`` by ``new`` (same length) once in the data file's own
+    ``.tierstore/manifest.json`` and fixes that record's CRC-32 in the zip's
+    local header and central directory, as a forger who knows the zip
+    format would; returns the new CRC-32."""
+    import struct
+    import zlib
+
+    _fm, at, size = _own_manifest(p)
+    data = bytearray(p.read_bytes())
+    text = bytes(data[at : at + size])
+    assert len(old) == len(new) and old in text
+    fixed = text.replace(old, new, 1)
+    data[at : at + len(fixed)] = fixed
+    crc = zlib.crc32(fixed)
+    hits = 0
+    for sig, field in ((b"PK\x03\x04", 14), (b"PK\x01\x02", 16)):
+        i = data.find(sig)
+        while i >= 0:
+            if sig == b"PK\x03\x04":
+                n = struct.unpack_from("<H", data, i + 26)[0]
+                name = bytes(data[i + 30 : i + 30 + n])
+            else:
+                n = struct.unpack_from("<H", data, i + 28)[0]
+                name = bytes(data[i + 46 : i + 46 + n])
+            if name.endswith(b".tierstore/manifest.json"):
+                struct.pack_into("<I", data, i + field, crc)
+                hits += 1
+            i = data.find(sig, i + 4)
+    assert hits == 2
+    p.write_bytes(bytes(data))
+    return crc
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_resealed_own_manifest_pointing_a_tensor_at_another_record_is_refused(tmp_path: Path, explicit: bool) -> None:
+    """A data file's own manifest rewritten to say that a shard is in
+    another record of the same size, with every checksum a forger can reach
+    fixed (the zip's, the file's manifest CRC in manifest.json, the seal,
+    and for an explicit piece its record, offset and CRC in manifest.json):
+    the file's pickle still says which storage each tensor views, and the
+    load, ``consolidate`` and ``verify`` refuse the file instead of
+    returning the other shard's bytes."""
+    d, _full = _rows(tmp_path, explicit=explicit)
+    p = _data_file(d)
+    fm, _at, _size = _own_manifest(p)
+    other = next(r for r in fm["records"] if r["name"] == "data/1")
+    crc = _rewrite_own_manifest(p, b'"record":"data/0"', b'"record":"data/1"')
+    m = _manifest(d)
+    for f in m["files"]:
+        if f["name"] == p.name:
+            f["manifest_crc32"] = crc
+    for s in m.get("stored", []):  # an explicit piece names its record in manifest.json too
+        if s.get("record") == "data/0":
+            s.update(record="data/1", record_offset=other["offset"], offset=other["offset"], crc32=other["crc32"])
+    _reseal(d, m)
+    with pytest.raises(ManifestError, match=r"its data\.pkl says"):
+        tierstore.load_sharded(d, _column_target((256, 384), 0, 2))
+    with pytest.raises(ManifestError, match=r"its data\.pkl says"):
+        consolidate(d, per_rank_policy="rank0")
+    assert tierstore.cli.main(["verify", str(d)]) != 0

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tierstore.errors import InvalidArgumentTypeError, UnsupportedObjectError, UsageError
+from tierstore.errors import CorruptFileError, InvalidArgumentTypeError, UnsupportedObjectError, UsageError
 
 DEFAULT_PROTOCOL = 2
 _UNTYPED_DTYPES = frozenset(torch.storage._new_dtypes())
@@ -399,46 +399,165 @@ def tensor_paths(obj: Any, limit: int = 1_000_000) -> list[tuple[list[str | int]
     return out
 
 
+@dataclass(frozen=True)
+class TensorView:
+    """A tensor of a pickle, as ``data.pkl`` describes it: the storage it
+    views (its key: record ``data/<key>``), where in it, and how."""
+
+    key: str
+    dtype: str
+    shape: list[int]
+    stride: list[int]
+    storage_offset: int
+
+
+def tensor_views(data: bytes, path: str) -> dict[tuple[str | int, ...], TensorView]:
+    """Every tensor of pickle ``data`` by its path in the object, unpickled
+    under torch's weights-only rules onto the meta device (no data read,
+    nothing of the file's run). For a check of the file's own manifest
+    against the pickle it describes (which storage each tensor views);
+    raises :class:`CorruptFileError` naming ``data.pkl`` when the pickle
+    does not unpickle under those rules."""
+    fast = _fast_views(data, path)  # bounded by the engine, as a load's is
+    if fast is not None:
+        return fast
+    refuse_absurd_sizes(data, path)  # what would make torch's unpickler allocate or recurse without bound
+    obj, by_impl = _meta_unpickle(data, path)
+    out: dict[tuple[str | int, ...], TensorView] = {}
+    for tp, t in tensor_paths(obj):
+        try:
+            got = by_impl.get(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            got = None
+        if got is None:
+            raise CorruptFileError(
+                f"{path}: record 'data.pkl': tensor at {tp} views no storage of the file", path=path, record="data.pkl"
+            )
+        out[tuple(tp)] = TensorView(
+            got[0], str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()), int(t.storage_offset())
+        )
+    return out
+
+
+def _fast_views(data: bytes, path: str) -> dict[tuple[str | int, ...], TensorView] | None:
+    """:func:`tensor_views` through the engine's weights-only unpickler, each
+    tensor rebuilt as a :class:`TensorView` rather than a tensor (a tenth of
+    the time of meta tensors); ``None`` where the fast path declines."""
+
+    def persistent_load(pid: Any) -> Any:
+        if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}"[:200])
+        stype = pid[1]
+        dtype = stype if isinstance(stype, torch.dtype) else getattr(stype, "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(f"storage {pid[2]!r}: no dtype in its persistent id"[:200])
+        return (str(pid[2]), str(dtype).removeprefix("torch."))
+
+    def rebuild(storage: Any, offset: Any, size: Any, stride: Any, *_rest: Any) -> TensorView:
+        ok = (
+            isinstance(storage, tuple) and isinstance(offset, int) and all(isinstance(x, int) for x in (*size, *stride))
+        )
+        if not ok:
+            raise pickle.UnpicklingError("a tensor rebuilt from something other than a storage and sizes")
+        return TensorView(storage[0], storage[1], list(size), list(stride), offset)
+
+    if b"bytearray" in data:
+        return None
+    try:
+        from torch import _weights_only_unpickler as wo
+
+        allowed = {**wo._get_user_allowed_globals(), **wo._get_allowed_globals()}
+        blocked = list(wo._blocklisted_modules)
+    except (ImportError, AttributeError):
+        return None
+    from collections import Counter, OrderedDict
+
+    from tierstore import _core
+
+    try:
+        substitute = (torch._utils._rebuild_tensor_v2, rebuild)
+        load = _core.fast_weights_only_load
+        obj = load(data, allowed, blocked, OrderedDict, Counter, [], persistent_load, substitute)
+    except Exception as e:  # any failure of a hostile pickle is the file's
+        raise CorruptFileError(
+            f"{path}: record 'data.pkl': does not unpickle under the weights-only rules "
+            f"({type(e).__name__}: {str(e)[:200]})",
+            path=path,
+            record="data.pkl",
+        ) from None
+    if obj is None:
+        return None
+    out: dict[tuple[str | int, ...], TensorView] = {}
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), obj)]
+    while stack:
+        at, o = stack.pop()
+        if isinstance(o, TensorView):
+            out[at] = o
+        elif isinstance(o, torch.Tensor):
+            return None  # a tensor made some other way: the slow path describes it
+        elif isinstance(o, dict) and len(at) < 64:
+            stack.extend(((*at, k), v) for k, v in o.items() if isinstance(k, (str, int)))
+        elif isinstance(o, (list, tuple)) and len(at) < 64:
+            stack.extend(((*at, i), v) for i, v in enumerate(o))
+    return out
+
+
+def _meta_unpickle(data: bytes, path: str) -> tuple[Any, dict[int, tuple[str, str]]]:
+    """``data`` unpickled under torch's weights-only rules with every
+    storage made on the meta device; also each storage's key and dtype by
+    its untyped storage's ``_cdata``."""
+    from torch import _weights_only_unpickler
+
+    by_impl: dict[int, tuple[str, str]] = {}
+
+    def persistent_load(pid: Any) -> Any:
+        if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}"[:200])
+        stype, key, numel = pid[1], str(pid[2]), pid[4]
+        dtype = stype if isinstance(stype, torch.dtype) else getattr(stype, "dtype", None)
+        if not isinstance(dtype, torch.dtype) or not isinstance(numel, int):
+            raise pickle.UnpicklingError(f"storage {key!r}: bad type or size in its persistent id"[:200])
+        item = torch.empty((), dtype=dtype).element_size()
+        if numel < 0 or numel * item > 1 << 62:
+            raise pickle.UnpicklingError(f"storage {key!r}: {numel} elements"[:200])
+        untyped = torch.UntypedStorage(numel * item, device="meta")
+        by_impl[untyped._cdata] = (key, str(dtype).removeprefix("torch."))
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+    try:
+        u = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
+        u.persistent_load = persistent_load  # type: ignore[method-assign]
+        return u.load(), by_impl
+    except Exception as e:  # any failure of a hostile pickle is the file's
+        raise CorruptFileError(
+            f"{path}: record 'data.pkl': does not unpickle under the weights-only rules "
+            f"({type(e).__name__}: {str(e)[:200]})",
+            path=path,
+            record="data.pkl",
+        ) from None
+
+
 def describe_storages(data: bytes) -> tuple[dict[str, str], dict[str, list[str]]]:
     """For ``tierstore inspect`` of a file torch.save wrote: the dtype of
     each storage record (``data/<key>``) and the tensors viewing it (``path
     shape``), from ``data.pkl`` unpickled under torch's weights-only rules
     onto the meta device (no data read, nothing run). Empty when the pickle
     needs more than those rules allow."""
-    from torch import _weights_only_unpickler
-
-    dtypes: dict[str, str] = {}
-    by_impl: dict[int, str] = {}
-
-    def persistent_load(pid: Any) -> Any:
-        if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
-            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
-        stype, key, _loc, numel = pid[1], str(pid[2]), pid[3], int(pid[4])
-        dtype = stype if isinstance(stype, torch.dtype) else stype.dtype
-        item = torch.empty((), dtype=dtype).element_size()
-        if numel < 0 or numel * item > 1 << 62:
-            raise pickle.UnpicklingError(f"storage {key!r}: {numel} elements")
-        untyped = torch.UntypedStorage(numel * item, device="meta")
-        by_impl[untyped._cdata] = key
-        dtypes[f"data/{key}"] = str(dtype).removeprefix("torch.")
-        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
-
     try:
         refuse_absurd_sizes(data, "inspect")  # what would make the unpickler allocate or recurse without bound
-        u = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
-        u.persistent_load = persistent_load  # type: ignore[method-assign]
-        obj = u.load()
-    except Exception:  # inspect shows what it can; load and verify report the pickle's problems
-        return dtypes, {}
+        obj, by_impl = _meta_unpickle(data, "inspect")
+    except CorruptFileError:  # inspect shows what it can; load and verify report the pickle's problems
+        return {}, {}
+    dtypes = {f"data/{k}": dt for k, dt in by_impl.values()}
     views: dict[str, list[str]] = {}
     for path, t in tensor_paths(obj):
         try:
-            key = by_impl.get(t.untyped_storage()._cdata)
+            got = by_impl.get(t.untyped_storage()._cdata)
         except (RuntimeError, NotImplementedError):
             continue
-        if key is not None:
+        if got is not None:
             shown = ".".join(str(p) for p in path) or "(root)"
-            views.setdefault(f"data/{key}", []).append(f"{shown} {tuple(t.shape)}")
+            views.setdefault(f"data/{got[0]}", []).append(f"{shown} {tuple(t.shape)}")
     return dtypes, views
 
 

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tierstore import _archive, _index, _metadata, _paths, manifest
+from tierstore import _archive, _index, _metadata, _paths, _pickle, manifest
 from tierstore._fs import write_atomic
 from tierstore.errors import LayoutError, ManifestError, MissingKeyError, NotFoundError, TierstoreError
 from tierstore.layout import Box, Layout, Piece, Rule
@@ -852,7 +852,39 @@ class Checkpoint:
             path = t.get("path") if isinstance(t, dict) else None
             if isinstance(path, list) and len(path) == 2 and path[0] == "tensors" and isinstance(path[1], str):
                 view.tensors[path[1]] = t
+        if view.tensors:
+            self._check_pickle(view)
         return view
+
+    @staticmethod
+    def _check_pickle(view: _FileView) -> None:
+        """The file's own manifest must say of each tensor what its pickle
+        says: the same storage record, offset, shape, stride and dtype. The
+        pickle is the second witness: a manifest rewritten to point a tensor
+        at another record of the same size (its checksums fixed up) is
+        caught here, where each record's own checksum cannot catch it."""
+        rel = str(view.fm.get("pickle") or "data.pkl")
+        rec = view.arch.records.get(rel)
+        off = view.offsets.get(rel)
+        if rec is None or off is None:
+            raise view.bad(f"it has no record '{rel}'")
+        if rec.size > manifest.MAX_MANIFEST_BYTES:
+            raise view.bad(f"its record '{rel}' is {rec.size} bytes")
+        data = _archive.load_small(view.arch, off, rec.size, rel)
+        _archive.check_crc(view.path, view.arch.full(rel), data, rec.crc32)
+        pickled = _pickle.tensor_views(data, view.path)
+        for key, t in view.tensors.items():
+            v = pickled.get(("tensors", key))
+            said = (t.get("record"), t.get("dtype"), t.get("shape"), t.get("stride"), t.get("storage_offset"))
+            if v is None or said != (f"data/{v.key}", v.dtype, v.shape, v.stride, v.storage_offset):
+                was = "nothing" if v is None else f"record 'data/{v.key}' {v.dtype} {v.shape} at {v.storage_offset}"
+                raise view.bad(
+                    f"its manifest puts tensor {key!r} in record {t.get('record')!r} {t.get('dtype')} "
+                    f"{t.get('shape')} at {t.get('storage_offset')}, its {rel} says {was}"
+                )
+        extra = sorted(str(p[1]) for p in pickled if len(p) == 2 and p[0] == "tensors" and p[1] not in view.tensors)
+        if extra:
+            raise view.bad(f"its {rel} holds tensors its manifest does not list ({', '.join(extra[:5])})")
 
     def check_file(self, fi: int) -> dict[str, ChunkTable]:
         """Checks data file ``fi`` against the manifest (once) and returns the
