@@ -732,3 +732,21 @@ def test_a_resealed_own_manifest_pointing_a_tensor_at_another_record_is_refused(
     with pytest.raises(ManifestError, match=r"its data\.pkl says"):
         consolidate(d, per_rank_policy="rank0")
     assert tierstore.cli.main(["verify", str(d)]) != 0
+
+
+def test_dtypes_without_a_legacy_storage_class_pass_the_pickle_check(tmp_path: Path) -> None:
+    """float8 and uint16 tensors pickle through untyped storages and
+    ``_rebuild_tensor_v3``: the check of a shard file's manifest against
+    its pickle reads them too (a control: nothing damaged, nothing refused)."""
+    sd = {
+        "f8": torch.randn(64, 8).to(torch.float8_e4m3fn),
+        "u16": torch.arange(300, dtype=torch.int32).to(torch.uint16),
+        "w": torch.randn(4, 4),
+    }
+    d = tmp_path / "ck"
+    tierstore.save_sharded(sd, d)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    tierstore.load_sharded(d, out)
+    for k, v in sd.items():
+        assert torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)), k
+    assert tierstore.cli.main(["verify", str(d)]) == 0

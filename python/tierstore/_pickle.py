@@ -453,6 +453,11 @@ def _fast_views(data: bytes, path: str) -> dict[tuple[str | int, ...], TensorVie
             raise pickle.UnpicklingError(f"storage {pid[2]!r}: no dtype in its persistent id"[:200])
         return (str(pid[2]), str(dtype).removeprefix("torch."))
 
+    if b"_rebuild_tensor_v2" not in data or b"_rebuild_tensor_v3" in data or b"UntypedStorage" in data:
+        # dtypes without a legacy storage class (float8, uint16, ...) rebuild
+        # through v3 from untyped storages: the general path describes them
+        return None
+
     def rebuild(storage: Any, offset: Any, size: Any, stride: Any, *_rest: Any) -> TensorView:
         ok = (
             isinstance(storage, tuple) and isinstance(offset, int) and all(isinstance(x, int) for x in (*size, *stride))
@@ -514,7 +519,9 @@ def _meta_unpickle(data: bytes, path: str) -> tuple[Any, dict[int, tuple[str, st
         if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}"[:200])
         stype, key, numel = pid[1], str(pid[2]), pid[4]
-        dtype = stype if isinstance(stype, torch.dtype) else getattr(stype, "dtype", None)
+        # an untyped storage holds bytes (torch's loader reads it as uint8)
+        dtype = torch.uint8 if stype is torch.UntypedStorage else stype
+        dtype = dtype if isinstance(dtype, torch.dtype) else getattr(dtype, "dtype", None)
         if not isinstance(dtype, torch.dtype) or not isinstance(numel, int):
             raise pickle.UnpicklingError(f"storage {key!r}: bad type or size in its persistent id"[:200])
         item = torch.empty((), dtype=dtype).element_size()
