@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tierstore import _core, _paths
+from tierstore import _core, _paths, _tier_codec
 from tierstore._ckpt_peers import Ring, exchange, own_files
 from tierstore._ckpt_pool import HostPool
 from tierstore._ckpt_restore import META, STEP_DIR, step_dirs
@@ -30,6 +30,7 @@ from tierstore._dist import all_true, barrier, gather, scatter
 from tierstore._engine import get_engine
 from tierstore._fs import make_dir, write_atomic, write_json_atomic
 from tierstore._nodes import Node
+from tierstore.codec import CODEC
 from tierstore.errors import TierstoreError
 from tierstore.sharded import write_sharded
 from tierstore.shardmeta import MANIFEST, read_manifest
@@ -242,7 +243,7 @@ class Cascade:
                     self._busy_dirs.add(d)
                 try:
                     if snap.local_dir is not None:
-                        self.copy_dir(snap.local_dir, d)
+                        self.copy_dir(snap.local_dir, d, t)
                         self.spread_commit(d, t, self._pg_promote)
                     else:  # the local tier failed: write from host memory
                         snap.captured.wait()
@@ -385,10 +386,10 @@ class Cascade:
         barrier(self.world, pg)
         return n
 
-    def copy_dir(self, src: Path, dst: Path) -> None:
+    def copy_dir(self, src: Path, dst: Path, t: DiskTier | None = None) -> None:
         """Copies this rank's files of the committed checkpoint ``src`` to
-        ``dst``; rank 0 commits ``dst`` with its manifest once every rank's
-        files are durable there."""
+        ``dst`` (encoded where tier ``t`` has a codec); rank 0 commits
+        ``dst`` with its manifest once every rank's files are durable there."""
         m = read_manifest(src)
         sid = m["save_id"]
         # The step directory's entry (and any tier directory made here) made
@@ -400,10 +401,32 @@ class Cascade:
             mine.append(META)
         if self.rank == 0 and "index" in m:
             mine.append(m["index"]["name"])  # a large manifest's index, committed with it
+        spec = t.codec_spec if t is not None else None
+        ref_dir: Path | None = None
+        if spec is not None:
+            assert t is not None
+            step = _tier_codec.step_of(dst)
+            if step is not None:
+                ref_dir = _tier_codec.plan_reference(dst.parent, step, t.keyframe_every, self.world)
         err: BaseException | None = None
         try:
             for f in mine:
-                _core.copy_file(engine, src / f, dst / f, background=True)
+                if spec is not None and _tier_codec.encodable(f):
+                    assert t is not None
+                    self._encode(src / f, dst, t, ref_dir)
+                else:
+                    _core.copy_file(engine, src / f, dst / f, background=True)
+            if spec is not None and self.rank == 0:
+                assert t is not None
+                info = {
+                    "format": "tierstore-tier-codec",
+                    "codec": CODEC,
+                    "keyframe": ref_dir is None,
+                    "reference": ref_dir.name if ref_dir is not None else None,
+                    "keyframe_every": t.keyframe_every,
+                    "level": spec.level,
+                }
+                write_json_atomic(dst / _tier_codec.CODEC_META, info)
         except (OSError, TierstoreError) as e:
             err = e
         ok = all_true(err is None, self.world, self._pg_promote)
@@ -414,6 +437,24 @@ class Cascade:
         if self.rank == 0:
             _core.copy_file(engine, src / MANIFEST, dst / MANIFEST, background=True)
         barrier(self.world, self._pg_promote)
+
+    def _encode(self, src: Path, dst: Path, t: DiskTier, ref_dir: Path | None) -> None:
+        """Stores file ``src`` encoded in ``dst`` (``<name>.tsd``): against
+        this rank's file of keyframe ``ref_dir`` where that file is at hand
+        and intact, else on its own (a keyframe file, kept raw in the
+        reference cache for the deltas that follow)."""
+        cache = _tier_codec.ReferenceCache(self.path / ".tierstore-refs" / t.name)
+        reference = None
+        if ref_dir is not None:
+            name = _tier_codec.reference_file(ref_dir, src.name)
+            want = _tier_codec.expected_files(ref_dir).get(name) if name is not None else None
+            raw = cache.raw(ref_dir, name, want) if name is not None and want is not None else None
+            if raw is not None:
+                reference = (ref_dir.name, raw)
+        assert t.codec_spec is not None
+        _tier_codec.encode_file(src, dst / (src.name + _tier_codec.SUFFIX), t.codec_spec, reference)
+        if ref_dir is None:
+            cache.keep(dst.name, src)
 
     def gc(self, t: DiskTier) -> None:
         """Retention on tier ``t`` (rank 0 only): keeps the newest ``keep_last``
@@ -437,6 +478,13 @@ class Cascade:
         keep.add(complete[0][1])
         if t.keep_every:
             keep |= {d for s, d in complete if s % t.keep_every == 0}
+        if t.codec_spec is not None:
+            # A kept delta's keyframe is kept with it.
+            for d in list(keep):
+                with contextlib.suppress(OSError, TierstoreError):
+                    meta = _tier_codec.tier_meta(d)
+                    if meta is not None and meta.get("reference"):
+                        keep.add(d.parent / meta["reference"])
         with self._lock:
             busy = set(self._busy_dirs)
         for _s, d in complete:

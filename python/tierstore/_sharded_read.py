@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierstore import _core, _dist, _limits, _paths, _tree, gpu
+from tierstore import _core, _dist, _limits, _paths, _tier_codec, _tree, gpu
 from tierstore._engine import get_engine
 from tierstore._leaves import flatten, is_dtensor, tensor_and_layout
 from tierstore.errors import FormatError, InvalidArgumentError, LayoutError, MissingRecordError, NotFoundError
@@ -465,6 +465,10 @@ def _check_consolidated_size(d: Path, m: dict[str, Any], ck: Checkpoint | None =
                 on_disk += p.stat().st_size
                 break
             except FileNotFoundError:
+                enc = _tier_codec.encoded_of(p.parent, p.name)
+                if enc is not None:  # a codec tier's copy: the size its header declares (checked on decode)
+                    on_disk += _tier_codec.read_header(enc)[0]["bytes"]
+                    break
                 continue
         else:
             p = d / fe["name"]
@@ -495,7 +499,7 @@ def _load_objects(
         if name not in cache:
             p = ck.check_objects_file(name)
             got = ts_load(p, weights_only=weights_only)
-            c = str(p.parent)
+            c = ck.objects_copy.get(name, str(p.parent))
             ck.bytes_by_copy[c] = ck.bytes_by_copy.get(c, 0) + p.stat().st_size
             if not isinstance(got, dict) or not isinstance(got.get("objects"), dict):
                 raise FormatError(f"{p}: not an objects file of a sharded checkpoint", path=str(p))

@@ -137,6 +137,11 @@ class Checkpointer:
             raise InvalidArgumentError("at most one HostTier, and it must come first")
         if not self.disks:
             raise InvalidArgumentError("at least one DiskTier is needed for checkpoints to be durable")
+        if self.disks[0].codec_spec is not None:
+            raise InvalidArgumentError(
+                f"tier {self.disks[0].name!r}: the first disk tier is written raw (restores at disk speed); "
+                "give the codec to a tier checkpoints are promoted to (RemoteTier(..., codec=...))"
+            )
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise InvalidArgumentError(f"tier names must differ: {names}")

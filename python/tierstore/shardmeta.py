@@ -28,6 +28,7 @@ import json
 import math
 import os
 import warnings
+import weakref
 import zlib
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tierstore import _archive, _index, _metadata, _paths, _pickle, manifest
+from tierstore import _archive, _index, _metadata, _paths, _pickle, _tier_codec, manifest
 from tierstore._fs import write_atomic
 from tierstore.errors import LayoutError, ManifestError, MissingKeyError, NotFoundError, TierstoreError
 from tierstore.layout import Box, Layout, Piece, Rule
@@ -701,7 +702,12 @@ class Checkpoint:
         # manifest (its length and manifest record's CRC-32).
         self.copies = [self.dir, *(Path(a) for a in alternates)]
         self.excluded: set[tuple[str, str]] = set()  # (copy, file name) found damaged: not used again
+        # A codec tier's copy holds its files encoded (``<name>.tsd``): they
+        # are decoded, bit-exact, into a private folder removed with this object.
+        self._decoder = _tier_codec.Decoder()
+        weakref.finalize(self, self._decoder.close)
         self.bytes_by_copy: dict[str, int] = {}
+        self.objects_copy: dict[str, str] = {}  # objects file -> the copy it was read from
         self._path_of: dict[int, str] = {}
         stored = m["stored"]
         self.stored = stored
@@ -831,7 +837,7 @@ class Checkpoint:
         self.bytes_by_copy[c] = self.bytes_by_copy.get(c, 0) + n
 
     def _open_view(self, fi: int, fe: dict[str, Any], copy: Path) -> _FileView:
-        p = str(_paths.member(copy, fe["name"], source=self.manifest_path, field=f"files[{fi}].name"))
+        p = str(self._member(copy, fe["name"], f"files[{fi}].name"))
         if not os.path.exists(p):
             raise NotFoundError(f"{p}: shard file of the checkpoint is missing", path=p)
         arch, fm, offsets = _archive.open_archive(p)
@@ -1071,10 +1077,22 @@ class Checkpoint:
         """The objects file ``name``, checked against the manifest's record of
         it (its length and the CRC-32 of its manifest record; version 2),
         from the first copy of the checkpoint that holds it intact."""
-        return self._from_copies(name, lambda c: self._objects_file_in(c, name), "objects")[0]
+        p, c = self._from_copies(name, lambda c: self._objects_file_in(c, name), "objects")
+        self.objects_copy[name] = str(c)
+        return p
+
+    def _member(self, copy: Path, name: str, field: str) -> Path:
+        """File ``name`` of ``copy`` (confined to it); where the copy holds
+        it encoded, the decoded file."""
+        p = _paths.member(copy, name, source=self.manifest_path, field=field)
+        if not p.exists():
+            enc = _tier_codec.encoded_of(p.parent, p.name)
+            if enc is not None:
+                return self._decoder.raw(enc)
+        return p
 
     def _objects_file_in(self, copy: Path, name: str) -> Path:
-        p = _paths.member(copy, name, source=self.manifest_path, field="objects")
+        p = self._member(copy, name, "objects")
         if self.version < 2:
             return p
         want = next((o for o in self.manifest["object_files"] if o["name"] == name), None)

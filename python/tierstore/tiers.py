@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from tierstore.errors import InvalidArgumentError
 
@@ -75,6 +76,18 @@ class DiskTier:
     copy, to the next ``k`` nodes' copies (a ring: any ``k`` lost nodes
     leave a copy of every part), over the job's process group; a node that
     lost its copy gets its ranks' files back from a peer before a restore.
+
+    ``codec``: how checkpoints are stored on this tier (None: raw, the
+    default; ``"zstd"``; ``tierstore.Delta(keyframe_every=K)``). With a
+    codec each data and objects file is stored as ``<name>.tsd``, its exact
+    bytes encoded; with ``Delta`` every K-th checkpoint on the tier is a
+    keyframe (encoded on its own) and the others are encoded against the
+    latest keyframe (a star: a restore decodes two files, a delta can be
+    deleted on its own). Reads decode transparently; retention keeps a
+    keyframe while a kept delta needs it. Lossless only here (lossy
+    ``keep_bits`` belongs to single files). Not on the first disk tier
+    (written raw by the flush, for restores at disk speed) nor on
+    node-scoped tiers.
     """
 
     paths: str | os.PathLike[str] | list[str | os.PathLike[str]] = "."
@@ -84,6 +97,9 @@ class DiskTier:
     name: str = "local"
     scope: str = "job"
     replicas: int = 0
+    codec: Any = None
+    codec_spec: Any = field(default=None, init=False, repr=False, compare=False)
+    keyframe_every: int = field(default=1, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ps = self.paths if isinstance(self.paths, list) else [self.paths]
@@ -100,6 +116,24 @@ class DiskTier:
             )
         if self.keep_last is not None and self.keep_last < 1:
             raise InvalidArgumentError(f"tier {self.name!r}: keep_last must be at least 1 (or None to keep all)")
+        from tierstore import codec as _codec
+
+        spec = _codec.resolve(self.codec)
+        if spec is not None:
+            if spec.keep_bits:
+                raise InvalidArgumentError(
+                    f"tier {self.name!r}: a tier's codec is lossless (keep_bits is for tierstore.save of one file)"
+                )
+            if spec.base is not None:
+                raise InvalidArgumentError(
+                    f"tier {self.name!r}: a tier's deltas reference its own keyframes; Delta(base=...) is for "
+                    "tierstore.save of one file"
+                )
+            if self.scope == "node":
+                raise InvalidArgumentError(f"tier {self.name!r}: a codec on a node-scoped tier is not supported")
+        self.codec_spec = spec
+        every = self.codec.keyframe_every if isinstance(self.codec, _codec.Delta) else 1
+        self.keyframe_every = every
 
 
 @dataclass

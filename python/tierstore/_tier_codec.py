@@ -1,0 +1,561 @@
+"""Encoded copies of a checkpoint's files on a tier with a codec
+(``RemoteTier(codec=tierstore.Delta(keyframe_every=8))``).
+
+A data or objects file of a sharded checkpoint is stored on such a tier as
+``<name>.tsd``: the file's exact bytes, encoded. Its own manifest splits it
+into segments: each storage record of at least 64 KiB is one segment coded
+by ``tsz1`` with the element width of its dtype, predicted from the record
+of the same name, dtype and size in the reference file (the same rank's
+file of the tier's last keyframe checkpoint); the bytes between them
+(zip headers, the pickle, the manifest) are coded without a reference.
+Decoding gives back the identical file, so the checkpoint's
+``manifest.json`` (copied as it is) still describes it: its length, its
+manifest record's CRC-32 and every record's chunk checksums are checked
+when the decoded file is read, on top of the codec's xxh3 per chunk.
+
+Layout of a ``.tsd`` file::
+
+    b"TSDELTA1" | u32 header length | u32 CRC-32 of the header | header (JSON) | streams
+
+The header: ``format``, ``version``, ``codec``, ``name`` (the file it
+encodes), ``bytes`` (its length), ``reference`` (``null`` for a keyframe,
+else ``{"step_dir", "name", "bytes", "manifest_crc32"}``: the reference
+file, in a sibling step directory of the same tier, and the fingerprint it
+had) and ``segments``: ``[at, length, width, reference offset or -1,
+stream length]`` covering ``[0, bytes)`` in order; the streams follow the
+header in the same order. See docs/FORMAT.md.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import struct
+import tempfile
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierstore import _archive, _core, _metadata, manifest
+from tierstore import codec as _codec
+from tierstore._fs import fsync_dir
+from tierstore.errors import CorruptFileError, NotFoundError, TierstoreError
+
+MAGIC = b"TSDELTA1"
+SUFFIX = ".tsd"
+FORMAT = "tierstore-delta-file"
+VERSION = 1
+CODEC_META = "codec.json"
+MAX_HEADER = 64 << 20
+_STEP = re.compile(r"^step-\d{12}$")
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
+MAX_DEPTH = 64
+
+
+def encodable(name: str) -> bool:
+    """Files of a checkpoint stored encoded on a codec tier: the ranks' data
+    and objects files (tierstore files with their own manifest)."""
+    return name.startswith(("rank-", "objects-")) and name.endswith(".pt")
+
+
+def _map(path: Path) -> tuple[torch.Tensor, Any]:
+    """The file's bytes as a uint8 tensor over a private mapping (pages read
+    as they are touched); the mapping is returned to be closed."""
+    with open(path, "rb") as f:
+        n = os.fstat(f.fileno()).st_size
+        if n == 0:
+            return torch.empty(0, dtype=torch.uint8), None
+        mm = mmap.mmap(f.fileno(), n, access=mmap.ACCESS_COPY)
+    return torch.frombuffer(mm, dtype=torch.uint8), mm
+
+
+def _storage_records(path: Path) -> tuple[list[dict[str, Any]], int, int]:
+    """The storage records of tierstore file ``path`` (from its own
+    manifest), its length and its manifest record's CRC-32."""
+    arch, fm, _offsets = _archive.open_archive(str(path))
+    if fm is None:
+        raise CorruptFileError(f"{path}: no tierstore manifest; not a checkpoint file", path=str(path))
+    mrec = arch.records[manifest.MANIFEST_NAME]
+    recs = [r for r in fm["records"] if r.get("kind") == "storage" and r.get("codec") in (None, "raw")]
+    return recs, arch.file_len, mrec.crc32
+
+
+def fingerprint(path: Path) -> tuple[int, int]:
+    """A checkpoint file's length and its manifest record's CRC-32 (which
+    covers its save id and every record's CRC): what a delta records of its
+    reference and checks before decoding against it."""
+    arch = _archive.open_directory(str(path))
+    mrec = arch.records.get(manifest.MANIFEST_NAME)
+    if mrec is None:
+        raise CorruptFileError(f"{path}: no tierstore manifest; not a checkpoint file", path=str(path))
+    return arch.file_len, mrec.crc32
+
+
+def encode_file(
+    src: Path,
+    dst: Path,
+    spec: _codec.Spec,
+    reference: tuple[str, Path] | None = None,
+) -> dict[str, Any]:
+    """Writes ``dst`` (``<name>.tsd``): file ``src`` encoded, against
+    ``reference`` = (its step directory's name, its raw bytes' path) where
+    given. Returns the header and the encoded size."""
+    recs, n, _crc = _storage_records(src)
+    ref_recs: dict[tuple[str, str, int], int] = {}
+    ref_t: torch.Tensor | None = None
+    ref_mm: Any = None
+    ref_meta: dict[str, Any] | None = None
+    if reference is not None:
+        step_dir, rpath = reference
+        rr, rn, rcrc = _storage_records(rpath)
+        ref_recs = {(r["name"], r.get("dtype", ""), r["size"]): r["offset"] for r in rr}
+        ref_meta = {"step_dir": step_dir, "name": rpath.name, "bytes": rn, "manifest_crc32": rcrc}
+        ref_t, ref_mm = _map(rpath)
+    src_t, src_mm = _map(src)
+    src_addr = src_t.data_ptr() if n else 0
+    ref_base = ref_t.data_ptr() if ref_t is not None and ref_t.numel() else 0
+    segments: list[list[int]] = []
+    streams: list[bytes] = []
+
+    def add(at: int, length: int, width: int, ref_at: int) -> None:
+        if length == 0:
+            return
+        ref_addr = ref_len = 0
+        if ref_at >= 0:
+            ref_addr, ref_len = ref_base + ref_at, length
+        data, _transform, _stats = _core.codec_encode(
+            src_addr + at,
+            length,
+            width,
+            ref_addr,
+            ref_len,
+            level=spec.level,
+            threads=_codec.threads(),
+            transform=spec.transform if ref_at >= 0 else None,
+        )
+        segments.append([at, length, width, ref_at, len(data)])
+        streams.append(data)
+
+    try:
+        pos = 0
+        for r in sorted(recs, key=lambda r: r["offset"]):
+            at, size = r["offset"], r["size"]
+            if size < _codec.MIN_BYTES or at < pos or at + size > n:
+                continue
+            add(pos, at - pos, 1, -1)
+            dtype = _dtype(r.get("dtype"))
+            width = _codec.element_width(dtype) if dtype is not None else 1
+            if size % width:
+                width = 1
+            ref_at = ref_recs.get((r["name"], r.get("dtype", ""), size), -1)
+            add(at, size, width, ref_at)
+            pos = at + size
+        add(pos, n - pos, 1, -1)
+    finally:
+        del src_t, ref_t
+        for mm in (src_mm, ref_mm):
+            if mm is not None:
+                mm.close()
+    header = {
+        "format": FORMAT,
+        "version": VERSION,
+        "codec": _codec.CODEC,
+        "name": src.name,
+        "bytes": n,
+        "reference": ref_meta,
+        "segments": segments,
+    }
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + struct.pack("<II", len(hb), zlib.crc32(hb)) + hb)
+            for s in streams:
+                f.write(s)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    header["encoded_bytes"] = 16 + len(hb) + sum(len(s) for s in streams)
+    return header
+
+
+def _dtype(name: Any) -> torch.dtype | None:
+    d = getattr(torch, str(name), None) if isinstance(name, str) else None
+    return d if isinstance(d, torch.dtype) else None
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The header of ``.tsd`` file ``path`` (checked: magic, CRC-32, every
+    field and segment bounds) and where its streams begin."""
+    p = str(path)
+
+    def bad(detail: str) -> CorruptFileError:
+        return CorruptFileError(f"{p}: encoded checkpoint file: {detail}", path=p, record="header")
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(16)
+        if len(head) < 16 or head[:8] != MAGIC:
+            raise bad(f"not a tierstore delta file (magic {head[:8]!r})")
+        hlen, hcrc = struct.unpack("<II", head[8:])
+        if hlen > MAX_HEADER or 16 + hlen > size:
+            raise bad(f"header of {hlen} bytes in a file of {size}")
+        hb = f.read(hlen)
+    if zlib.crc32(hb) != hcrc:
+        raise bad("header checksum mismatch; the file is damaged")
+    try:
+        h = json.loads(hb)
+    except ValueError as e:
+        raise bad(f"header is not JSON ({e})") from None
+    if not isinstance(h, dict) or h.get("format") != FORMAT:
+        raise bad("header is not a tierstore delta file's")
+    if h.get("version") != VERSION or h.get("codec") != _codec.CODEC:
+        raise bad(f"version {h.get('version')!r} / codec {h.get('codec')!r} is not one this tierstore reads")
+    n = h.get("bytes")
+    if not _uint(n) or not isinstance(h.get("name"), str) or not _NAME.match(h["name"]):
+        raise bad("bad name or size")
+    ref = h.get("reference")
+    if ref is not None:
+        ok = (
+            isinstance(ref, dict)
+            and isinstance(ref.get("step_dir"), str)
+            and _STEP.match(ref["step_dir"]) is not None
+            and isinstance(ref.get("name"), str)
+            and _NAME.match(ref["name"]) is not None
+            and _uint(ref.get("bytes"))
+            and _uint(ref.get("manifest_crc32"))
+        )
+        if not ok:
+            raise bad("bad reference")
+    segs = h.get("segments")
+    if not isinstance(segs, list):
+        raise bad("no segments")
+    pos, stream_at = 0, 16 + hlen
+    for i, s in enumerate(segs):
+        if not (isinstance(s, list) and len(s) == 5 and all(_int(x) for x in s)):
+            raise bad(f"segment {i} is malformed")
+        at, length, width, ref_at, slen = s
+        if at != pos or length <= 0 or width not in (1, 2, 4, 8) or slen < 0:
+            raise bad(f"segment {i} does not follow segment {i - 1} or has a bad size or width")
+        if ref_at >= 0 and (ref is None or ref_at + length > ref["bytes"]):
+            raise bad(f"segment {i} reads outside its reference")
+        if ref_at < -1:
+            raise bad(f"segment {i} has a bad reference offset")
+        # A stream's directory bounds what it decodes to (chunks of at most
+        # 4 MiB, 32 bytes each): more is damage, not a reason to allocate.
+        if length > (slen // _core.CODEC_ENTRY) * (4 << 20):
+            raise bad(f"segment {i} claims {length} bytes from a stream of {slen}")
+        pos += length
+        stream_at += slen
+        if stream_at > size:
+            raise bad(f"segment {i}'s stream runs past the end of the file ({size} bytes)")
+    if pos != n:
+        raise bad(f"segments cover {pos} bytes, the file is {n}")
+    if stream_at != size:
+        raise bad(f"{size - stream_at} bytes after the last stream")
+    return h, 16 + hlen
+
+
+def _uint(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def decode_file(
+    enc: Path, out: Path, reference: Callable[[dict[str, Any]], Path] | None = None, *, durable: bool = False
+) -> dict[str, Any]:
+    """Writes ``out``: the exact bytes ``enc`` encodes. ``reference(ref)``
+    gives the raw path of the file a delta references (checked against
+    the fingerprint the delta recorded). Returns the header."""
+    h, at = read_header(enc)
+    ref_t: torch.Tensor | None = None
+    ref_mm: Any = None
+    ref = h["reference"]
+    if ref is not None:
+        if reference is None:
+            raise NotFoundError(f"{enc}: a delta against {ref['step_dir']}/{ref['name']}, which is not at hand")
+        rpath = reference(ref)
+        got = fingerprint(rpath)
+        if got != (ref["bytes"], ref["manifest_crc32"]):
+            raise CorruptFileError(
+                f"{enc}: its reference {ref['step_dir']}/{ref['name']} is not the file it was encoded against "
+                f"({got[0]} bytes, manifest crc32 {got[1]:08x}; recorded {ref['bytes']}, "
+                f"{ref['manifest_crc32']:08x})",
+                path=str(enc),
+                record="reference",
+            )
+        ref_t, ref_mm = _map(rpath)
+    enc_t, enc_mm = _map(enc)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            for i, (sat, length, _width, ref_at, slen) in enumerate(h["segments"]):
+                buf = torch.empty(length, dtype=torch.uint8)
+                ref_addr = ref_len = 0
+                if ref_at >= 0:
+                    assert ref_t is not None
+                    ref_addr, ref_len = ref_t.data_ptr() + ref_at, length
+                _core.codec_decode(
+                    enc_t.data_ptr() + at if slen else 0,
+                    slen,
+                    buf.data_ptr(),
+                    length,
+                    ref_addr,
+                    ref_len,
+                    threads=_codec.threads(),
+                    path=str(enc),
+                    record=f"segment {i} (bytes {sat}..{sat + length} of {h['name']})",
+                )
+                f.write(buf.numpy().data)
+                at += slen
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, out)
+        if durable:
+            fsync_dir(out.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        del enc_t, ref_t
+        for mm in (enc_mm, ref_mm):
+            if mm is not None:
+                mm.close()
+    return h
+
+
+class Decoder:
+    """Decodes a checkpoint's ``.tsd`` files into a private folder for
+    readers of the raw format (each file once; references followed within
+    the tier, depth at most 64, cycles refused). The folder is removed with
+    the decoder."""
+
+    def __init__(self) -> None:
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self._done: dict[Path, Path] = {}
+        self._n = 0
+
+    def raw(self, enc: Path, stack: tuple[Path, ...] = ()) -> Path:
+        """The decoded path of ``enc`` (a ``.tsd`` file)."""
+        enc = Path(os.path.abspath(enc))
+        got = self._done.get(enc)
+        if got is not None:
+            return got
+        if enc in stack or len(stack) >= MAX_DEPTH:
+            raise CorruptFileError(f"{enc}: its references form a cycle or a chain deeper than {MAX_DEPTH}")
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="tierstore-decoded-")
+        self._n += 1
+        sub = Path(self._dir.name) / str(self._n)
+        sub.mkdir()
+        out = sub / enc.name.removesuffix(SUFFIX)
+
+        def reference(ref: dict[str, Any]) -> Path:
+            tier = enc.parent.parent
+            rdir = tier / str(ref["step_dir"])
+            raw = rdir / str(ref["name"])
+            coded = rdir / (str(ref["name"]) + SUFFIX)
+            if coded.is_file():
+                return self.raw(coded, (*stack, enc))
+            if raw.is_file():
+                return raw
+            raise NotFoundError(
+                f"{enc}: its reference {ref['step_dir']}/{ref['name']} is missing from {tier}", path=str(enc)
+            )
+
+        decode_file(enc, out, reference)
+        self._done[enc] = out
+        return out
+
+    def close(self) -> None:
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+        self._done.clear()
+
+
+def encoded_of(copy: Path, name: str) -> Path | None:
+    """``copy/name.tsd`` where the copy holds file ``name`` encoded."""
+    p = copy / (name + SUFFIX)
+    return p if p.is_file() and not (copy / name).exists() else None
+
+
+def tier_meta(d: Path) -> dict[str, Any] | None:
+    """A codec tier's ``codec.json`` of step directory ``d`` (None without)."""
+    p = d / CODEC_META
+    try:
+        if p.stat().st_size > MAX_HEADER:
+            raise CorruptFileError(f"{p}: {p.stat().st_size} bytes; not a codec record", path=str(p))
+        data = p.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise TierstoreError(f"{p}: {e}") from None
+    m, _sealed = _metadata.loads(data, str(p), required=True)
+    ref = m.get("reference")
+    if ref is not None and not (isinstance(ref, str) and _STEP.match(ref)):
+        raise CorruptFileError(f"{p}: bad reference {ref!r:.60}", path=str(p))
+    return m
+
+
+def step_of(d: Path) -> int | None:
+    return int(d.name[5:]) if _STEP.match(d.name) else None
+
+
+def plan_reference(tier_dir: Path, step: int, every: int, world: int) -> Path | None:
+    """The step directory of ``tier_dir`` that a new checkpoint of ``step``
+    is encoded against: the latest keyframe, unless ``every`` checkpoints
+    have been stored since it was made (then the new one is a keyframe, as
+    it is when there is none, or when the keyframe was saved by another
+    number of ranks). Every rank computes the same answer from the tier's
+    committed directories."""
+    from tierstore.shardmeta import MANIFEST, read_manifest
+
+    rows: list[tuple[int, Path, bool]] = []
+    try:
+        entries = list(tier_dir.iterdir())
+    except OSError:
+        return None
+    for d in entries:
+        s = step_of(d)
+        if s is None or s >= step or not (d / MANIFEST).is_file():
+            continue
+        try:
+            meta = tier_meta(d)
+        except TierstoreError:
+            continue
+        if meta is not None:
+            rows.append((s, d, bool(meta.get("keyframe"))))
+    rows.sort()
+    keys = [i for i, r in enumerate(rows) if r[2]]
+    if not keys or every <= 1:
+        return None
+    since = len(rows) - 1 - keys[-1]
+    if since + 1 >= every:
+        return None
+    ref = rows[keys[-1]][1]
+    try:
+        if read_manifest(ref)["world_size"] != world:
+            return None
+    except TierstoreError:
+        return None
+    return ref
+
+
+def expected_files(d: Path) -> dict[str, tuple[int, int]]:
+    """Each data and objects file of checkpoint ``d`` with the length and
+    manifest CRC-32 its ``manifest.json`` records."""
+    from tierstore.shardmeta import read_manifest
+
+    m = read_manifest(d)
+    out = {f["name"]: (f["bytes"], f["manifest_crc32"]) for f in m.get("files", ()) if "manifest_crc32" in f}
+    for o in m.get("object_files", ()):
+        if "manifest_crc32" in o:
+            out[o["name"]] = (o["bytes"], o["manifest_crc32"])
+    return out
+
+
+def reference_file(ref_dir: Path, name: str) -> str | None:
+    """The file of checkpoint ``ref_dir`` that file ``name`` (of the same
+    rank: ``rank-00003.<id>.pt``, ``objects-00003.<id>.pt``) is encoded
+    against, by its raw name."""
+    head = name.split(".", 1)[0] + "."
+    try:
+        names = os.listdir(ref_dir)
+    except OSError:
+        return None
+    for n in sorted(names):
+        raw = n.removesuffix(SUFFIX)
+        if raw.startswith(head) and encodable(raw):
+            return raw
+    return None
+
+
+class ReferenceCache:
+    """Raw copies of the current keyframe's files of one rank, for encoding
+    deltas against them: a keyframe's local file is linked here when it is
+    encoded (no copy on the same file system), so that the local tier's
+    retention does not take it; when absent (a restart), the keyframe is
+    decoded from the tier. Each file is checked against the keyframe's
+    manifest.json before a delta is encoded against it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def keep(self, step_dir: str, src: Path) -> None:
+        """Links (or copies) raw file ``src`` as ``step_dir``'s, and drops
+        this rank's files of older keyframes."""
+        d = self.root / step_dir
+        d.mkdir(parents=True, exist_ok=True)
+        dst = d / src.name
+        dst.unlink(missing_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:
+            import shutil
+
+            shutil.copyfile(src, dst)
+        head = src.name.split(".", 1)[0] + "."
+        for old in self.root.iterdir() if self.root.is_dir() else ():
+            if old.name == step_dir or not old.is_dir():
+                continue
+            for f in old.iterdir():
+                if f.name.startswith(head):
+                    f.unlink(missing_ok=True)
+            with _suppress():
+                old.rmdir()
+
+    def raw(self, ref_dir: Path, name: str, want: tuple[int, int]) -> Path | None:
+        """Raw file ``name`` of keyframe ``ref_dir`` with fingerprint
+        ``want``: from the cache, else decoded from the tier into it. None
+        when neither gives that file."""
+        cached = self.root / ref_dir.name / name
+        if cached.is_file():
+            with _suppress():
+                if fingerprint(cached) == want:
+                    return cached
+        src = ref_dir / name
+        if src.is_file():
+            with _suppress():
+                if fingerprint(src) == want:
+                    self.keep(ref_dir.name, src)
+                    return self.root / ref_dir.name / name
+        enc = ref_dir / (name + SUFFIX)
+        if not enc.is_file():
+            return None
+        dec = Decoder()
+        try:
+            out = dec.raw(enc)
+            if fingerprint(out) != want:
+                return None
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(out, cached) if out.stat().st_dev == cached.parent.stat().st_dev else _copy(out, cached)
+            return cached
+        except (OSError, TierstoreError):
+            return None
+        finally:
+            dec.close()
+
+
+def _copy(a: Path, b: Path) -> None:
+    import shutil
+
+    shutil.copyfile(a, b)
+
+
+def _suppress() -> Any:
+    import contextlib
+
+    return contextlib.suppress(OSError, TierstoreError)
