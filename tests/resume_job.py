@@ -1,13 +1,15 @@
 """A small training job for the kill-and-resume test (run as a script).
 
-``resume_job.py DIR STEPS [--kill-after K] [--resume]``: trains a model with
+``resume_job.py DIR STEPS [--kill-after K] [--resume] [--delta-remote]``: trains a model with
 dropout on a shuffled ResumableSampler, with numpy and Python randomness in
 each step and a step-decay scheduler, checkpointing every 3 steps with a
 Checkpointer (the RunState in each checkpoint). ``--kill-after K`` makes the
 process SIGKILL itself once step K is done (after its checkpoints so far are
 durable); ``--resume`` continues from the newest checkpoint. Each step's loss
 is appended to ``DIR/losses.txt`` (``step hex``); the final model and
-optimizer state go to ``DIR/final.pt``.
+optimizer state go to ``DIR/final.pt``. ``--delta-remote`` adds a remote
+tier storing deltas (``Delta(keyframe_every=2)``) and, with ``--resume``,
+deletes the local tier first, so that the resume decodes the remote copy.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main() -> None:
     ap.add_argument("steps", type=int)
     ap.add_argument("--kill-after", type=int, default=None)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--delta-remote", action="store_true")
     args = ap.parse_args()
     d = Path(args.dir)
     torch.set_num_threads(1)
@@ -47,7 +50,15 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
     noise = np.random.default_rng(5)
     run = tierstore.RunState(sampler=sampler, scheduler=sched, noise=noise)
-    ckpt = tierstore.Checkpointer(d / "ckpt", tiers=[tierstore.HostTier(), tierstore.DiskTier(".", keep_last=2)])
+    tiers: list[tierstore.HostTier | tierstore.DiskTier] = [tierstore.HostTier(), tierstore.DiskTier(".", keep_last=2)]
+    if args.delta_remote:
+        tiers.append(tierstore.RemoteTier(str(d / "remote"), codec=tierstore.Delta(keyframe_every=2)))
+        if args.resume:
+            import shutil
+
+            for p in (d / "ckpt").glob("step-*"):
+                shutil.rmtree(p)  # the local tier is lost: the remote deltas are all there is
+    ckpt = tierstore.Checkpointer(d / "ckpt", tiers=tiers)
     ckpt.attach(opt)  # the next optimizer step waits until the checkpoint's tensors are captured
 
     step = 1

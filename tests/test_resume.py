@@ -17,6 +17,7 @@ import torch
 
 import tierstore
 from tests.dist_util import run_world
+from tierstore import _metadata
 from tierstore.errors import TierstoreError
 
 JOB = str(pathlib.Path(__file__).with_name("resume_job.py"))
@@ -60,6 +61,33 @@ def test_kill_and_resume_is_bit_exact(tmp_path: pathlib.Path) -> None:
     for i, st in a["optim"]["state"].items():
         for k, v in st.items():
             assert torch.equal(v, b["optim"]["state"][i][k]), (i, k)
+
+
+def test_kill_and_resume_from_remote_deltas_is_bit_exact(tmp_path: pathlib.Path) -> None:
+    """The same job with a remote tier storing deltas (a keyframe every
+    second checkpoint), SIGKILLed after step 11 and resumed with its local
+    tier deleted: the resume decodes the remote copy (a delta against its
+    keyframe) and trains on exactly as the uninterrupted run."""
+    steps = 16
+    ref = job(tmp_path / "ref", steps)
+    assert ref.returncode == 0, ref.stderr
+    killed = job(tmp_path / "run", steps, "--kill-after", "11", "--delta-remote")
+    assert killed.returncode == -9, (killed.returncode, killed.stderr)
+    remote = tmp_path / "run" / "remote"
+    coded = sorted(remote.glob("step-*/rank-*.pt.tsd"))
+    assert coded and not list(remote.glob("step-*/rank-*.pt")), "the remote tier holds encoded files only"
+    metas = {p.parent.name: _metadata.loads((p.parent / "codec.json").read_bytes(), "codec.json", required=True)[0] for p in coded}
+    assert any(not m["keyframe"] for m in metas.values()), metas
+    resumed = job(tmp_path / "run", steps, "--resume", "--delta-remote")
+    assert resumed.returncode == 0, resumed.stderr
+    want, got = losses(tmp_path / "ref"), losses(tmp_path / "run")
+    assert [s for s, v in got.items() if len(v) == 2] == [10, 11]
+    for s in range(1, steps + 1):
+        assert set(got[s]) == set(want[s]), f"step {s}: {got[s]} != {want[s]}"
+    a = torch.load(tmp_path / "ref" / "final.pt", weights_only=True)
+    b = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
 
 
 def test_run_state_restores_every_generator_and_loads_weights_only(tmp_path: pathlib.Path) -> None:

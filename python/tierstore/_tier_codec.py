@@ -21,9 +21,10 @@ The header: ``format``, ``version``, ``codec``, ``name`` (the file it
 encodes), ``bytes`` (its length), ``reference`` (``null`` for a keyframe,
 else ``{"step_dir", "name", "bytes", "manifest_crc32"}``: the reference
 file, in a sibling step directory of the same tier, and the fingerprint it
-had) and ``segments``: ``[at, length, width, reference offset or -1,
-stream length]`` covering ``[0, bytes)`` in order; the streams follow the
-header in the same order. See docs/FORMAT.md.
+had), ``segments``: ``[at, length, width, reference offset or -1,
+stream length]`` covering ``[0, bytes)`` in order, and ``labels``: per
+segment the tensor its record holds (``""`` between records), for
+``tierstore stats``; the streams follow the header in the same order. See docs/FORMAT.md.
 """
 
 from __future__ import annotations
@@ -76,12 +77,21 @@ def _map(path: Path) -> tuple[torch.Tensor, Any]:
 
 def _storage_records(path: Path) -> tuple[list[dict[str, Any]], int, int]:
     """The storage records of tierstore file ``path`` (from its own
-    manifest), its length and its manifest record's CRC-32."""
+    manifest; each with ``label``, the dotted path of the first tensor
+    viewing it), its length and its manifest record's CRC-32."""
     arch, fm, _offsets = _archive.open_archive(str(path))
     if fm is None:
         raise CorruptFileError(f"{path}: no tierstore manifest; not a checkpoint file", path=str(path))
     mrec = arch.records[manifest.MANIFEST_NAME]
-    recs = [r for r in fm["records"] if r.get("kind") == "storage" and r.get("codec") in (None, "raw")]
+    labels: dict[str, str] = {}
+    for t in fm.get("tensors", ()):
+        if isinstance(t, dict) and isinstance(t.get("path"), list):
+            labels.setdefault(str(t.get("record")), ".".join(str(x) for x in t["path"][1:]))
+    recs = [
+        {**r, "label": labels.get(r["name"], "")}
+        for r in fm["records"]
+        if r.get("kind") == "storage" and r.get("codec") in (None, "raw")
+    ]
     return recs, arch.file_len, mrec.crc32
 
 
@@ -120,9 +130,10 @@ def encode_file(
     src_addr = src_t.data_ptr() if n else 0
     ref_base = ref_t.data_ptr() if ref_t is not None and ref_t.numel() else 0
     segments: list[list[int]] = []
+    labels: list[str] = []
     streams: list[bytes] = []
 
-    def add(at: int, length: int, width: int, ref_at: int) -> None:
+    def add(at: int, length: int, width: int, ref_at: int, label: str = "") -> None:
         if length == 0:
             return
         ref_addr = ref_len = 0
@@ -139,6 +150,7 @@ def encode_file(
             transform=spec.transform if ref_at >= 0 else None,
         )
         segments.append([at, length, width, ref_at, len(data)])
+        labels.append(label)
         streams.append(data)
 
     try:
@@ -153,7 +165,7 @@ def encode_file(
             if size % width:
                 width = 1
             ref_at = ref_recs.get((r["name"], r.get("dtype", ""), size), -1)
-            add(at, size, width, ref_at)
+            add(at, size, width, ref_at, r["label"])
             pos = at + size
         add(pos, n - pos, 1, -1)
     finally:
@@ -169,6 +181,7 @@ def encode_file(
         "bytes": n,
         "reference": ref_meta,
         "segments": segments,
+        "labels": labels,
     }
     hb = json.dumps(header, separators=(",", ":")).encode()
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
@@ -261,6 +274,9 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
         raise bad(f"segments cover {pos} bytes, the file is {n}")
     if stream_at != size:
         raise bad(f"{size - stream_at} bytes after the last stream")
+    labels = h.get("labels")
+    if not (isinstance(labels, list) and len(labels) == len(segs) and all(isinstance(x, str) for x in labels)):
+        raise bad("labels do not match the segments")
     return h, 16 + hlen
 
 

@@ -348,8 +348,9 @@ def _verify_dir(path: str, weights_only: bool) -> int:
             return 1
     total_n = total_b = checked = 0
     engine = _engine()
-    for fi, fp in enumerate(ck.files):
+    for fi in range(len(ck.files)):
         tables = ck.check_file(fi)
+        fp = ck.path_of(fi)  # a codec tier's encoded file: decoded (bit-exact) and checked as the raw file
         n, b = _archive.verify(str(fp))
         total_n, total_b = total_n + n, total_b + b
         if tables:

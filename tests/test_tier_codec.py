@@ -1,0 +1,224 @@
+"""Codec tiers (issue 18): a Checkpointer's remote tier storing deltas
+against keyframes, read back bit-exact by every reader; retention that
+keeps references; damaged or hostile encoded files refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tierstore
+import tierstore.cli
+from tierstore import _metadata, _tier_codec
+from tierstore.errors import CorruptFileError, InvalidArgumentError, TierstoreError
+from tierstore.layout import Layout, attach
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # Two frozen layers (their chunks equal the keyframe's) and one that trains.
+    m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 512), torch.nn.Linear(512, 256))
+    for p in [*m[0].parameters(), *m[1].parameters()]:
+        p.requires_grad_(False)
+    return m
+
+
+def _run(root: Path, saves: int, every: int = 3, keep_last: int | None = None) -> tuple[Any, list[dict[str, Any]]]:
+    """Trains ``saves`` steps, saving each; returns the checkpointer's tier
+    list factory and each step's state (cloned)."""
+    model = _model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    states: list[dict[str, Any]] = []
+    with tierstore.Checkpointer(root / "run", tiers=_tiers(root, every, keep_last)) as ck:
+        for step in range(1, saves + 1):
+            loss = model(torch.randn(8, 256)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ck.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+            ck.wait()
+            states.append({k: v.clone() for k, v in model.state_dict().items()})
+    return model, states
+
+
+def _tiers(root: Path, every: int, keep_last: int | None = None) -> list[Any]:
+    return [
+        tierstore.HostTier("256MiB"),
+        tierstore.DiskTier("local", keep_last=1),
+        tierstore.RemoteTier(str(root / "remote"), codec=tierstore.Delta(keyframe_every=every), keep_last=keep_last),
+    ]
+
+
+def _meta(d: Path) -> dict[str, Any]:
+    return _metadata.loads((d / "codec.json").read_bytes(), str(d), required=True)[0]
+
+
+def _steps(root: Path) -> list[Path]:
+    return sorted((root / "remote").glob("step-*"))
+
+
+def test_remote_deltas_restore_bit_exact_and_shrink(tmp_path: Path) -> None:
+    _model_, states = _run(tmp_path, 7, every=3)
+    steps = _steps(tmp_path)
+    assert len(steps) == 7
+    metas = [_meta(d) for d in steps]
+    assert [m["keyframe"] for m in metas] == [True, False, False, True, False, False, True]
+    assert [m["reference"] for m in metas[1:3]] == [steps[0].name] * 2  # a star: deltas name the keyframe
+    for d in steps:
+        assert not list(d.glob("rank-*.pt")) and len(list(d.glob("rank-*.pt.tsd"))) == 1
+        h, _ = _tier_codec.read_header(next(d.glob("rank-*.pt.tsd")))
+        assert (h["reference"] is None) == _meta(d)["keyframe"]
+    # A delta of a model whose first two layers are frozen: those records equal the keyframe's.
+    key = next(steps[0].glob("rank-*.tsd")).stat().st_size
+    delta = next(steps[1].glob("rank-*.tsd")).stat().st_size
+    raw = _tier_codec.read_header(next(steps[1].glob("rank-*.tsd")))[0]["bytes"]
+    assert delta < 0.6 * key and key < raw, (delta, key, raw)
+    # The local tier lost: the restore decodes the newest remote delta against its keyframe.
+    shutil.rmtree(tmp_path / "run" / "local")
+    with tierstore.Checkpointer(tmp_path / "run", tiers=_tiers(tmp_path, 3)) as ck:
+        got = ck.load_latest()
+        assert ck.restored is not None and ck.restored["tier"] == "remote"
+    for k, v in states[-1].items():
+        assert torch.equal(got["model"][k], v), k
+    # Every step reads back exactly, through load_sharded and verify.
+    for i, d in enumerate(steps):
+        w = states[i]["2.weight"]
+        out = {"model.2.weight": torch.zeros_like(w)}
+        tierstore.load_sharded(d, out)
+        assert torch.equal(out["model.2.weight"], w), d.name
+        assert tierstore.cli.main(["verify", str(d)]) == 0
+
+
+def test_a_delta_checkpoint_reshards(tmp_path: Path) -> None:
+    """A resharding load of a delta: each target rank's rows of a tensor."""
+    _m, states = _run(tmp_path, 2, every=4)
+    d = _steps(tmp_path)[1]
+    assert not _meta(d)["keyframe"]
+    w = states[1]["1.weight"]
+    for r in range(4):
+        lay = Layout.shard("model.1.weight", tuple(w.shape), 0, r, 4)
+        out = {"model.1.weight": attach(torch.zeros(w.shape[0] // 4, w.shape[1]), lay)}
+        tierstore.load_sharded(d, out)
+        assert torch.equal(out["model.1.weight"], w[r * 128 : (r + 1) * 128])
+
+
+def test_retention_keeps_the_keyframe_of_a_kept_delta(tmp_path: Path) -> None:
+    _run(tmp_path, 3, every=4, keep_last=1)
+    names = [d.name for d in _steps(tmp_path)]
+    # keep_last=1 keeps step 3, a delta against step 1: step 1 stays, step 2 goes.
+    assert names == ["step-000000000001", "step-000000000003"], names
+    with tierstore.Checkpointer(tmp_path / "run", tiers=_tiers(tmp_path, 4, keep_last=1)) as ck:
+        shutil.rmtree(tmp_path / "run" / "local")
+        assert ck.load_latest() is not None and ck.restored is not None and ck.restored["step"] == 3
+
+
+def test_a_damaged_keyframe_is_named_and_the_restore_moves_on(tmp_path: Path) -> None:
+    _run(tmp_path, 4, every=3)
+    steps = _steps(tmp_path)
+    key = next(steps[0].glob("rank-*.tsd"))
+    data = bytearray(key.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    key.write_bytes(bytes(data))
+    with pytest.raises(TierstoreError, match="segment") as e:
+        tierstore.load_sharded(steps[1], {"model.2.bias": torch.zeros(256)})
+    assert key.name in str(e.value)
+    # The newest step (a keyframe of its own) is intact; the deltas of the damaged keyframe are not.
+    shutil.rmtree(tmp_path / "run" / "local")
+    with tierstore.Checkpointer(tmp_path / "run", tiers=_tiers(tmp_path, 3)) as ck:
+        assert ck.load_latest() is not None and ck.restored is not None and ck.restored["step"] == 4
+        for d in steps[1:3]:
+            with pytest.raises(TierstoreError):
+                tierstore.load_sharded(d, {"model.2.bias": torch.zeros(256)})
+
+
+def test_a_replaced_keyframe_is_refused(tmp_path: Path) -> None:
+    """A keyframe file swapped for another intact one (another step's):
+    its fingerprint is not the one the delta recorded."""
+    _run(tmp_path, 5, every=3)
+    steps = _steps(tmp_path)
+    a = next(steps[0].glob("rank-*.tsd"))
+    b = next(steps[3].glob("rank-*.tsd"))  # the second keyframe
+    shutil.copyfile(b, a)
+    with pytest.raises(CorruptFileError, match="not the file it was encoded against"):
+        tierstore.load_sharded(steps[1], {"model.2.bias": torch.zeros(256)})
+
+
+def _hostile(p: Path, edit: str) -> None:
+    data = bytearray(p.read_bytes())
+    hlen = struct.unpack_from("<I", data, 8)[0]
+    h = json.loads(bytes(data[16 : 16 + hlen]))
+    if edit == "magic":
+        data[0:8] = b"PK\x03\x04xxxx"
+    elif edit == "truncate":
+        del data[len(data) - 100 :]
+    elif edit == "header_flip":
+        data[20] ^= 1
+    else:
+        if edit == "huge":
+            h["segments"][-1][1] = 1 << 50
+            h["bytes"] = sum(s[1] for s in h["segments"])
+        elif edit == "gap":
+            h["segments"][1][0] += 1
+        elif edit == "ref_outside":
+            h["reference"] = {"step_dir": "../../etc", "name": "passwd", "bytes": 1, "manifest_crc32": 0}
+        elif edit == "ref_name":
+            h["reference"] = {"step_dir": "step-000000000001", "name": "../x", "bytes": 1, "manifest_crc32": 0}
+        elif edit == "negative":
+            h["segments"][0][4] = -5
+        hb = json.dumps(h).encode()
+        data[8 : 16 + hlen] = struct.pack("<II", len(hb), zlib.crc32(hb)) + hb
+    p.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("edit", ["magic", "truncate", "header_flip", "huge", "gap", "ref_outside", "ref_name", "negative"])
+def test_hostile_encoded_files_are_refused(tmp_path: Path, edit: str) -> None:
+    """Encoded files crafted by an attacker (their header re-sealed): a
+    clear error naming the file, nothing read outside the tier, nothing
+    allocated that the file does not hold."""
+    _run(tmp_path, 2, every=4)
+    d = _steps(tmp_path)[1]
+    p = next(d.glob("rank-*.tsd"))
+    _hostile(p, edit)
+    with pytest.raises(TierstoreError) as e:
+        tierstore.load_sharded(d, {"model.2.bias": torch.zeros(256)})
+    assert p.name in str(e.value) or str(d) in str(e.value)
+
+
+def test_tier_codec_arguments() -> None:
+    with pytest.raises(InvalidArgumentError, match="first disk tier"):
+        tierstore.Checkpointer("x", tiers=[tierstore.DiskTier("a", codec="zstd")])
+    with pytest.raises(InvalidArgumentError, match="lossless"):
+        tierstore.RemoteTier("/tmp/r", codec=tierstore.Delta(keep_bits={"*": 10}))
+    with pytest.raises(InvalidArgumentError, match="node"):
+        tierstore.DiskTier("a", scope="node", codec="zstd")
+    with pytest.raises(InvalidArgumentError, match="unknown codec"):
+        tierstore.RemoteTier("/tmp/r", codec="lz4")
+    assert not os.path.exists("x")
+
+
+def test_zstd_tier_stores_keyframes_only(tmp_path: Path) -> None:
+    tiers = [
+        tierstore.HostTier("64MiB"),
+        tierstore.DiskTier("local"),
+        tierstore.RemoteTier(str(tmp_path / "remote"), codec="zstd"),
+    ]
+    sd = {"w": torch.zeros(256, 256), "b": torch.arange(100000)}
+    with tierstore.Checkpointer(tmp_path / "run", tiers=tiers) as ck:
+        for s in (1, 2):
+            ck.save(s, sd)
+            ck.wait()
+    for d in _steps(tmp_path):
+        assert _meta(d)["keyframe"] and _meta(d)["reference"] is None
+        enc = next(d.glob("rank-*.tsd"))
+        assert enc.stat().st_size < 0.2 * _tier_codec.read_header(enc)[0]["bytes"]
+    out = {"w": torch.ones(256, 256), "b": torch.zeros(100000, dtype=torch.int64)}
+    tierstore.load_sharded(_steps(tmp_path)[1], out)
+    assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"])
