@@ -76,7 +76,10 @@ def test_kill_and_resume_from_remote_deltas_is_bit_exact(tmp_path: pathlib.Path)
     remote = tmp_path / "run" / "remote"
     coded = sorted(remote.glob("step-*/rank-*.pt.tsd"))
     assert coded and not list(remote.glob("step-*/rank-*.pt")), "the remote tier holds encoded files only"
-    metas = {p.parent.name: _metadata.loads((p.parent / "codec.json").read_bytes(), "codec.json", required=True)[0] for p in coded}
+    metas = {
+        p.parent.name: _metadata.loads((p.parent / "codec.json").read_bytes(), "codec.json", required=True)[0]
+        for p in coded
+    }
     assert any(not m["keyframe"] for m in metas.values()), metas
     resumed = job(tmp_path / "run", steps, "--resume", "--delta-remote")
     assert resumed.returncode == 0, resumed.stderr

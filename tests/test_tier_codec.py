@@ -66,7 +66,7 @@ def _steps(root: Path) -> list[Path]:
 
 
 def test_remote_deltas_restore_bit_exact_and_shrink(tmp_path: Path) -> None:
-    _model_, states = _run(tmp_path, 7, every=3)
+    _m, states = _run(tmp_path, 7, every=3)
     steps = _steps(tmp_path)
     assert len(steps) == 7
     metas = [_meta(d) for d in steps]
@@ -178,7 +178,10 @@ def _hostile(p: Path, edit: str) -> None:
     p.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("edit", ["magic", "truncate", "header_flip", "huge", "gap", "ref_outside", "ref_name", "negative"])
+HOSTILE = ["magic", "truncate", "header_flip", "huge", "gap", "ref_outside", "ref_name", "negative"]
+
+
+@pytest.mark.parametrize("edit", HOSTILE)
 def test_hostile_encoded_files_are_refused(tmp_path: Path, edit: str) -> None:
     """Encoded files crafted by an attacker (their header re-sealed): a
     clear error naming the file, nothing read outside the tier, nothing
