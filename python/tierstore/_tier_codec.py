@@ -13,9 +13,10 @@ Decoding gives back the identical file, so the checkpoint's
 manifest record's CRC-32 and every record's chunk checksums are checked
 when the decoded file is read, on top of the codec's xxh3 per chunk.
 
-Layout of a ``.tsd`` file::
+Layout of a ``.tsd`` file (the header last, so that each segment's stream
+is written as soon as it is encoded)::
 
-    b"TSDELTA1" | u32 header length | u32 CRC-32 of the header | header (JSON) | streams
+    b"TSDELTA1" | streams | header (JSON) | u32 header length | u32 CRC-32 of the header | b"TSDELTA1"
 
 The header: ``format``, ``version``, ``codec``, ``name`` (the file it
 encodes), ``bytes`` (its length), ``reference`` (``null`` for a keyframe,
@@ -24,11 +25,12 @@ file, in a sibling step directory of the same tier, and the fingerprint it
 had), ``segments``: ``[at, length, width, reference offset or -1,
 stream length]`` covering ``[0, bytes)`` in order, and ``labels``: per
 segment the tensor its record holds (``""`` between records), for
-``tierstore stats``; the streams follow the header in the same order. See docs/FORMAT.md.
+``tierstore stats``; the streams are in the same order. See docs/FORMAT.md.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import mmap
 import os
@@ -37,6 +39,7 @@ import struct
 import tempfile
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,8 @@ MAX_HEADER = 64 << 20
 _STEP = re.compile(r"^step-\d{12}$")
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
 MAX_DEPTH = 64
+_SYNC_EVERY = 32 << 20
+_AHEAD = 256 << 20
 
 
 def encodable(name: str) -> bool:
@@ -114,7 +119,11 @@ def encode_file(
 ) -> dict[str, Any]:
     """Writes ``dst`` (``<name>.tsd``): file ``src`` encoded, against
     ``reference`` = (its step directory's name, its raw bytes' path) where
-    given. Returns the header and the encoded size."""
+    given, durably (fsynced, renamed into place). The encoding of each
+    segment overlaps the writing of the one before (the codec runs without
+    the GIL on a worker thread) and the written bytes are flushed to the
+    device every 32 MiB, so that on a slow tier the device is busy while
+    the codec works. Returns the header and the encoded size."""
     recs, n, _crc = _storage_records(src)
     ref_recs: dict[tuple[str, str, int], int] = {}
     ref_t: torch.Tensor | None = None
@@ -129,13 +138,25 @@ def encode_file(
     src_t, src_mm = _map(src)
     src_addr = src_t.data_ptr() if n else 0
     ref_base = ref_t.data_ptr() if ref_t is not None and ref_t.numel() else 0
-    segments: list[list[int]] = []
-    labels: list[str] = []
-    streams: list[bytes] = []
+    plan: list[tuple[int, int, int, int, str]] = []  # at, length, width, reference offset, label
+    pos = 0
+    for r in sorted(recs, key=lambda r: r["offset"]):
+        at, size = r["offset"], r["size"]
+        if size < _codec.MIN_BYTES or at < pos or at + size > n:
+            continue
+        if at > pos:
+            plan.append((pos, at - pos, 1, -1, ""))
+        dtype = _dtype(r.get("dtype"))
+        width = _codec.element_width(dtype) if dtype is not None else 1
+        if size % width:
+            width = 1
+        plan.append((at, size, width, ref_recs.get((r["name"], r.get("dtype", ""), size), -1), r["label"]))
+        pos = at + size
+    if n > pos:
+        plan.append((pos, n - pos, 1, -1, ""))
 
-    def add(at: int, length: int, width: int, ref_at: int, label: str = "") -> None:
-        if length == 0:
-            return
+    def encode(seg: tuple[int, int, int, int, str]) -> bytes:
+        at, length, width, ref_at, _label = seg
         ref_addr = ref_len = 0
         if ref_at >= 0:
             ref_addr, ref_len = ref_base + ref_at, length
@@ -149,55 +170,91 @@ def encode_file(
             threads=_codec.threads(),
             transform=spec.transform if ref_at >= 0 else None,
         )
-        segments.append([at, length, width, ref_at, len(data)])
-        labels.append(label)
-        streams.append(data)
+        return data
 
+    segments: list[list[int]] = []
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    pool = ThreadPoolExecutor(1, thread_name_prefix="tierstore-encode")
+    written = 0
     try:
-        pos = 0
-        for r in sorted(recs, key=lambda r: r["offset"]):
-            at, size = r["offset"], r["size"]
-            if size < _codec.MIN_BYTES or at < pos or at + size > n:
-                continue
-            add(pos, at - pos, 1, -1)
-            dtype = _dtype(r.get("dtype"))
-            width = _codec.element_width(dtype) if dtype is not None else 1
-            if size % width:
-                width = 1
-            ref_at = ref_recs.get((r["name"], r.get("dtype", ""), size), -1)
-            add(at, size, width, ref_at, r["label"])
-            pos = at + size
-        add(pos, n - pos, 1, -1)
+        with open(tmp, "wb", buffering=0) as f:
+            f.write(MAGIC)
+            written = len(MAGIC)
+            synced = written
+            # The encoder runs ahead of the writer by up to _AHEAD bytes of
+            # input; each written stream's writeback is started at once, so
+            # the device works while the codec does.
+            pending: collections.deque[tuple[Any, tuple[int, int, int, int, str]]] = collections.deque()
+            ahead = 0
+            nxt = 0
+            for _ in range(len(plan)):
+                while nxt < len(plan) and (not pending or ahead + plan[nxt][1] <= _AHEAD):
+                    pending.append((pool.submit(encode, plan[nxt]), plan[nxt]))
+                    ahead += plan[nxt][1]
+                    nxt += 1
+                fut, seg = pending.popleft()
+                data = fut.result()
+                ahead -= seg[1]
+                f.write(data)
+                segments.append([seg[0], seg[1], seg[2], seg[3], len(data)])
+                if not _start_writeback(f.fileno(), written, len(data)) and written + len(data) - synced >= _SYNC_EVERY:
+                    os.fdatasync(f.fileno())
+                    synced = written + len(data)
+                written += len(data)
+            header = {
+                "format": FORMAT,
+                "version": VERSION,
+                "codec": _codec.CODEC,
+                "name": src.name,
+                "bytes": n,
+                "reference": ref_meta,
+                "segments": segments,
+                "labels": [seg[4] for seg in plan],
+            }
+            hb = json.dumps(header, separators=(",", ":")).encode()
+            f.write(hb + struct.pack("<II", len(hb), zlib.crc32(hb)) + MAGIC)
+            written += len(hb) + 16
+            os.fsync(f.fileno())
+        os.replace(tmp, dst)
+        fsync_dir(dst.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     finally:
+        pool.shutdown(wait=True)
         del src_t, ref_t
         for mm in (src_mm, ref_mm):
             if mm is not None:
                 mm.close()
-    header = {
-        "format": FORMAT,
-        "version": VERSION,
-        "codec": _codec.CODEC,
-        "name": src.name,
-        "bytes": n,
-        "reference": ref_meta,
-        "segments": segments,
-        "labels": labels,
-    }
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<II", len(hb), zlib.crc32(hb)) + hb)
-            for s in streams:
-                f.write(s)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dst)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    header["encoded_bytes"] = 16 + len(hb) + sum(len(s) for s in streams)
+    header["encoded_bytes"] = written
     return header
+
+
+def _libc_sync_file_range() -> Any:
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+        fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+        fn.restype = ctypes.c_int
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, offset: int, n: int) -> bool:
+    """Starts the device writing ``n`` bytes at ``offset`` of ``fd`` without
+    waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``); the final
+    fsync still makes it durable. False where that call is missing."""
+    if _SYNC_FILE_RANGE is None or n == 0:
+        return False
+    return int(_SYNC_FILE_RANGE(fd, offset, n, _SYNC_FILE_RANGE_WRITE)) == 0
 
 
 def _dtype(name: Any) -> torch.dtype | None:
@@ -206,8 +263,8 @@ def _dtype(name: Any) -> torch.dtype | None:
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The header of ``.tsd`` file ``path`` (checked: magic, CRC-32, every
-    field and segment bounds) and where its streams begin."""
+    """The header of ``.tsd`` file ``path`` (checked: magic at both ends,
+    CRC-32, every field, segment bounds) and where its streams begin."""
     p = str(path)
 
     def bad(detail: str) -> CorruptFileError:
@@ -215,12 +272,19 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
 
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        head = f.read(16)
-        if len(head) < 16 or head[:8] != MAGIC:
+        head = f.read(8)
+        if len(head) < 8 or head != MAGIC:
             raise bad(f"not a tierstore delta file (magic {head[:8]!r})")
-        hlen, hcrc = struct.unpack("<II", head[8:])
-        if hlen > MAX_HEADER or 16 + hlen > size:
+        if size < 24:
+            raise bad(f"{size} bytes: cut short")
+        f.seek(size - 16)
+        tail = f.read(16)
+        hlen, hcrc = struct.unpack("<II", tail[:8])
+        if tail[8:] != MAGIC:
+            raise bad("its end is not a delta file's trailer; the file is cut short or damaged")
+        if hlen > MAX_HEADER or 8 + hlen + 16 > size:
             raise bad(f"header of {hlen} bytes in a file of {size}")
+        f.seek(size - 16 - hlen)
         hb = f.read(hlen)
     if zlib.crc32(hb) != hcrc:
         raise bad("header checksum mismatch; the file is damaged")
@@ -251,7 +315,8 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     segs = h.get("segments")
     if not isinstance(segs, list):
         raise bad("no segments")
-    pos, stream_at = 0, 16 + hlen
+    end = size - 16 - hlen
+    pos, stream_at = 0, 8
     for i, s in enumerate(segs):
         if not (isinstance(s, list) and len(s) == 5 and all(_int(x) for x in s)):
             raise bad(f"segment {i} is malformed")
@@ -268,16 +333,16 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             raise bad(f"segment {i} claims {length} bytes from a stream of {slen}")
         pos += length
         stream_at += slen
-        if stream_at > size:
-            raise bad(f"segment {i}'s stream runs past the end of the file ({size} bytes)")
+        if stream_at > end:
+            raise bad(f"segment {i}'s stream runs into the header")
     if pos != n:
         raise bad(f"segments cover {pos} bytes, the file is {n}")
-    if stream_at != size:
-        raise bad(f"{size - stream_at} bytes after the last stream")
+    if stream_at != end:
+        raise bad(f"{end - stream_at} bytes between the last stream and the header")
     labels = h.get("labels")
     if not (isinstance(labels, list) and len(labels) == len(segs) and all(isinstance(x, str) for x in labels)):
         raise bad("labels do not match the segments")
-    return h, 16 + hlen
+    return h, 8
 
 
 def _uint(x: Any) -> bool:
@@ -575,3 +640,84 @@ def _suppress() -> Any:
     import contextlib
 
     return contextlib.suppress(OSError, TierstoreError)
+
+
+def tensor_class(label: str) -> str:
+    """The class ``tierstore stats`` counts a tensor under, by its path."""
+    if not label:
+        return "metadata"
+    parts = label.split(".")
+    if "exp_avg_sq" in parts:
+        return "second moment"
+    if "exp_avg" in parts:
+        return "first moment"
+    if "state" in parts or parts[0] in ("optim", "optimizer"):
+        return "other optimizer state"
+    return "weights"
+
+
+def _step_dirs_below(root: Path, depth: int = 3) -> list[Path]:
+    if _STEP.match(root.name) and root.is_dir():
+        return [root]
+    out: list[Path] = []
+    if depth == 0 or root.is_symlink() or not root.is_dir():
+        return out
+    try:
+        entries = sorted(root.iterdir())
+    except OSError:
+        return out
+    for p in entries:
+        if p.is_dir() and not p.is_symlink() and not p.name.startswith(".tierstore-refs"):
+            out += _step_dirs_below(p, depth - 1)
+    return out
+
+
+def run_stats(roots: list[Path]) -> dict[str, Any]:
+    """Bytes over a run, per tier directory and tensor class: what the
+    checkpoints hold (``raw``) and what is stored (``stored``), from the
+    committed step directories under ``roots`` (a Checkpointer's path, a
+    tier's path or one step directory). Encoded files are not decoded: their
+    headers give each segment's sizes and tensor."""
+    from tierstore.shardmeta import MANIFEST
+
+    tiers: dict[str, dict[str, Any]] = {}
+    for root in roots:
+        for d in _step_dirs_below(root):
+            if not (d / MANIFEST).is_file():
+                continue
+            t = tiers.setdefault(
+                str(d.parent), {"steps": 0, "keyframes": 0, "deltas": 0, "raw": 0, "stored": 0, "classes": {}}
+            )
+            t["steps"] += 1
+            meta = tier_meta(d)
+            if meta is not None:
+                t["keyframes" if meta.get("keyframe") else "deltas"] += 1
+            classes: dict[str, list[int]] = t["classes"]
+
+            def add(cls: str, raw: int, stored: int, classes: dict[str, list[int]] = classes) -> None:
+                c = classes.setdefault(cls, [0, 0])
+                c[0] += raw
+                c[1] += stored
+
+            for f in sorted(d.iterdir()):
+                if not f.is_file():
+                    continue
+                size = f.stat().st_size
+                if f.name.endswith(SUFFIX):
+                    h, _at = read_header(f)
+                    add("metadata", 0, size - sum(seg[4] for seg in h["segments"]))
+                    for (_a, length, _w, _r, slen), label in zip(h["segments"], h["labels"], strict=True):
+                        add(tensor_class(label), length, slen)
+                elif encodable(f.name):
+                    recs, n, _crc = _storage_records(f)
+                    held = 0
+                    for r in recs:
+                        add(tensor_class(r["label"]), r["size"], r["size"])
+                        held += r["size"]
+                    add("metadata", n - held, n - held)
+                else:
+                    add("metadata", size, size)
+    for t in tiers.values():
+        t["raw"] = sum(c[0] for c in t["classes"].values())
+        t["stored"] = sum(c[1] for c in t["classes"].values())
+    return {"tiers": tiers}

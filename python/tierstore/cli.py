@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Any, cast
 
 from rich.markup import escape
@@ -468,6 +469,27 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stats(args: argparse.Namespace) -> int:
+    from tierstore import _tier_codec
+
+    got = _tier_codec.run_stats([Path(p) for p in args.run])
+    if args.json:
+        print(json.dumps(got, indent=1))
+        return 0
+    if not got["tiers"]:
+        print(f"tierstore: no committed checkpoint under {' '.join(args.run)}", file=sys.stderr)
+        return 1
+    for tier, t in got["tiers"].items():
+        kinds = f", {t['keyframes']} keyframes, {t['deltas']} deltas" if t["keyframes"] or t["deltas"] else ""
+        print(f"{tier}: {t['steps']} checkpoints{kinds}")
+        print(f"  {'class':<22} {'held':>12} {'stored':>12} {'ratio':>7}")
+        rows = sorted(t["classes"].items(), key=lambda kv: -kv[1][0])
+        for cls, (raw, stored) in [*rows, ("all", (t["raw"], t["stored"]))]:
+            r = f"{raw / stored:.2f}x" if stored else "-"
+            print(f"  {cls:<22} {_human(raw):>12} {_human(stored):>12} {r:>7}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tierstore", description="Inspect, verify and probe tierstore files.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -500,6 +522,10 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--delta-base", default=None, help="with --plain: the base file a delta SRC was encoded against")
     cv.add_argument("--unsafe", action="store_true", help="allow objects outside torch's weights_only allow-list")
     cv.set_defaults(func=cmd_convert)
+    st = sub.add_parser("stats", help="bytes held and stored over a run, per tier and tensor class (codec tiers)")
+    st.add_argument("run", nargs="+", help="a Checkpointer's path, a tier's path or a step directory")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_stats)
     n = sub.add_parser("info", help="backend, io_uring availability and O_DIRECT alignment of a path")
     n.add_argument("path", nargs="?", default=".")
     n.add_argument("--json", action="store_true")
