@@ -2862,17 +2862,20 @@ def ckpt_states(ctx: Ctx) -> tuple[dict[int, dict[str, Any]], Callable[[int, boo
     return {s: state(s) for s in (1, 2, 3)}, state
 
 
-def ckpt_tiers(run: Path, remote: bool) -> list[Any]:
+def ckpt_tiers(run: Path, remote: bool, codec: bool = False) -> list[Any]:
     """The case's tiers: one local tier; or (``remote``) a node-scoped local
     tier and a remote one, so that a load reads each file of the agreed
-    step from the nearest copy that holds it intact (per-file fallback)."""
+    step from the nearest copy that holds it intact (per-file fallback).
+    ``codec``: the remote tier stores deltas (step 1 a keyframe, steps 2
+    and 3 deltas against it), decoded where a load reads them."""
     if not remote:
         return [tierstore.DiskTier(str(run / "local"))]
-    return [tierstore.DiskTier(str(run / "local"), scope="node"), tierstore.RemoteTier(str(run / "remote"))]
+    rc = tierstore.Delta(keyframe_every=3) if codec else None
+    return [tierstore.DiskTier(str(run / "local"), scope="node"), tierstore.RemoteTier(str(run / "remote"), codec=rc)]
 
 
-def ckpt_save(run: Path, states: dict[int, dict[str, Any]], remote: bool = False) -> None:
-    ck = tierstore.Checkpointer(str(run), tiers=ckpt_tiers(run, remote))
+def ckpt_save(run: Path, states: dict[int, dict[str, Any]], remote: bool = False, codec: bool = False) -> None:
+    ck = tierstore.Checkpointer(str(run), tiers=ckpt_tiers(run, remote, codec))
     try:
         for s in sorted(states):
             ck.save(s, states[s])
@@ -2886,7 +2889,7 @@ def step_dir(run: Path, s: int) -> Path:
 
 
 def ckpt_mutators(
-    ctx: Ctx, run: Path, make_state: Callable[[int, bool], dict[str, Any]]
+    ctx: Ctx, run: Path, make_state: Callable[[int, bool], dict[str, Any]], codec: bool = False
 ) -> list[tuple[str, float, Any]]:
     rng = ctx.rng
 
@@ -3103,7 +3106,71 @@ def ckpt_mutators(
             parts.append(f"step {s}: {how}")
         return "; ".join(parts)
 
+    def tsd_damage() -> str:
+        """One of the remote tier's encoded files damaged (bits, length, its
+        header re-sealed with another value, its reference swapped)."""
+        files = sorted((run / "remote").glob("step-*/*.tsd"))
+        if not files:
+            return "no encoded file"
+        p = rng.choice(files)
+        how = rng.choice(["flip", "flip", "truncate", "zero", "header", "swap"])
+        where = f"remote {p.parent.name}/{p.name}: "
+        if how == "flip":
+            return where + flip_bits(p, rng)
+        if how == "truncate":
+            return where + truncate(p, rng)
+        if how == "zero":
+            return where + zero_block(p, rng)
+        if how == "swap":
+            others = [f for f in files if f != p and f.name.split(".")[0] == p.name.split(".")[0]]
+            if others:
+                shutil.copyfile(rng.choice(others), p)
+                return where + "replaced by another step's encoded file of the same rank"
+            return where + flip_bits(p, rng)
+        data = bytearray(p.read_bytes())
+        hlen = struct.unpack_from("<I", data, len(data) - 16)[0]
+        at = len(data) - 16 - hlen
+        h = json.loads(bytes(data[at : at + hlen]))
+        field = rng.choice(["segment", "bytes", "reference", "label"])
+        if field == "segment" and h["segments"]:
+            seg = rng.choice(h["segments"])
+            i = rng.randrange(5)
+            seg[i] = rng.choice([seg[i] + 1, seg[i] - 1, 0, -1, 1 << 40, seg[i] * 2])
+        elif field == "bytes":
+            h["bytes"] = rng.choice([h["bytes"] + 1, h["bytes"] - 1, 0, 1 << 50])
+        elif field == "reference":
+            h["reference"] = rng.choice(
+                [
+                    None,
+                    {"step_dir": "step-000000000002", "name": p.name.removesuffix(".tsd"), "bytes": 1,
+                     "manifest_crc32": 0},
+                    {"step_dir": "../../..", "name": "etc", "bytes": 1, "manifest_crc32": 0},
+                ]
+            )  # fmt: skip
+        else:
+            h["labels"] = rng.choice([[], None, ["x"] * (len(h["segments"]) + 1)])
+        hb = json.dumps(h).encode()
+        data[at:] = hb + struct.pack("<II", len(hb), zlib.crc32(hb)) + b"TSDELTA1"
+        p.write_bytes(bytes(data))
+        ctx.sealed = True
+        return where + f"header field {field} changed, header re-sealed"
+
+    def c_tsd_only() -> str:
+        # The local copies are intact: the load must not need the remote one.
+        return tsd_damage()
+
+    def c_tsd_and_local() -> str:
+        # Step 3's local data file lost: its remote copy is a delta whose
+        # keyframe (step 1) may be the damaged file.
+        d = newest()
+        data_files(d, "rank-")[0].unlink()
+        return f"local {d.name} rank file deleted; " + tsd_damage()
+
+    extra: list[tuple[str, float, Any]] = []
+    if codec:
+        extra = [("remote_tsd_damage", 4, c_tsd_only), ("remote_tsd_and_local", 6, c_tsd_and_local)]
     return [
+        *extra,
         ("step_manifest_flip", 5, c_manifest_flip),
         ("step_manifest_truncate", 3, c_manifest_trunc),
         ("step_manifest_json", 8, c_manifest_json),
@@ -3130,9 +3197,11 @@ def case_checkpointer(ctx: Ctx) -> None:
     # A third of the cases keep a remote copy too: damage to the local copy is
     # then read around file by file (every result must still be exact).
     remote = ctx.rng.random() < 0.33
-    ckpt_save(run, states, remote)
+    # Half of those store deltas on the remote tier (read where the local copy is damaged).
+    codec = remote and ctx.rng.random() < 0.5
+    ckpt_save(run, states, remote, codec)
     ctx.env.emit({"ev": "case", "stage": "saved"})
-    table = [("none", 2, lambda: "no change"), *ckpt_mutators(ctx, run, make_state)]
+    table = [("none", 2, lambda: "no change"), *ckpt_mutators(ctx, run, make_state, codec)]
     ctx.mutator, fn = pick(ctx.rng, table)
     if ctx.env.cache.get("force_mutator"):
         ctx.mutator, fn = next((n, f) for n, _w, f in table if n == ctx.env.cache["force_mutator"])
@@ -3181,7 +3250,7 @@ def case_checkpointer(ctx: Ctx) -> None:
         warned = getattr(tierstore.checkpointer, "_WARNED", None)
         if isinstance(warned, set):
             warned.clear()
-        return tierstore.Checkpointer(str(run), tiers=ckpt_tiers(run, remote))
+        return tierstore.Checkpointer(str(run), tiers=ckpt_tiers(run, remote, codec))
 
     box: dict[str, Any] = {}
 
