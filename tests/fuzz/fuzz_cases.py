@@ -3199,6 +3199,8 @@ def case_checkpointer(ctx: Ctx) -> None:
     remote = ctx.rng.random() < 0.33
     # Half of those store deltas on the remote tier (read where the local copy is damaged).
     codec = remote and ctx.rng.random() < 0.5
+    if "tsd" in str(ctx.env.cache.get("force_mutator", "")):
+        remote = codec = True  # a mutator of encoded files needs them
     ckpt_save(run, states, remote, codec)
     ctx.env.emit({"ev": "case", "stage": "saved"})
     table = [("none", 2, lambda: "no change"), *ckpt_mutators(ctx, run, make_state, codec)]
