@@ -248,3 +248,29 @@ def test_stats_counts_bytes_per_tier_and_class(tmp_path: Path, capsys: pytest.Ca
     out = capsys.readouterr().out
     assert "3 checkpoints, 1 keyframes, 2 deltas" in out and "second moment" in out
     assert tierstore.cli.main(["stats", str(tmp_path / "nothing")]) == 1
+
+
+def test_deleting_a_keyframe_still_needed_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A delta is deleted on its own; its keyframe only once no delta
+    needs it (the refusal names the dependents, and deletes nothing)."""
+    _run(tmp_path, 3, every=4)
+    steps = _steps(tmp_path)
+    with pytest.raises(tierstore.ReferencedCheckpointError) as e:
+        tierstore.delete_checkpoint(steps[0])
+    assert steps[1].name in str(e.value) and steps[2].name in str(e.value)
+    assert sorted(e.value.dependents) == [str(steps[1]), str(steps[2])]
+    assert all(d.is_dir() for d in steps)
+    assert tierstore.cli.main(["delete", str(steps[0])]) == 1
+    assert "delete them first" in capsys.readouterr().err
+    with tierstore.Checkpointer(tmp_path / "run", tiers=_tiers(tmp_path, 4)) as ck:
+        with pytest.raises(tierstore.ReferencedCheckpointError):
+            ck.delete(1)
+        local3 = tmp_path / "run" / "local" / "step-000000000003"
+        assert ck.delete(3) == [str(local3), str(steps[2])]  # a delta: on its own, from every tier
+        assert not local3.exists() and not steps[2].exists()
+    tierstore.delete_checkpoint(steps[1])
+    out = {"model.2.bias": torch.zeros(256)}
+    assert tierstore.cli.main(["delete", str(steps[0])]) == 0  # no dependent left
+    assert not steps[0].exists()
+    with pytest.raises(TierstoreError):
+        tierstore.load_sharded(steps[0], out)

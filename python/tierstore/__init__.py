@@ -13,6 +13,7 @@ from __future__ import annotations
 from tierstore._core import __version__
 from tierstore._engine import configure, get_engine
 from tierstore._info import info
+from tierstore._tier_codec import delete_checkpoint
 from tierstore.api import load, save
 from tierstore.checkpointer import Checkpointer, CheckpointHandle
 from tierstore.codec import Delta
@@ -37,6 +38,7 @@ from tierstore.errors import (
     NotFoundError,
     NotSeekableError,
     PermissionDeniedError,
+    ReferencedCheckpointError,
     ResourceLimitError,
     StorageIOError,
     TierstoreError,
@@ -91,6 +93,7 @@ __all__ = [
     "OffloadedOptimizer",
     "PerRank",
     "PermissionDeniedError",
+    "ReferencedCheckpointError",
     "RemoteTier",
     "ResourceLimitError",
     "ResumableSampler",
@@ -109,6 +112,7 @@ __all__ = [
     "__version__",
     "attach",
     "configure",
+    "delete_checkpoint",
     "get_engine",
     "info",
     "layout_of",

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tierstore import _core, _paths, _tier_codec
+from tierstore import _ckpt_codec, _core, _paths, _tier_codec
 from tierstore._ckpt_peers import Ring, exchange, own_files
 from tierstore._ckpt_pool import HostPool
 from tierstore._ckpt_restore import META, STEP_DIR, step_dirs
@@ -407,7 +407,7 @@ class Cascade:
             assert t is not None
             step = _tier_codec.step_of(dst)
             if step is not None:
-                ref_dir = _tier_codec.plan_reference(dst.parent, step, t.keyframe_every, self.world)
+                ref_dir = _ckpt_codec.plan_reference(dst.parent, step, t.keyframe_every, self.world)
         err: BaseException | None = None
         try:
             for f in mine:
@@ -443,11 +443,11 @@ class Cascade:
         this rank's file of keyframe ``ref_dir`` where that file is at hand
         and intact, else on its own (a keyframe file, kept raw in the
         reference cache for the deltas that follow)."""
-        cache = _tier_codec.ReferenceCache(self.path / ".tierstore-refs" / t.name)
+        cache = _ckpt_codec.ReferenceCache(self.path / ".tierstore-refs" / t.name)
         reference = None
         if ref_dir is not None:
-            name = _tier_codec.reference_file(ref_dir, src.name)
-            want = _tier_codec.expected_files(ref_dir).get(name) if name is not None else None
+            name = _ckpt_codec.reference_file(ref_dir, src.name)
+            want = _ckpt_codec.expected_files(ref_dir).get(name) if name is not None else None
             raw = cache.raw(ref_dir, name, want) if name is not None and want is not None else None
             if raw is not None:
                 reference = (ref_dir.name, raw)

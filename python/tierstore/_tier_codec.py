@@ -59,6 +59,7 @@ MAX_HEADER = 64 << 20
 _STEP = re.compile(r"^step-\d{12}$")
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
 MAX_DEPTH = 64
+MANIFEST = "manifest.json"  # a step directory's commit point (tierstore.shardmeta)
 _SYNC_EVERY = 32 << 20
 _AHEAD = 256 << 20
 
@@ -495,141 +496,6 @@ def step_of(d: Path) -> int | None:
     return int(d.name[5:]) if _STEP.match(d.name) else None
 
 
-def plan_reference(tier_dir: Path, step: int, every: int, world: int) -> Path | None:
-    """The step directory of ``tier_dir`` that a new checkpoint of ``step``
-    is encoded against: the latest keyframe, unless ``every`` checkpoints
-    have been stored since it was made (then the new one is a keyframe, as
-    it is when there is none, or when the keyframe was saved by another
-    number of ranks). Every rank computes the same answer from the tier's
-    committed directories."""
-    from tierstore.shardmeta import MANIFEST, read_manifest
-
-    rows: list[tuple[int, Path, bool]] = []
-    try:
-        entries = list(tier_dir.iterdir())
-    except OSError:
-        return None
-    for d in entries:
-        s = step_of(d)
-        if s is None or s >= step or not (d / MANIFEST).is_file():
-            continue
-        try:
-            meta = tier_meta(d)
-        except TierstoreError:
-            continue
-        if meta is not None:
-            rows.append((s, d, bool(meta.get("keyframe"))))
-    rows.sort()
-    keys = [i for i, r in enumerate(rows) if r[2]]
-    if not keys or every <= 1:
-        return None
-    since = len(rows) - 1 - keys[-1]
-    if since + 1 >= every:
-        return None
-    ref = rows[keys[-1]][1]
-    try:
-        if read_manifest(ref)["world_size"] != world:
-            return None
-    except TierstoreError:
-        return None
-    return ref
-
-
-def expected_files(d: Path) -> dict[str, tuple[int, int]]:
-    """Each data and objects file of checkpoint ``d`` with the length and
-    manifest CRC-32 its ``manifest.json`` records."""
-    from tierstore.shardmeta import read_manifest
-
-    m = read_manifest(d)
-    out = {f["name"]: (f["bytes"], f["manifest_crc32"]) for f in m.get("files", ()) if "manifest_crc32" in f}
-    for o in m.get("object_files", ()):
-        if "manifest_crc32" in o:
-            out[o["name"]] = (o["bytes"], o["manifest_crc32"])
-    return out
-
-
-def reference_file(ref_dir: Path, name: str) -> str | None:
-    """The file of checkpoint ``ref_dir`` that file ``name`` (of the same
-    rank: ``rank-00003.<id>.pt``, ``objects-00003.<id>.pt``) is encoded
-    against, by its raw name."""
-    head = name.split(".", 1)[0] + "."
-    try:
-        names = os.listdir(ref_dir)
-    except OSError:
-        return None
-    for n in sorted(names):
-        raw = n.removesuffix(SUFFIX)
-        if raw.startswith(head) and encodable(raw):
-            return raw
-    return None
-
-
-class ReferenceCache:
-    """Raw copies of the current keyframe's files of one rank, for encoding
-    deltas against them: a keyframe's local file is linked here when it is
-    encoded (no copy on the same file system), so that the local tier's
-    retention does not take it; when absent (a restart), the keyframe is
-    decoded from the tier. Each file is checked against the keyframe's
-    manifest.json before a delta is encoded against it."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def keep(self, step_dir: str, src: Path) -> None:
-        """Links (or copies) raw file ``src`` as ``step_dir``'s, and drops
-        this rank's files of older keyframes."""
-        d = self.root / step_dir
-        d.mkdir(parents=True, exist_ok=True)
-        dst = d / src.name
-        dst.unlink(missing_ok=True)
-        try:
-            os.link(src, dst)
-        except OSError:
-            import shutil
-
-            shutil.copyfile(src, dst)
-        head = src.name.split(".", 1)[0] + "."
-        for old in self.root.iterdir() if self.root.is_dir() else ():
-            if old.name == step_dir or not old.is_dir():
-                continue
-            for f in old.iterdir():
-                if f.name.startswith(head):
-                    f.unlink(missing_ok=True)
-            with _suppress():
-                old.rmdir()
-
-    def raw(self, ref_dir: Path, name: str, want: tuple[int, int]) -> Path | None:
-        """Raw file ``name`` of keyframe ``ref_dir`` with fingerprint
-        ``want``: from the cache, else decoded from the tier into it. None
-        when neither gives that file."""
-        cached = self.root / ref_dir.name / name
-        if cached.is_file():
-            with _suppress():
-                if fingerprint(cached) == want:
-                    return cached
-        src = ref_dir / name
-        if src.is_file():
-            with _suppress():
-                if fingerprint(src) == want:
-                    self.keep(ref_dir.name, src)
-                    return self.root / ref_dir.name / name
-        enc = ref_dir / (name + SUFFIX)
-        if not enc.is_file():
-            return None
-        dec = Decoder()
-        try:
-            out = dec.raw(enc)
-            if fingerprint(out) != want:
-                return None
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(out, cached) if out.stat().st_dev == cached.parent.stat().st_dev else _copy(out, cached)
-            return cached
-        except (OSError, TierstoreError):
-            return None
-        finally:
-            dec.close()
-
-
 def _copy(a: Path, b: Path) -> None:
     import shutil
 
@@ -678,8 +544,6 @@ def run_stats(roots: list[Path]) -> dict[str, Any]:
     committed step directories under ``roots`` (a Checkpointer's path, a
     tier's path or one step directory). Encoded files are not decoded: their
     headers give each segment's sizes and tensor."""
-    from tierstore.shardmeta import MANIFEST
-
     tiers: dict[str, dict[str, Any]] = {}
     for root in roots:
         for d in _step_dirs_below(root):
@@ -721,3 +585,57 @@ def run_stats(roots: list[Path]) -> dict[str, Any]:
         t["raw"] = sum(c[0] for c in t["classes"].values())
         t["stored"] = sum(c[1] for c in t["classes"].values())
     return {"tiers": tiers}
+
+
+def dependents(step_dir: Path) -> list[Path]:
+    """The committed step directories of the same tier path whose files are
+    encoded against ``step_dir`` (they name it in their ``codec.json``)."""
+    out: list[Path] = []
+    try:
+        entries = sorted(step_dir.parent.iterdir())
+    except OSError:
+        return out
+    for d in entries:
+        if d == step_dir or step_of(d) is None or d.is_symlink() or not d.is_dir():
+            continue
+        try:
+            meta = tier_meta(d)
+        except TierstoreError:
+            meta = None
+        if meta is not None and meta.get("reference") == step_dir.name:
+            out.append(d)
+            continue
+        # A step without a readable codec.json may still hold deltas: their headers say.
+        if meta is None:
+            with _suppress():
+                for f in d.glob("*" + SUFFIX):
+                    ref = read_header(f)[0]["reference"]
+                    if ref is not None and ref["step_dir"] == step_dir.name:
+                        out.append(d)
+                        break
+    return out
+
+
+def delete_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Deletes checkpoint directory ``path`` (a ``step-*`` directory of a
+    tier). Refused, with :class:`~tierstore.ReferencedCheckpointError`
+    naming them, while deltas of the same tier are encoded against it:
+    delete those first (or let retention do it)."""
+    from tierstore.errors import InvalidArgumentError, ReferencedCheckpointError
+
+    d = Path(path)
+    if step_of(d) is None or not d.is_dir() or d.is_symlink():
+        raise InvalidArgumentError(f"{d}: not a checkpoint's step directory (step-NNNNNNNNNNNN)")
+    deps = dependents(d)
+    if deps:
+        names = ", ".join(x.name for x in deps)
+        raise ReferencedCheckpointError(
+            f"{d}: {len(deps)} checkpoint(s) of the tier are deltas against it ({names}); delete them first",
+            path=str(d),
+            dependents=[str(x) for x in deps],
+        )
+    import shutil
+
+    # The commit point first: a half-deleted directory is then never taken for a checkpoint.
+    (d / "manifest.json").unlink(missing_ok=True)
+    shutil.rmtree(d)

@@ -490,6 +490,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_delete(args: argparse.Namespace) -> int:
+    from tierstore._tier_codec import delete_checkpoint
+
+    for d in args.step_dir:
+        delete_checkpoint(d)
+        print(f"{d}: deleted")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tierstore", description="Inspect, verify and probe tierstore files.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -526,6 +535,11 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("run", nargs="+", help="a Checkpointer's path, a tier's path or a step directory")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_stats)
+    dl = sub.add_parser(
+        "delete", help="delete a Checkpointer's step directory; refused while deltas reference it (names them)"
+    )
+    dl.add_argument("step_dir", nargs="+")
+    dl.set_defaults(func=cmd_delete)
     n = sub.add_parser("info", help="backend, io_uring availability and O_DIRECT alignment of a path")
     n.add_argument("path", nargs="?", default=".")
     n.add_argument("--json", action="store_true")

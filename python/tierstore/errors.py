@@ -224,6 +224,16 @@ class UsageError(TierstoreError, RuntimeError):
     ``pickle_module``; two tensors viewing one storage as different types)."""
 
 
+class ReferencedCheckpointError(UsageError):
+    """Deleting a checkpoint that kept deltas still reference (their
+    keyframe); ``dependents`` names them. Delete the dependents first."""
+
+    def __init__(self, message: str, *, path: str | None = None, dependents: list[str] | None = None) -> None:
+        RuntimeError.__init__(self, message)
+        self._locate(path, None)
+        self.dependents = list(dependents or [])
+
+
 class ResourceLimitError(TierstoreError, MemoryError):
     """Loading would allocate more memory than is available (the sizes a
     file states are refused before anything is allocated)."""
