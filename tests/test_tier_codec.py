@@ -274,3 +274,17 @@ def test_deleting_a_keyframe_still_needed_is_refused(tmp_path: Path, capsys: pyt
     assert not steps[0].exists()
     with pytest.raises(TierstoreError):
         tierstore.load_sharded(steps[0], out)
+
+
+def test_inspect_an_encoded_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _run(tmp_path, 2, every=4)
+    delta = next(_steps(tmp_path)[1].glob("rank-*.tsd"))
+    assert tierstore.cli.main(["inspect", str(delta)]) == 0
+    out = capsys.readouterr().out
+    assert "a delta against step-000000000001/rank-00000." in out and "model.2.weight" in out
+    assert tierstore.cli.main(["inspect", "--json", str(delta)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["reference"]["step_dir"] == "step-000000000001"
+    assert sum(s["bytes"] for s in got["segments"]) == got["bytes"]
+    w = next(s for s in got["segments"] if s["tensor"] == "model.0.weight")
+    assert w["reference"] == "yes" and w["ratio"] > 100  # a frozen layer: its chunks equal the keyframe's

@@ -196,10 +196,50 @@ def _codec_fields(rec: dict[str, Any] | None, size: int) -> dict[str, Any]:
     }
 
 
+def _inspect_encoded(args: argparse.Namespace) -> int:
+    """An encoded file of a codec tier: per segment (a record, or the bytes
+    between records) its tensor, sizes, ratio and whether it is predicted
+    from the reference; nothing decoded."""
+    from tierstore import _tier_codec
+
+    h, _at = _tier_codec.read_header(Path(args.file))
+    ref = h["reference"]
+    rows = [
+        {
+            "at": a,
+            "bytes": n,
+            "stored": sl,
+            "width": w,
+            "tensor": label,
+            "reference": "yes" if r >= 0 else "no",
+            "ratio": round(n / sl, 3) if sl else None,
+        }
+        for (a, n, w, r, sl), label in zip(h["segments"], h["labels"], strict=True)
+    ]
+    if args.json:
+        out = {"file": args.file, "name": h["name"], "bytes": h["bytes"], "reference": ref, "segments": rows}
+        print(json.dumps(out))
+        return 0
+    stored = sum(r["stored"] for r in rows)
+    kind = f"a delta against {ref['step_dir']}/{ref['name']}" if ref else "a keyframe (no reference)"
+    print(f"{args.file}: {h['name']} encoded ({h['codec']}), {kind}")
+    print(f"  {_human(h['bytes'])} held, {_human(stored)} stored ({h['bytes'] / max(stored, 1):.2f}x)")
+    print(f"  {'offset':>12} {'bytes':>10} {'stored':>10} {'ratio':>7} {'ref':>4}  tensor")
+    for r in rows:
+        ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
+        print(
+            f"  {r['at']:>12} {_human(r['bytes']):>10} {_human(r['stored']):>10} {ratio:>7} {r['reference']:>4}  "
+            f"{r['tensor'] or '(metadata)'}"
+        )
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     path = args.file
     if os.path.isdir(path):
         return _inspect_dir(args)
+    if path.endswith(".tsd"):
+        return _inspect_encoded(args)
     arch, m, offsets = _archive.open_archive(path)
     states = _record_states(path, arch, offsets, not args.no_verify)
     shapes: dict[str, list[str]] = {}
