@@ -377,6 +377,46 @@ def test_lossy_bounds_below_what_the_dtype_holds_are_refused(tmp_path: Path) -> 
         tierstore.Delta(keep_bits={"m": 0})
 
 
+@pytest.mark.parametrize("bound", [0.3, 1e-2, 1e-3, 3e-5])
+def test_lossy_error_bound_per_class_is_kept(tmp_path: Path, bound: float) -> None:
+    """``Delta(max_rel_error={class: b})``: every element of the class is
+    within ``b`` of its value (relative), verified by the writer and
+    recorded; other tensors stay exact; and a chain of deltas does not
+    accumulate error (each file is within the bound of its own values)."""
+    torch.manual_seed(1)
+    x = torch.randn(200_000) * 1e-3
+    prev = tmp_path / "p.pt"
+    tierstore.save({"exp_avg_sq": x, "w": x.clone()}, prev, codec=tierstore.Delta(max_rel_error={"exp_avg_sq": bound}))
+    for i in range(3):  # a chain: each a delta against the one before, as a decoder holds it
+        x = x + torch.randn_like(x) * 1e-6
+        p = tmp_path / f"c{i}.pt"
+        tierstore.save(
+            {"exp_avg_sq": x, "w": x.clone()}, p, codec=tierstore.Delta(base=prev, max_rel_error={"exp_avg_sq": bound})
+        )
+        got = tierstore.load(p)
+        _same(got["w"], x)
+        nz = x != 0
+        rel = ((got["exp_avg_sq"][nz].double() - x[nz].double()).abs() / x[nz].double().abs()).max().item()
+        assert rel <= bound
+        rec = next(r for r in _manifest(p)["records"] if r.get("lossy"))
+        assert rec["lossy"]["max_rel_error"] <= rec["lossy"]["bound"] <= bound
+        prev = p
+
+
+def test_lossy_error_bound_below_the_dtype_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(tierstore.InvalidArgumentError, match="below what bfloat16 represents"):
+        tierstore.save(
+            {"m": torch.randn(100_000).bfloat16()},
+            tmp_path / "x.pt",
+            codec=tierstore.Delta(max_rel_error={"m": 1e-4}),
+        )
+    for bad in (0, 1.5, -1e-3, float("nan"), "1e-3"):
+        with pytest.raises(tierstore.InvalidArgumentError):
+            tierstore.Delta(max_rel_error={"m": bad})  # type: ignore[dict-item]
+    with pytest.raises(tierstore.InvalidArgumentError, match="lossless"):
+        tierstore.RemoteTier(str(tmp_path / "r"), codec=tierstore.Delta(max_rel_error={"m": 1e-3}))
+
+
 def test_lossy_rounding_shrinks_the_moments(tmp_path: Path) -> None:
     _a, b = _training_like()
     tierstore.save(b, tmp_path / "z.pt", codec="zstd")

@@ -42,6 +42,34 @@ def check_keep_bits(keep_bits: Any) -> dict[str, int]:
     return out
 
 
+def bits_for_bounds(max_rel_error: Any) -> dict[str, int]:
+    """``{tensor class: relative error bound}`` as mantissa bits to keep:
+    the fewest ``k`` with ``2**-(k+1)`` at most the bound (the bound each
+    write then verifies and records)."""
+    if max_rel_error is None:
+        return {}
+    if not isinstance(max_rel_error, Mapping):
+        raise InvalidArgumentError(
+            f"max_rel_error must map tensor classes to relative error bounds, got {type(max_rel_error).__name__}"
+        )
+    import math
+
+    out: dict[str, int] = {}
+    for cls, b in max_rel_error.items():
+        ok = isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) and 0 < b < 1
+        if not isinstance(cls, str) or not cls or not ok:
+            raise InvalidArgumentError(
+                f"max_rel_error[{cls!r}]: a relative error bound is a number between 0 and 1, got {b!r}"
+            )
+        k = max(1, math.ceil(-math.log2(b)) - 1)
+        if k > 52:
+            raise InvalidArgumentError(
+                f"max_rel_error[{cls!r}] = {b!r}: below what float64 represents (its rounding error is 2**-53)"
+            )
+        out[cls] = k
+    return out
+
+
 def bits_for(paths: Sequence[tuple[Any, ...]], keep_bits: Mapping[str, int]) -> int | None:
     """The bits kept for a storage viewed at ``paths`` (the fewest any of
     its classes asks for), None when it stays lossless."""
@@ -58,9 +86,11 @@ def round_mantissa(t: torch.Tensor, k: int, what: str) -> tuple[torch.Tensor, di
             f"{what}: mantissa rounding applies to float16, bfloat16, float32 and float64, not {t.dtype}"
         )
     if k > m:
+        name = str(t.dtype).removeprefix("torch.")
         raise InvalidArgumentError(
-            f"{what}: keep_bits {k} is more than the {m} mantissa bits {str(t.dtype).removeprefix('torch.')} has; "
-            f"the smallest error it can represent is already there (use {m} or fewer)"
+            f"{what}: keep_bits {k} (a relative error bound of {2.0 ** -(k + 1):.3g}) is more than the {m} mantissa "
+            f"bits {name} has; a bound that tight is below what {name} represents (its own rounding error is "
+            f"{2.0 ** -(m + 1):.3g}; use {m} bits or fewer, a bound of {2.0 ** -(m + 1):.3g} or more)"
         )
     bound = 2.0 ** -(k + 1)
     info = {"mode": "keep_bits", "keep_bits": k, "bound": bound}

@@ -60,16 +60,23 @@ class Delta:
     rounds the mantissa of every float tensor whose path has that key to 10
     bits (``"*"``: every float tensor), a relative error of at most
     ``2**-(k+1)``, measured and recorded per record (:mod:`tierstore._lossy`);
-    everything else stays bit-exact."""
+    everything else stays bit-exact. ``max_rel_error``: the same, given as
+    a bound per class (``{"exp_avg_sq": 1e-3}`` keeps the fewest bits whose
+    error is within it); a bound tighter than a tensor's dtype represents
+    is refused. Each element is rounded from its exact value, never from a
+    reconstruction, and a delta is taken against its reference as a
+    decoder holds it (rounded), so errors do not grow along a chain."""
 
     base: str | os.PathLike[str] | None = None
     keyframe_every: int = 8
     level: int = 1
     transform: str | None = None
     keep_bits: Mapping[str, int] | None = None
+    max_rel_error: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
         _lossy.check_keep_bits(self.keep_bits)
+        _lossy.bits_for_bounds(self.max_rel_error)
         if not isinstance(self.keyframe_every, int) or self.keyframe_every < 1:
             raise InvalidArgumentError(f"keyframe_every must be a positive integer, got {self.keyframe_every!r}")
         _check_level(self.level)
@@ -101,7 +108,10 @@ def resolve(codec: Any) -> Spec | None:
         base = None if codec.base is None else os.fspath(codec.base)
         if base is not None and not os.path.isfile(base):
             raise InvalidArgumentError(f"Delta(base={base!r}): no such file")
-        return Spec(codec.level, codec.transform, base, _lossy.check_keep_bits(codec.keep_bits))
+        bits = {**_lossy.check_keep_bits(codec.keep_bits)}
+        for cls, k in _lossy.bits_for_bounds(codec.max_rel_error).items():
+            bits[cls] = max(k, bits[cls]) if cls in bits else k  # both asked: the tighter error
+        return Spec(codec.level, codec.transform, base, bits)
     if isinstance(codec, str) and (codec == "zstd" or codec.startswith("zstd:")):
         level = 1
         if codec != "zstd":
