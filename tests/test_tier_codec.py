@@ -20,6 +20,7 @@ import tierstore.cli
 from tierstore import _metadata, _tier_codec
 from tierstore.errors import CorruptFileError, InvalidArgumentError, TierstoreError
 from tierstore.layout import Layout, attach
+from tierstore.sharded import consolidate
 
 
 def _model() -> torch.nn.Module:
@@ -128,7 +129,7 @@ def test_a_damaged_keyframe_is_named_and_the_restore_moves_on(tmp_path: Path) ->
     data[len(data) // 2] ^= 0x40
     key.write_bytes(bytes(data))
     with pytest.raises(TierstoreError, match="segment") as e:
-        tierstore.load_sharded(steps[1], {"model.2.bias": torch.zeros(256)})
+        consolidate(steps[1], per_rank_policy="rank0")
     assert key.name in str(e.value)
     # The newest step (a keyframe of its own) is intact; the deltas of the damaged keyframe are not.
     shutil.rmtree(tmp_path / "run" / "local")
@@ -136,7 +137,27 @@ def test_a_damaged_keyframe_is_named_and_the_restore_moves_on(tmp_path: Path) ->
         assert ck.load_latest() is not None and ck.restored is not None and ck.restored["step"] == 4
         for d in steps[1:3]:
             with pytest.raises(TierstoreError):
-                tierstore.load_sharded(d, {"model.2.bias": torch.zeros(256)})
+                consolidate(d, per_rank_policy="rank0")
+
+
+def test_a_partial_load_decodes_only_the_records_it_reads(tmp_path: Path) -> None:
+    """A load of some tensors of a delta decodes only their records (and
+    the same records of the keyframe): damage to another record of the
+    keyframe is never touched, while a load of everything meets it."""
+    _m, states = _run(tmp_path, 2, every=4)
+    steps = _steps(tmp_path)
+    key = next(steps[0].glob("rank-*.tsd"))
+    h, at = _tier_codec.read_header(key)
+    i = next(i for i, lab in enumerate(h["labels"]) if lab == "model.1.weight")
+    start = at + sum(seg[4] for seg in h["segments"][:i])
+    data = bytearray(key.read_bytes())
+    data[start + h["segments"][i][4] // 2] ^= 0x10  # inside the keyframe's stream of model.1.weight
+    key.write_bytes(bytes(data))
+    out = {"model.2.weight": torch.zeros(256, 512)}
+    tierstore.load_sharded(steps[1], out)
+    assert torch.equal(out["model.2.weight"], states[1]["2.weight"])
+    with pytest.raises(TierstoreError, match="segment"):
+        tierstore.load_sharded(steps[1], {"model.1.weight": torch.zeros(512, 512)})
 
 
 def test_a_replaced_keyframe_is_refused(tmp_path: Path) -> None:

@@ -141,6 +141,7 @@ class ReferenceCache:
         dec = Decoder()
         try:
             out = dec.raw(enc)
+            dec.ensure_all(out)
             if fingerprint(out) != want:
                 return None
             cached.parent.mkdir(parents=True, exist_ok=True)

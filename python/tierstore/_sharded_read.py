@@ -354,6 +354,8 @@ def read_plan(ck: Checkpoint, plan: dict[int, FileBlocks], verify: str | bool) -
     mode = "none" if verify is False else str(verify)
     for f, fb in plan.items():
         tables = ck.check_file(f)
+        # An encoded file's decoding: the records these blocks touch (all, to verify every chunk).
+        ck.prepare_read(f, None if mode == "full" else block_spans(fb))
         r, c, b = _core.read_blocks(
             engine,
             ck.path_of(f),
@@ -367,6 +369,20 @@ def read_plan(ck: Checkpoint, plan: dict[int, FileBlocks], verify: str | bool) -
         checked += c
         blocks += b
     return read, checked, blocks
+
+
+def block_spans(fb: FileBlocks) -> list[tuple[int, int]]:
+    """The byte ranges of a data file that copy blocks ``fb`` read (the
+    chunks their verification reads lie in the same records)."""
+    r = fb.rows
+    spans: list[tuple[int, int]] = []
+    if len(r):
+        lo = r[:, 0].astype(np.int64)
+        ext = r[:, 2].astype(np.int64)
+        for k in range(fb.dims):
+            ext = ext + (r[:, 3 + 3 * k].astype(np.int64) - 1) * r[:, 4 + 3 * k].astype(np.int64)
+        spans = list(zip(lo.tolist(), (lo + ext).tolist(), strict=True))
+    return spans
 
 
 def _load_from_dcp(

@@ -418,54 +418,179 @@ def decode_file(
     return h
 
 
-class Decoder:
-    """Decodes a checkpoint's ``.tsd`` files into a private folder for
-    readers of the raw format (each file once; references followed within
-    the tier, depth at most 64, cycles refused). The folder is removed with
-    the decoder."""
+class _Open:
+    """An encoded file being decoded into ``out`` (sparse: a segment is
+    written when a reader needs its bytes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, enc: Path, header: dict[str, Any], at: int, out: Path, ref: _Open | Path | None) -> None:
+        self.enc, self.header, self.out, self.ref = enc, header, out, ref
+        self.starts: list[int] = []
+        for seg in header["segments"]:
+            self.starts.append(at)
+            at += seg[4]
+        self.seg_at = [seg[0] for seg in header["segments"]]
+        self.done: set[int] = set()
+        self.enc_fd = os.open(enc, os.O_RDONLY | os.O_CLOEXEC)
+        self.out_fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.ftruncate(self.out_fd, header["bytes"])
+
+    def close(self) -> None:
+        for fd in (self.enc_fd, self.out_fd):
+            with _suppress():
+                os.close(fd)
+
+
+class Decoder:
+    """Decodes a checkpoint's ``.tsd`` files for readers of the raw format,
+    into a private folder removed with the decoder (under ``root``, else
+    ``TIERSTORE_DECODE_DIR``, else the system's temporary folder).
+
+    :meth:`raw` gives the decoded file's path at once with only the bytes
+    between records decoded (zip directory, pickle, manifest: what opening
+    and checking it reads); :meth:`ensure` decodes the records a read
+    touches, so a resharding load decodes only the records it reads (and
+    their keyframe's), and :meth:`ensure_all` the rest. References are
+    followed within the tier, depth at most 64, cycles refused; a reference
+    must have the fingerprint the delta recorded."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self._root = root
         self._dir: tempfile.TemporaryDirectory[str] | None = None
-        self._done: dict[Path, Path] = {}
+        self._open: dict[Path, _Open] = {}  # by encoded path
+        self._by_out: dict[str, _Open] = {}
         self._n = 0
 
     def raw(self, enc: Path, stack: tuple[Path, ...] = ()) -> Path:
-        """The decoded path of ``enc`` (a ``.tsd`` file)."""
+        """The decoded path of ``enc`` (a ``.tsd`` file); its records are
+        decoded by :meth:`ensure` / :meth:`ensure_all`."""
+        return self._open_file(enc, stack).out
+
+    def _open_file(self, enc: Path, stack: tuple[Path, ...] = ()) -> _Open:
         enc = Path(os.path.abspath(enc))
-        got = self._done.get(enc)
+        got = self._open.get(enc)
         if got is not None:
             return got
         if enc in stack or len(stack) >= MAX_DEPTH:
             raise CorruptFileError(f"{enc}: its references form a cycle or a chain deeper than {MAX_DEPTH}")
+        h, at = read_header(enc)
+        ref: _Open | Path | None = None
+        r = h["reference"]
+        if r is not None:
+            tier = enc.parent.parent
+            rdir = tier / str(r["step_dir"])
+            coded, plain = rdir / (str(r["name"]) + SUFFIX), rdir / str(r["name"])
+            if coded.is_file():
+                ref = self._open_file(coded, (*stack, enc))
+                rpath = ref.out
+            elif plain.is_file():
+                ref = rpath = plain
+            else:
+                raise NotFoundError(
+                    f"{enc}: its reference {r['step_dir']}/{r['name']} is missing from {tier}", path=str(enc)
+                )
+            got_fp = fingerprint(rpath)
+            if got_fp != (r["bytes"], r["manifest_crc32"]):
+                raise CorruptFileError(
+                    f"{enc}: its reference {r['step_dir']}/{r['name']} is not the file it was encoded against "
+                    f"({got_fp[0]} bytes, manifest crc32 {got_fp[1]:08x}; recorded {r['bytes']}, "
+                    f"{r['manifest_crc32']:08x})",
+                    path=str(enc),
+                    record="reference",
+                )
         if self._dir is None:
-            self._dir = tempfile.TemporaryDirectory(prefix="tierstore-decoded-")
+            env = os.environ.get("TIERSTORE_DECODE_DIR")
+            root = self._root or (Path(env) if env else None)
+            self._dir = tempfile.TemporaryDirectory(prefix="tierstore-decoded-", dir=root)
         self._n += 1
         sub = Path(self._dir.name) / str(self._n)
         sub.mkdir()
-        out = sub / enc.name.removesuffix(SUFFIX)
+        o = _Open(enc, h, at, sub / enc.name.removesuffix(SUFFIX), ref)
+        self._open[enc] = o
+        self._by_out[str(o.out)] = o
+        try:
+            # What opening and checking the file reads: the bytes between records.
+            for i, label in enumerate(h["labels"]):
+                if not label:
+                    self._decode(o, i)
+        except BaseException:
+            self._forget(o)
+            raise
+        return o
 
-        def reference(ref: dict[str, Any]) -> Path:
-            tier = enc.parent.parent
-            rdir = tier / str(ref["step_dir"])
-            raw = rdir / str(ref["name"])
-            coded = rdir / (str(ref["name"]) + SUFFIX)
-            if coded.is_file():
-                return self.raw(coded, (*stack, enc))
-            if raw.is_file():
-                return raw
-            raise NotFoundError(
-                f"{enc}: its reference {ref['step_dir']}/{ref['name']} is missing from {tier}", path=str(enc)
-            )
+    def _forget(self, o: _Open) -> None:
+        o.close()
+        self._open.pop(o.enc, None)
+        self._by_out.pop(str(o.out), None)
 
-        decode_file(enc, out, reference)
-        self._done[enc] = out
-        return out
+    def ensure(self, path: str | Path, spans: list[tuple[int, int]]) -> None:
+        """Decodes the segments of decoded file ``path`` that the byte
+        ranges ``[lo, hi)`` touch (nothing for a file that is not one)."""
+        o = self._by_out.get(str(path))
+        if o is None:
+            return
+        import bisect
+
+        for lo, hi in spans:
+            if hi <= lo:
+                continue
+            i = max(0, bisect.bisect_right(o.seg_at, lo) - 1)
+            while i < len(o.seg_at) and o.seg_at[i] < hi:
+                self._decode(o, i)
+                i += 1
+
+    def ensure_all(self, path: str | Path) -> None:
+        o = self._by_out.get(str(path))
+        if o is not None:
+            for i in range(len(o.seg_at)):
+                self._decode(o, i)
+
+    def _decode(self, o: _Open, i: int) -> None:
+        if i in o.done:
+            return
+        at, length, _width, ref_at, slen = o.header["segments"][i]
+        stream = os.pread(o.enc_fd, slen, o.starts[i])
+        if len(stream) != slen:
+            raise CorruptFileError(f"{o.enc}: segment {i}: the file is shorter than its header says", path=str(o.enc))
+        ref_buf: torch.Tensor | None = None
+        if ref_at >= 0:
+            assert o.ref is not None
+            if isinstance(o.ref, _Open):
+                self.ensure(o.ref.out, [(ref_at, ref_at + length)])
+                rb = os.pread(o.ref.out_fd, length, ref_at)
+            else:
+                with open(o.ref, "rb") as f:
+                    f.seek(ref_at)
+                    rb = f.read(length)
+            if len(rb) != length:
+                raise CorruptFileError(f"{o.enc}: segment {i}: its reference is too short", path=str(o.enc))
+            ref_buf = torch.frombuffer(bytearray(rb), dtype=torch.uint8)
+        src = torch.frombuffer(bytearray(stream), dtype=torch.uint8) if slen else torch.empty(0, dtype=torch.uint8)
+        out = torch.empty(length, dtype=torch.uint8)
+        _core.codec_decode(
+            src.data_ptr() if slen else 0,
+            slen,
+            out.data_ptr(),
+            length,
+            (ref_buf.data_ptr() if ref_buf.numel() else 1) if ref_buf is not None else 0,
+            ref_buf.numel() if ref_buf is not None else 0,
+            threads=_codec.threads(),
+            path=str(o.enc),
+            record=f"segment {i} (bytes {at}..{at + length} of {o.header['name']})",
+        )
+        mv = memoryview(out.numpy().data)
+        done = 0
+        while done < length:
+            done += os.pwrite(o.out_fd, mv[done:], at + done)
+        o.done.add(i)
 
     def close(self) -> None:
+        for o in list(self._open.values()):
+            o.close()
+        self._open.clear()
+        self._by_out.clear()
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
-        self._done.clear()
 
 
 def encoded_of(copy: Path, name: str) -> Path | None:

@@ -392,6 +392,7 @@ def _verify_dir(path: str, weights_only: bool) -> int:
     for fi in range(len(ck.files)):
         tables = ck.check_file(fi)
         fp = ck.path_of(fi)  # a codec tier's encoded file: decoded (bit-exact) and checked as the raw file
+        ck.prepare_read(fi, None)
         n, b = _archive.verify(str(fp))
         total_n, total_b = total_n + n, total_b + b
         if tables:

@@ -1081,18 +1081,32 @@ class Checkpoint:
         self.objects_copy[name] = str(c)
         return p
 
-    def _member(self, copy: Path, name: str, field: str) -> Path:
+    def _member(self, copy: Path, name: str, field: str, whole: bool = False) -> Path:
         """File ``name`` of ``copy`` (confined to it); where the copy holds
-        it encoded, the decoded file."""
+        it encoded, the decoded file: its records decoded as reads need
+        them (:meth:`prepare_read`), or all of them (``whole``)."""
         p = _paths.member(copy, name, source=self.manifest_path, field=field)
         if not p.exists():
             enc = _tier_codec.encoded_of(p.parent, p.name)
             if enc is not None:
-                return self._decoder.raw(enc)
+                out = self._decoder.raw(enc)
+                if whole:
+                    self._decoder.ensure_all(out)
+                return out
         return p
 
+    def prepare_read(self, fi: int, spans: list[tuple[int, int]] | None) -> None:
+        """Before data file ``fi`` is read at the byte ranges ``spans``
+        (None: all of it): where it is an encoded file's decoding, the
+        records those ranges touch are decoded (and their references')."""
+        path = self.path_of(fi)
+        if spans is None:
+            self._decoder.ensure_all(path)
+        else:
+            self._decoder.ensure(path, spans)
+
     def _objects_file_in(self, copy: Path, name: str) -> Path:
-        p = self._member(copy, name, "objects")
+        p = self._member(copy, name, "objects", whole=True)
         if self.version < 2:
             return p
         want = next((o for o in self.manifest["object_files"] if o["name"] == name), None)
