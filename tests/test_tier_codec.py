@@ -309,3 +309,26 @@ def test_inspect_an_encoded_file(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert sum(s["bytes"] for s in got["segments"]) == got["bytes"]
     w = next(s for s in got["segments"] if s["tensor"] == "model.0.weight")
     assert w["reference"] == "yes" and w["ratio"] > 100  # a frozen layer: its chunks equal the keyframe's
+
+
+def test_a_restore_decodes_under_the_first_disk_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Checkpointer's restore from a codec tier decodes under its first
+    disk tier (storage meant for checkpoints), not the system's temporary
+    folder, and leaves nothing there."""
+    monkeypatch.delenv("TIERSTORE_DECODE_DIR", raising=False)
+    _run(tmp_path, 2, every=4)
+    shutil.rmtree(tmp_path / "run" / "local")
+    seen: list[str] = []
+    real = _tier_codec.Decoder._open_file
+
+    def spy(self: Any, enc: Path, stack: tuple[Path, ...] = ()) -> Any:
+        o = real(self, enc, stack)
+        seen.append(str(o.out))
+        return o
+
+    monkeypatch.setattr(_tier_codec.Decoder, "_open_file", spy)
+    with tierstore.Checkpointer(tmp_path / "run", tiers=_tiers(tmp_path, 4)) as ck:
+        assert ck.load_latest() is not None and ck.restored is not None and ck.restored["tier"] == "remote"
+    local = tmp_path / "run" / "local"
+    assert seen and all(p.startswith(str(local) + "/.tierstore-decoded-") for p in seen), seen
+    assert not [p for p in local.iterdir() if p.name.startswith(".tierstore-decoded-")]

@@ -22,7 +22,7 @@ from tierstore._offload_entry import OFFLOAD_KEY, is_offload_parts, offload_meta
 from tierstore._sharded_read import consolidate, read_sharded
 from tierstore.errors import LayoutError, TierstoreError
 from tierstore.sharded import PerRank
-from tierstore.shardmeta import MANIFEST, Checkpoint, read_attachment, read_manifest
+from tierstore.shardmeta import MANIFEST, Checkpoint, closing_scope, read_attachment, read_manifest
 
 STEP_DIR = re.compile(r"^step-(\d{12})$")
 META = "checkpoint.json"
@@ -334,7 +334,8 @@ def load_first_usable(
         err: BaseException | None = None
         result: Any = None
         try:
-            result = load_copy(c, into, weights_only, per_rank_policy)
+            with closing_scope():  # a codec tier's decoded files last as long as this attempt
+                result = load_copy(c, into, weights_only, per_rank_policy)
         except Exception as e:  # any damage to this copy: the next one is tried
             err = e
         if all_true(err is None, world, pg):

@@ -26,6 +26,7 @@ from tierstore.reshard import CoverageError, Source, block_for, prove_coverage
 from tierstore.shardmeta import (
     MANIFEST,
     Checkpoint,
+    closing_scope,
     dtype_of,
 )
 
@@ -260,15 +261,16 @@ def load_sharded(
     none (the metadata is still checked). ``stats``, if given, receives the
     bytes read, verified and needed. Returns ``state_dict``.
     """
-    return read_sharded(
-        path,
-        state_dict,
-        process_group=process_group,
-        per_rank_policy=per_rank_policy,
-        weights_only=weights_only,
-        stats=stats,
-        verify=verify,
-    )
+    with closing_scope():
+        return read_sharded(
+            path,
+            state_dict,
+            process_group=process_group,
+            per_rank_policy=per_rank_policy,
+            weights_only=weights_only,
+            stats=stats,
+            verify=verify,
+        )
 
 
 def read_sharded(
@@ -424,6 +426,17 @@ def consolidate(
     objects where a value can be chosen: this rank's when the saving world
     had this rank and size, else by ``per_rank_policy`` (as for
     :func:`load_sharded`); without one they are left out."""
+    with closing_scope():
+        return _consolidate(path, weights_only=weights_only, per_rank_policy=per_rank_policy, checkpoint=checkpoint)
+
+
+def _consolidate(
+    path: str | os.PathLike[str],
+    *,
+    weights_only: bool,
+    per_rank_policy: str | Callable[[dict[int, Any]], Any] | None,
+    checkpoint: Checkpoint | None,
+) -> dict[str, Any]:
     from tierstore import dcp
 
     if not (Path(path) / MANIFEST).exists() and dcp.is_dcp(path):

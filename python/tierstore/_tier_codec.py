@@ -31,6 +31,7 @@ segment the tensor its record holds (``""`` between records), for
 from __future__ import annotations
 
 import collections
+import contextvars
 import json
 import mmap
 import os
@@ -60,6 +61,9 @@ _STEP = re.compile(r"^step-\d{12}$")
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
 MAX_DEPTH = 64
 MANIFEST = "manifest.json"  # a step directory's commit point (tierstore.shardmeta)
+#: Where readers decode encoded files (a Checkpointer's restore: under its
+#: first disk tier, node-local storage meant for checkpoints).
+DECODE_ROOT: contextvars.ContextVar[Path | None] = contextvars.ContextVar("tierstore_decode_root", default=None)
 _SYNC_EVERY = 32 << 20
 _AHEAD = 256 << 20
 
@@ -454,7 +458,7 @@ class Decoder:
     must have the fingerprint the delta recorded."""
 
     def __init__(self, root: Path | None = None) -> None:
-        self._root = root
+        self._root = root if root is not None else DECODE_ROOT.get()
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self._open: dict[Path, _Open] = {}  # by encoded path
         self._by_out: dict[str, _Open] = {}
@@ -500,7 +504,7 @@ class Decoder:
         if self._dir is None:
             env = os.environ.get("TIERSTORE_DECODE_DIR")
             root = self._root or (Path(env) if env else None)
-            self._dir = tempfile.TemporaryDirectory(prefix="tierstore-decoded-", dir=root)
+            self._dir = tempfile.TemporaryDirectory(prefix=".tierstore-decoded-", dir=root)
         self._n += 1
         sub = Path(self._dir.name) / str(self._n)
         sub.mkdir()

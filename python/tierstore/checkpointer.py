@@ -57,6 +57,7 @@ from tierstore._dist import all_true, broadcast, group_info
 from tierstore._engine import get_engine
 from tierstore._nodes import Node, find_node, node_name
 from tierstore._offload_entry import OFFLOAD_KEY
+from tierstore._tier_codec import DECODE_ROOT
 from tierstore.errors import InvalidArgumentError, TierstoreError, TornSnapshotError, UsageError
 from tierstore.sharded import (
     PerRank,
@@ -504,7 +505,20 @@ class Checkpointer:
         # farther tiers'), not only from the candidate's own directory.
         cands = [self._with_copies(c, mine) for c in cands]
         self.restored = None
-        result, self.restored = load_first_usable(cands, into, weights_only, per_rank_policy, self.world, self._pg_ctl)
+        # Encoded copies (a codec tier's) are decoded under the first disk tier, not the system's temporary folder.
+        decode_root = self.cascade.tier_paths(self.disks[0])[0]
+        token = None
+        if os.environ.get("TIERSTORE_DECODE_DIR") is None:
+            with contextlib.suppress(OSError):
+                decode_root.mkdir(parents=True, exist_ok=True)
+                token = DECODE_ROOT.set(decode_root)
+        try:
+            result, self.restored = load_first_usable(
+                cands, into, weights_only, per_rank_policy, self.world, self._pg_ctl
+            )
+        finally:
+            if token is not None:
+                DECODE_ROOT.reset(token)
         if self.restored is not None and "bytes_by_copy" in self.restored:
             dirs = {
                 str(d): t.name for t in self.disks for p in self.cascade.tier_paths(t) for d in step_dirs(p, t.name)

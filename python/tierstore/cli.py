@@ -368,12 +368,19 @@ def _verify_dir(path: str, weights_only: bool) -> int:
     every objects file (checksums, and that it loads), the attachments, and
     the exact coverage of every global tensor."""
     from tierstore import dcp
-    from tierstore.layout import Box
-    from tierstore.reshard import overlapping_pair
-    from tierstore.shardmeta import MANIFEST, Checkpoint, read_attachment
+    from tierstore.shardmeta import MANIFEST, closing_scope
 
     if dcp.is_dcp(path) and not os.path.exists(os.path.join(path, MANIFEST)):
         return _verify_dcp(path, weights_only)
+    with closing_scope():
+        return _verify_sharded(path, weights_only)
+
+
+def _verify_sharded(path: str, weights_only: bool) -> int:
+    from tierstore.layout import Box
+    from tierstore.reshard import overlapping_pair
+    from tierstore.shardmeta import Checkpoint, read_attachment
+
     ck = Checkpoint(path)
     ck.check_all_files()
     m = ck.manifest

@@ -22,6 +22,8 @@ and checked against its CRC-32 (``verify="touched"``).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import itertools
 import json
@@ -592,6 +594,27 @@ class ChunkTable:
         return (self.record, self.data_offset, self.size, self.chunk, self.algo, self.sums)
 
 
+_SCOPE: contextvars.ContextVar[list[Checkpoint] | None] = contextvars.ContextVar("tierstore_checkpoints", default=None)
+
+
+@contextlib.contextmanager
+def closing_scope() -> Iterator[None]:
+    """Every :class:`Checkpoint` opened inside is closed at exit (the files
+    decoded for its reads removed): a load's decoded copies last as long as
+    the load. Nested scopes leave it to the outermost."""
+    if _SCOPE.get() is not None:
+        yield
+        return
+    opened: list[Checkpoint] = []
+    token = _SCOPE.set(opened)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+        for ck in opened:
+            ck.close()
+
+
 @dataclass
 class _FileView:
     """A data file of the checkpoint, opened: its zip directory, its own
@@ -706,6 +729,9 @@ class Checkpoint:
         # are decoded, bit-exact, into a private folder removed with this object.
         self._decoder = _tier_codec.Decoder()
         weakref.finalize(self, self._decoder.close)
+        opened = _SCOPE.get()
+        if opened is not None:
+            opened.append(self)
         self.bytes_by_copy: dict[str, int] = {}
         self.objects_copy: dict[str, str] = {}  # objects file -> the copy it was read from
         self._path_of: dict[int, str] = {}
@@ -1080,6 +1106,11 @@ class Checkpoint:
         p, c = self._from_copies(name, lambda c: self._objects_file_in(c, name), "objects")
         self.objects_copy[name] = str(c)
         return p
+
+    def close(self) -> None:
+        """Removes the files decoded for this checkpoint's reads (a codec
+        tier's copy); its metadata stays usable, its data files do not."""
+        self._decoder.close()
 
     def _member(self, copy: Path, name: str, field: str, whole: bool = False) -> Path:
         """File ``name`` of ``copy`` (confined to it); where the copy holds
