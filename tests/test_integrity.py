@@ -750,3 +750,31 @@ def test_dtypes_without_a_legacy_storage_class_pass_the_pickle_check(tmp_path: P
     for k, v in sd.items():
         assert torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)), k
     assert tierstore.cli.main(["verify", str(d)]) == 0
+
+
+@pytest.mark.parametrize("edit", ["drop", "add", "change"])
+def test_a_resealed_key_path_is_checked_against_the_files(tmp_path: Path, edit: str) -> None:
+    """manifest.json's ``paths`` (how to rebuild integer keys and list
+    indices) is re-sealed with a path dropped, added or changed: each data
+    and objects file records the key paths of its own keys, and the load
+    refuses the difference instead of giving ``"1"`` for the integer key 1."""
+    sd = {"opt": {"state": {0: {"exp_avg": torch.randn(8), "step": 3}, 1: {"exp_avg": torch.randn(8), "step": 4}}},
+          "w": torch.randn(4)}  # fmt: skip
+    d = tmp_path / "ck"
+    tierstore.save_sharded(sd, d)
+    out: dict[str, Any] = {"opt": {"state": {}}, "w": torch.zeros(4)}
+    tierstore.load_sharded(d, out)  # a control: as saved, integer keys included
+    assert out["opt"]["state"][1]["step"] == 4 and torch.equal(
+        out["opt"]["state"][0]["exp_avg"], sd["opt"]["state"][0]["exp_avg"]
+    )
+    m = _manifest(d)
+    if edit == "drop":
+        del m["paths"][next(k for k in m["paths"] if k.endswith("exp_avg"))]
+    elif edit == "add":
+        m["paths"]["w"] = ["w"]
+    else:
+        k = next(k for k in m["paths"] if k.endswith("step"))
+        m["paths"][k] = k.split(".")
+    _reseal(d, m)
+    with pytest.raises(ManifestError, match="key path"):
+        tierstore.load_sharded(d, {"opt": {"state": {}}, "w": torch.zeros(4)})

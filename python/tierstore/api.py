@@ -255,13 +255,15 @@ def write_file(
     gates: Gates | None = None,
     chunk_checksums: bool = False,
     layouts: Mapping[tuple[str | int, ...], Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> Written:
     """The file writer under :func:`save` for the package's own containers
     (shard files, objects files, Checkpointer snapshots): ``gates`` lets the
     writer read storages still being filled by a capture, ``chunk_checksums``
     adds the per-chunk table partial reads verify against, ``layouts`` gives
-    tensors' shard layouts for the manifest. Returns where everything went,
-    so that no caller opens the file again to learn it."""
+    tensors' shard layouts for the manifest, ``extra`` top-level fields of
+    the manifest. Returns where everything went, so that no caller opens
+    the file again to learn it."""
     pickler = _PickleJob(obj, None, _pickle.DEFAULT_PROTOCOL)
     small = _small_records(True, DEFAULT_ALIGN)
     return _save_path(
@@ -275,6 +277,7 @@ def write_file(
         gates=gates,
         chunk_checksums=chunk_checksums,
         layouts=layouts,
+        extra=extra,
     )
 
 
@@ -304,8 +307,10 @@ class _ManifestParts:
         found: list[tuple[list[str | int], torch.Tensor]],
         align: int,
         layouts: Mapping[tuple[str | int, ...], Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
         self.prefix, self.collector, self.align = prefix, collector, align
+        self.extra = dict(extra or {})
         self.tensors = _tensor_entries(found, collector, layouts)
         self.tensors_json = manifest.dump_tensors(self.tensors)
         self.records: list[dict[str, Any]] = []
@@ -350,7 +355,7 @@ class _ManifestParts:
             tensors_json=self.tensors_json,
             writer=f"tierstore {__version__}",
             torch_version=torch.__version__,
-            extra=None if encoded is None else {"codec": _codec.CODEC, "pickle": _codec.PICKLE_NAME},
+            extra={**self.extra, **({} if encoded is None else {"codec": _codec.CODEC, "pickle": _codec.PICKLE_NAME})},
         )
 
 
@@ -387,6 +392,7 @@ def _save_path(
     gates: Gates | None = None,
     chunk_checksums: bool = False,
     layouts: Mapping[tuple[str | int, ...], Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> Written:
     collector, found, prefix = pickler.collector, pickler.found, _archive_name(path)
     w = _core.create_writer(
@@ -415,7 +421,7 @@ def _save_path(
             # Pickling and most of the manifest are done while the engine writes.
             data_pkl = pickler.run()
             late = [key for key in collector.storages if key not in added]
-            parts = _ManifestParts(prefix, collector, found, align, layouts)
+            parts = _ManifestParts(prefix, collector, found, align, layouts, extra)
             w.wait_data(cb)
             if late:  # storages only the pickler found (inside custom objects)
                 add_new()

@@ -423,8 +423,17 @@ def write_sharded(
     if keep_objects:
         oname = f"objects-{rank:05d}.{save_id}.pt"
         pool = ThreadPoolExecutor(1, thread_name_prefix="tierstore-objects")
+        # Each file also records the key paths of the keys it holds (the
+        # second witness of manifest.json's "paths").
+        okp = {"key_paths": {k: paths[k] for k in keep_objects if k in paths}}
         objects_job = pool.submit(
-            api.write_file, {"objects": keep_objects}, d / oname, durable=durable, background=background, gates=gates
+            api.write_file,
+            {"objects": keep_objects},
+            d / oname,
+            durable=durable,
+            background=background,
+            gates=gates,
+            extra=okp,
         )
         pool.shutdown(wait=False)
     try:
@@ -439,6 +448,7 @@ def write_sharded(
                 gates=gates,
                 chunk_checksums=True,
                 layouts={("tensors", k): v for k, v in lay_json.items()},
+                extra={"key_paths": {k: paths[k] for k in contiguous if k in paths}},
             )
             file_info.update(tensor_file_info(fname, written, lay_json))
     finally:

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tierstore import _archive, _index, _metadata, _paths, _pickle, _tier_codec, manifest
+from tierstore import _archive, _index, _metadata, _paths, _pickle, _tier_codec, _tree, manifest
 from tierstore._fs import write_atomic
 from tierstore.errors import LayoutError, ManifestError, MissingKeyError, NotFoundError, TierstoreError
 from tierstore.layout import Box, Layout, Piece, Rule
@@ -886,7 +886,34 @@ class Checkpoint:
                 view.tensors[path[1]] = t
         if view.tensors:
             self._check_pickle(view)
+        self._check_key_paths(view.path, fm, list(view.tensors))
         return view
+
+    def _check_key_paths(self, path: str, fm: dict[str, Any], keys: list[str]) -> None:
+        """A data or objects file written since it records them holds the key
+        paths of its keys (``key_paths``): manifest.json's ``paths`` must say
+        the same of each, so that a re-sealed manifest.json that drops, adds
+        or changes a path (an integer key read back as a string) is refused."""
+        kp = fm.get("key_paths")
+        if kp is None:
+            return  # a file written before files recorded them
+        if not isinstance(kp, dict):
+            raise ManifestError(f"{path}: its manifest's key_paths is not a mapping", path=path)
+        paths = self.manifest.get("paths", {})
+        for key in keys:
+            mine = kp.get(key)
+            got = _tree.check_path(mine, key) if mine is not None else None
+            if mine is not None and got is None:
+                raise ManifestError(
+                    f"{path}: its manifest's key_paths[{key[:100]!r}] is not a path of the key", path=path
+                )
+            said = paths.get(key)
+            if (tuple(said) if said is not None else None) != got:
+                raise ManifestError(
+                    f"{path}: the file records the key path of {key[:100]!r} as {mine!r:.200}, manifest.json "
+                    f"says {said!r:.200}; manifest.json or the file is damaged or from another checkpoint",
+                    path=path,
+                )
 
     @staticmethod
     def _check_pickle(view: _FileView) -> None:
@@ -1155,6 +1182,12 @@ class Checkpoint:
                 f"{want['bytes']}, or another manifest record); it is damaged or from another checkpoint or rank",
                 path=str(p),
             )
+        fm = _archive.read_manifest(str(p), arch)
+        if fm is not None:
+            m = self.manifest
+            keys = [k for k, f in m["objects"].items() if f == name]
+            keys += [k for k, held in m["per_rank_objects"].items() if name in held.values()]
+            self._check_key_paths(str(p), fm, keys)
         return p
 
     def _table(
