@@ -40,6 +40,24 @@ def losses(d: pathlib.Path) -> dict[int, list[str]]:
     return out
 
 
+def _assert_same_run(ref: pathlib.Path, run: pathlib.Path, steps: int, optim: bool) -> None:
+    """The killed and resumed run ``run`` against the uninterrupted ``ref``:
+    the same loss at every step, the same final model (and optimizer state)."""
+    want, got = losses(ref), losses(run)
+    # The last checkpoint before the kill is step 9: steps 10 and 11 ran twice, with the same losses.
+    assert [s for s, v in got.items() if len(v) == 2] == [10, 11]
+    for s in range(1, steps + 1):
+        assert set(got[s]) == set(want[s]), f"step {s}: {got[s]} != {want[s]}"
+    a = torch.load(ref / "final.pt", weights_only=True)
+    b = torch.load(run / "final.pt", weights_only=True)
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    if optim:
+        for i, st in a["optim"]["state"].items():
+            for k, v in st.items():
+                assert torch.equal(v, b["optim"]["state"][i][k]), (i, k)
+
+
 def test_kill_and_resume_is_bit_exact(tmp_path: pathlib.Path) -> None:
     steps = 16
     ref = job(tmp_path / "ref", steps)
@@ -49,18 +67,7 @@ def test_kill_and_resume_is_bit_exact(tmp_path: pathlib.Path) -> None:
     assert not (tmp_path / "run" / "final.pt").exists()
     resumed = job(tmp_path / "run", steps, "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    want, got = losses(tmp_path / "ref"), losses(tmp_path / "run")
-    # The last checkpoint before the kill is step 9: steps 10 and 11 ran twice, with the same losses.
-    assert [s for s, v in got.items() if len(v) == 2] == [10, 11]
-    for s in range(1, steps + 1):
-        assert set(got[s]) == set(want[s]), f"step {s}: {got[s]} != {want[s]}"
-    a = torch.load(tmp_path / "ref" / "final.pt", weights_only=True)
-    b = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
-    for k, v in a["model"].items():
-        assert torch.equal(v, b["model"][k]), k
-    for i, st in a["optim"]["state"].items():
-        for k, v in st.items():
-            assert torch.equal(v, b["optim"]["state"][i][k]), (i, k)
+    _assert_same_run(tmp_path / "ref", tmp_path / "run", steps, optim=True)
 
 
 def test_kill_and_resume_from_remote_deltas_is_bit_exact(tmp_path: pathlib.Path) -> None:
@@ -83,14 +90,7 @@ def test_kill_and_resume_from_remote_deltas_is_bit_exact(tmp_path: pathlib.Path)
     assert any(not m["keyframe"] for m in metas.values()), metas
     resumed = job(tmp_path / "run", steps, "--resume", "--delta-remote")
     assert resumed.returncode == 0, resumed.stderr
-    want, got = losses(tmp_path / "ref"), losses(tmp_path / "run")
-    assert [s for s, v in got.items() if len(v) == 2] == [10, 11]
-    for s in range(1, steps + 1):
-        assert set(got[s]) == set(want[s]), f"step {s}: {got[s]} != {want[s]}"
-    a = torch.load(tmp_path / "ref" / "final.pt", weights_only=True)
-    b = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
-    for k, v in a["model"].items():
-        assert torch.equal(v, b["model"][k]), k
+    _assert_same_run(tmp_path / "ref", tmp_path / "run", steps, optim=False)
 
 
 def test_run_state_restores_every_generator_and_loads_weights_only(tmp_path: pathlib.Path) -> None:

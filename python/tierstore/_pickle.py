@@ -276,6 +276,17 @@ def refuse_absurd_sizes(data: bytes, path: str) -> None:
         ) from None
 
 
+def _weights_only_rules() -> tuple[dict[str, Any], list[str]] | None:
+    """torch's weights-only allow-list (its own and ``add_safe_globals``)
+    and blocked modules; None for a torch without these internals."""
+    try:
+        from torch import _weights_only_unpickler as wo
+
+        return {**wo._get_user_allowed_globals(), **wo._get_allowed_globals()}, list(wo._blocklisted_modules)
+    except (ImportError, AttributeError):
+        return None
+
+
 def fast_weights_only(data: bytes, persistent_load: Any) -> Any:
     """Runs torch's weights-only unpickling rules in Rust (``tierstore._core``).
 
@@ -290,13 +301,10 @@ def fast_weights_only(data: bytes, persistent_load: Any) -> Any:
         # go to torch's unpickler after refuse_absurd_sizes, which bounds them
         # (a stand-in here would differ from torch where the class itself is loaded).
         return None
-    try:
-        from torch import _weights_only_unpickler as wo
-
-        allowed = {**wo._get_user_allowed_globals(), **wo._get_allowed_globals()}
-        blocked = list(wo._blocklisted_modules)
-    except (ImportError, AttributeError):  # a torch without these internals
+    rules = _weights_only_rules()
+    if rules is None:
         return None
+    allowed, blocked = rules
     from collections import Counter, OrderedDict
 
     from tierstore import _core
@@ -468,13 +476,10 @@ def _fast_views(data: bytes, path: str) -> dict[tuple[str | int, ...], TensorVie
 
     if b"bytearray" in data:
         return None
-    try:
-        from torch import _weights_only_unpickler as wo
-
-        allowed = {**wo._get_user_allowed_globals(), **wo._get_allowed_globals()}
-        blocked = list(wo._blocklisted_modules)
-    except (ImportError, AttributeError):
+    rules = _weights_only_rules()
+    if rules is None:
         return None
+    allowed, blocked = rules
     from collections import Counter, OrderedDict
 
     from tierstore import _core
@@ -484,12 +489,7 @@ def _fast_views(data: bytes, path: str) -> dict[tuple[str | int, ...], TensorVie
         load = _core.fast_weights_only_load
         obj = load(data, allowed, blocked, OrderedDict, Counter, [], persistent_load, substitute)
     except Exception as e:  # any failure of a hostile pickle is the file's
-        raise CorruptFileError(
-            f"{path}: record 'data.pkl': does not unpickle under the weights-only rules "
-            f"({type(e).__name__}: {str(e)[:200]})",
-            path=path,
-            record="data.pkl",
-        ) from None
+        raise _not_weights_only(path, e) from None
     if obj is None:
         return None
     out: dict[tuple[str | int, ...], TensorView] = {}
@@ -505,6 +505,15 @@ def _fast_views(data: bytes, path: str) -> dict[tuple[str | int, ...], TensorVie
         elif isinstance(o, (list, tuple)) and len(at) < 64:
             stack.extend(((*at, i), v) for i, v in enumerate(o))
     return out
+
+
+def _not_weights_only(path: str, e: Exception) -> CorruptFileError:
+    return CorruptFileError(
+        f"{path}: record 'data.pkl': does not unpickle under the weights-only rules "
+        f"({type(e).__name__}: {str(e)[:200]})",
+        path=path,
+        record="data.pkl",
+    )
 
 
 def _meta_unpickle(data: bytes, path: str) -> tuple[Any, dict[int, tuple[str, str]]]:
@@ -536,12 +545,7 @@ def _meta_unpickle(data: bytes, path: str) -> tuple[Any, dict[int, tuple[str, st
         u.persistent_load = persistent_load  # type: ignore[method-assign]
         return u.load(), by_impl
     except Exception as e:  # any failure of a hostile pickle is the file's
-        raise CorruptFileError(
-            f"{path}: record 'data.pkl': does not unpickle under the weights-only rules "
-            f"({type(e).__name__}: {str(e)[:200]})",
-            path=path,
-            record="data.pkl",
-        ) from None
+        raise _not_weights_only(path, e) from None
 
 
 def describe_storages(data: bytes) -> tuple[dict[str, str], dict[str, list[str]]]:

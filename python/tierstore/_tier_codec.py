@@ -39,7 +39,6 @@ import re
 import struct
 import tempfile
 import zlib
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -356,70 +355,6 @@ def _uint(x: Any) -> bool:
 
 def _int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def decode_file(
-    enc: Path, out: Path, reference: Callable[[dict[str, Any]], Path] | None = None, *, durable: bool = False
-) -> dict[str, Any]:
-    """Writes ``out``: the exact bytes ``enc`` encodes. ``reference(ref)``
-    gives the raw path of the file a delta references (checked against
-    the fingerprint the delta recorded). Returns the header."""
-    h, at = read_header(enc)
-    ref_t: torch.Tensor | None = None
-    ref_mm: Any = None
-    ref = h["reference"]
-    if ref is not None:
-        if reference is None:
-            raise NotFoundError(f"{enc}: a delta against {ref['step_dir']}/{ref['name']}, which is not at hand")
-        rpath = reference(ref)
-        got = fingerprint(rpath)
-        if got != (ref["bytes"], ref["manifest_crc32"]):
-            raise CorruptFileError(
-                f"{enc}: its reference {ref['step_dir']}/{ref['name']} is not the file it was encoded against "
-                f"({got[0]} bytes, manifest crc32 {got[1]:08x}; recorded {ref['bytes']}, "
-                f"{ref['manifest_crc32']:08x})",
-                path=str(enc),
-                record="reference",
-            )
-        ref_t, ref_mm = _map(rpath)
-    enc_t, enc_mm = _map(enc)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            for i, (sat, length, _width, ref_at, slen) in enumerate(h["segments"]):
-                buf = torch.empty(length, dtype=torch.uint8)
-                ref_addr = ref_len = 0
-                if ref_at >= 0:
-                    assert ref_t is not None
-                    ref_addr, ref_len = ref_t.data_ptr() + ref_at, length
-                _core.codec_decode(
-                    enc_t.data_ptr() + at if slen else 0,
-                    slen,
-                    buf.data_ptr(),
-                    length,
-                    ref_addr,
-                    ref_len,
-                    threads=_codec.threads(),
-                    path=str(enc),
-                    record=f"segment {i} (bytes {sat}..{sat + length} of {h['name']})",
-                )
-                f.write(buf.numpy().data)
-                at += slen
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, out)
-        if durable:
-            fsync_dir(out.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        del enc_t, ref_t
-        for mm in (enc_mm, ref_mm):
-            if mm is not None:
-                mm.close()
-    return h
 
 
 class _Open:
