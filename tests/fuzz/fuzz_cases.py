@@ -467,6 +467,45 @@ def inner_manifest_digit(path: Path, rng: random.Random) -> tuple[str, int] | No
     return f"its manifest record: digit {chr(old)} -> {chr(text[i])} in ...{around}... (record CRC fixed)", crc
 
 
+def inner_key_paths(path: Path, rng: random.Random) -> tuple[str, int] | None:
+    """Forges the ``key_paths`` of the file's own manifest in place (same
+    length): all of them dropped (the mapping blanked to ``{}`` and spaces),
+    or a digit inside changed; fixes the record's CRC in the zip directory
+    and local header. Returns (what changed, the new CRC), or None when the
+    file records no key path."""
+    data = bytearray(path.read_bytes())
+    zm = zip_map(bytes(data))
+    ents = zm.by_suffix(".tierstore/manifest.json") if zm else []
+    if not ents:
+        return None
+    e = ents[0]
+    text = bytearray(data[e.data_off : e.data_off + e.size])
+    at = text.find(b'"key_paths":{')
+    if at < 0 or text[at + 13 : at + 14] == b"}":
+        return None
+    start, depth, i = at + 12, 0, at + 12
+    while i < len(text):
+        depth += {ord("{"): 1, ord("}"): -1}.get(text[i], 0)
+        if depth == 0:
+            break
+        i += 1
+    digits = [j for j in range(start, i) if 48 <= text[j] <= 57]
+    if digits and rng.random() < 0.5:
+        j = rng.choice(digits)
+        old = text[j]
+        text[j] = rng.choice([c for c in b"0123456789" if c != old])
+        what = f"a digit of its key_paths {chr(old)} -> {chr(text[j])}"
+    else:
+        text[start : i + 1] = b"{}" + b" " * (i + 1 - start - 2)
+        what = "its key_paths dropped"
+    data[e.data_off : e.data_off + e.size] = text
+    crc = zlib.crc32(bytes(text))
+    struct.pack_into("<I", data, e.cd_off + 16, crc)
+    struct.pack_into("<I", data, e.hdr_off + 14, crc)
+    path.write_bytes(bytes(data))
+    return what + " (record CRC fixed)", crc
+
+
 def zip64_huge_record(path: Path, rng: random.Random) -> str:
     """Gives one record a zip64 size (an extra field in its central
     directory entry) far beyond the file: 2**31 .. 2**64-1 bytes."""
@@ -2311,6 +2350,22 @@ def sharded_file_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[s
         ctx.sealed = True
         return f"{p.name}: {got[0]}; manifest.json updated and re-sealed"
 
+    def f_key_paths() -> str:
+        # A data or objects file's own key paths forged, its CRC fixed in the
+        # file and in manifest.json, which is re-sealed.
+        p = one([*ranks(), *data_files(d, "objects-")])
+        got = inner_key_paths(p, rng)
+        if got is None:
+            return f_inner_manifest()
+        m, _old = read_json(mp)
+        for lst in ("files", "object_files"):
+            for f in m.get(lst, []):
+                if f.get("name") == p.name:
+                    f["manifest_crc32"] = got[1]
+        write_json(mp, m, sealed=True, old=None)
+        ctx.sealed = True
+        return f"{p.name}: {got[0]}; manifest.json updated and re-sealed"
+
     def f_objects_hostile() -> str:
         return hostile_objects_file(ctx, d) or f_obj_flip()
 
@@ -2350,6 +2405,7 @@ def sharded_file_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[s
         ("symlink_inside", 1, f_symlink_inside),
         ("dir_symlink", 0.5, f_dir_symlink),
         ("inner_manifest_resealed", 4, f_inner_manifest),
+        ("inner_key_paths_resealed", 2, f_key_paths),
         ("objects_hostile_resealed", 3, f_objects_hostile),
     ]
 
