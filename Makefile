@@ -27,7 +27,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
 
-.PHONY: gpu-toolchains help setup demo test test-rust test-py lint bench bench-checkpoint bench-codec bench-tier-codec bench-lossy-resume bench-scale bench-nodes bench-offload bench-reshard fuzz clean gpu-check
+.PHONY: gpu-toolchains help setup demo test test-rust test-py lint bench bench-checkpoint bench-capture-cpu bench-codec bench-tier-codec bench-lossy-resume bench-scale bench-nodes bench-offload bench-reshard fuzz clean gpu-check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -115,6 +115,9 @@ bench-checkpoint: setup ## training loop with torch.save, DCP async_save and the
 	$(VPY) benches/bench_checkpoint.py --workloads gpt,mlp --rounds 3 --steps 24 --paired 8 --perf \
 	  --modes "none,torch.save,dcp.async_save,tierstore,tierstore 2-tier,tierstore idle-pri,tierstore low-pri" \
 	  --json docs/bench/checkpoint.json --out docs/bench/checkpoint.txt
+
+bench-capture-cpu: setup ## CPU per Checkpointer checkpoint by thread group (capture, engine, flush), no training
+	$(VPY) benches/bench_capture_cpu.py --workload gpt,mlp --saves 8 --rounds 3
 
 bench-nodes: setup ## node-scoped tiers: restart and lost-node restores, 4 ranks as 2 nodes, throttled remote (root)
 	$(VPY) benches/bench_nodes.py --mib-per-rank 64 --json docs/bench/nodes.json --out docs/bench/nodes.txt

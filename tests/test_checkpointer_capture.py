@@ -49,3 +49,53 @@ def test_checkpoint_of_every_kind_round_trips(tmp_path: Path) -> None:
         g = got[k]
         assert g.dtype == v.dtype and g.shape == v.shape, k
         assert torch.equal(g.resolve_conj().resolve_neg(), v.resolve_conj().resolve_neg()), k
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_copy_host_with_a_gate_equals_torch_copy(name: str) -> None:
+    """The capture thread's copy through the gate (the engine's copy that
+    checksums as it goes) gives the bytes torch's copy gives."""
+    from tierstore import _core
+
+    src = _cases()[name]
+    dst = torch.empty(src.shape, dtype=src.dtype)
+    _copy_host(dst, src, _core.Gate(), 1)
+    assert torch.equal(dst.resolve_conj().resolve_neg(), src.resolve_conj().resolve_neg())
+
+
+@pytest.mark.parametrize("torn", [False, True])
+def test_writer_takes_the_capture_sums_and_a_torn_copy_is_damage(tmp_path: Path, torn: bool) -> None:
+    """The writer takes the sums the capture computed from the source instead
+    of reading the copy again: a copy that differs from what was summed (a
+    source changed during its copy) is written with sums that do not match,
+    and a load reports the damage instead of returning torn values."""
+    from tierstore import _core
+    from tierstore.api import write_file
+
+    src = torch.randn(300_000)  # 1.2 MB: whole and partial 4 KiB chunks
+    dst = torch.empty_like(src)
+    gate = _core.Gate()
+    _copy_host(dst, src, gate, 1)
+    assert torch.equal(dst, src)
+    if torn:
+        dst[123_456] += 1.0  # after the sums were taken, before the writer reads it
+    gate.advance(1)
+    path = tmp_path / "snap.pt"
+    write_file({"t": dst}, path, gates={dst.untyped_storage().data_ptr(): (gate, 1)}, chunk_checksums=True)
+    if not torn:
+        assert torch.equal(tierstore.load(path)["t"], src)
+        return
+    with pytest.raises(tierstore.TierstoreError) as e:
+        tierstore.load(path)
+    assert "snap.pt" in str(e.value)
+
+
+def test_copy_in_refuses_overlap_and_null() -> None:
+    from tierstore import _core
+
+    t = torch.zeros(4096, dtype=torch.uint8)
+    g = _core.Gate()
+    with pytest.raises(ValueError, match="overlap"):
+        g.copy_in(1, t.data_ptr() + 8, t.data_ptr(), 1024)
+    with pytest.raises(ValueError, match="null"):
+        g.copy_in(1, 0, t.data_ptr(), 16)

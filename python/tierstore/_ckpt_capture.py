@@ -292,7 +292,7 @@ class Capturer:
                         break
                     snap.taken[i] = True
                 it = snap.items[i]
-                copy_host(it.dst, it.src)
+                copy_host(it.dst, it.src, snap.gate, i + 1)  # i + 1: where the flush reads it (``place``)
                 self.copied(snap, (i,))
             # Items the training thread took are copied before their sources are released.
             while not snap.mutable_done.wait(0.1):

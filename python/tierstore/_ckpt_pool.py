@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from tierstore import _core
 from tierstore._ckpt_snapshot import Snapshot
 from tierstore._engine import host_buffer
 from tierstore.errors import InvalidArgumentError
@@ -150,15 +151,17 @@ class HostPool:
             self.cond.notify_all()
 
 
-def copy_host(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for the capture thread: dense host tensors go
-    through libc's memmove on this one thread, with the GIL released (ctypes
-    releases it); for large sizes it uses non-temporal stores, so the copy
-    leaves the training's working set in the caches, and it starts no OpenMP
-    team. Anything else goes through torch."""
+def copy_host(dst: torch.Tensor, src: torch.Tensor, gate: _core.Gate | None = None, at: int = 0) -> None:
+    """``dst.copy_(src)`` for the capture thread. Dense host tensors are
+    copied on this one thread with the GIL released and start no OpenMP
+    team: with ``gate`` (a flush may already be waiting to write ``dst``),
+    by the engine, which checksums each 4 KiB chunk in the same pass and
+    leaves the sums with the gate for position ``at`` so that the writer does
+    not read the copy again; otherwise by libc's memmove (non-temporal stores
+    for large sizes). Anything else goes through torch."""
     n = src.numel() * src.element_size()
     if (
-        n >= BIG
+        (n >= BIG or (gate is not None and n > 0))
         and src.device.type == "cpu"
         and src.layout == torch.strided
         and src.dtype == dst.dtype
@@ -169,6 +172,9 @@ def copy_host(dst: torch.Tensor, src: torch.Tensor) -> None:
         and not src.is_conj()
         and not src.is_neg()
     ):
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
+        if gate is not None:
+            gate.copy_in(at, dst.data_ptr(), src.data_ptr(), n)
+        else:
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
     else:
         dst.copy_(src)

@@ -122,6 +122,85 @@ pub fn sum_chunks(data: &[u8], offset: u64, out: &mut Vec<(u64, u32, u32)>) -> u
     acc
 }
 
+/// Copies `src` into `dst` (same length) and returns the CRC-32 of every
+/// [`CHUNK`] of it (the last one possibly short): the chunk table a writer
+/// would otherwise build with a second pass over `dst`.
+///
+/// Each chunk is checksummed from `src` and then copied while it is still in
+/// the L1 cache, so the bytes cross the memory bus once. Where the CPU has
+/// AVX2 and `dst` is 32-byte aligned the copy uses non-temporal stores: a
+/// checkpoint capture of hundreds of MiB then leaves the training's working
+/// set in the caches (glibc's `memmove` switches to such stores only above
+/// a threshold of its own).
+///
+/// The sums are of the bytes read from `src`. If `src` changes during the
+/// copy (its owner broke the capture contract), `dst` may hold other bytes
+/// than the sums describe, and a later verification reports the record as
+/// damaged instead of returning torn values.
+pub fn copy_and_sum(dst: &mut [u8], src: &[u8]) -> Vec<u32> {
+    assert_eq!(dst.len(), src.len(), "copy_and_sum: lengths differ");
+    let mut sums = Vec::with_capacity(src.len().div_ceil(CHUNK));
+    #[cfg(target_arch = "x86_64")]
+    let stream = std::arch::is_x86_feature_detected!("avx2") && (dst.as_ptr() as usize) % 32 == 0;
+    // `crc32fast::hash` detects the CPU's features at every call; a clone does not.
+    let proto = crc32fast::Hasher::new();
+    for (d, s) in dst.chunks_mut(CHUNK).zip(src.chunks(CHUNK)) {
+        let mut h = proto.clone();
+        h.update(s);
+        sums.push(h.finalize());
+        #[cfg(target_arch = "x86_64")]
+        if stream && d.len() == CHUNK {
+            // SAFETY: AVX2 is present, `d` is 32-byte aligned (a multiple of
+            // CHUNK past an aligned start) and both slices are CHUNK long.
+            unsafe { stream_chunk(d, s) };
+            continue;
+        }
+        d.copy_from_slice(s);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if stream {
+        // Non-temporal stores are weakly ordered: fence them before anyone
+        // is told that the copy is done.
+        // SAFETY: SSE is part of the x86_64 baseline.
+        unsafe { std::arch::x86_64::_mm_sfence() };
+    }
+    sums
+}
+
+/// Copies one [`CHUNK`] with 32-byte non-temporal stores.
+///
+/// # Safety
+///
+/// The CPU must have AVX2, `dst` must be 32-byte aligned, and both slices
+/// must be [`CHUNK`] bytes long.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn stream_chunk(dst: &mut [u8], src: &[u8]) {
+    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256};
+    debug_assert!(dst.len() == CHUNK && src.len() == CHUNK);
+    // `d` is 32-byte aligned (the caller's promise); `s` is read unaligned.
+    #[allow(clippy::cast_ptr_alignment)]
+    let d = dst.as_mut_ptr().cast::<__m256i>();
+    #[allow(clippy::cast_ptr_alignment)]
+    let s = src.as_ptr().cast::<__m256i>();
+    for i in 0..CHUNK / 32 {
+        // SAFETY: i * 32 + 32 <= CHUNK; `d` is aligned as the caller promised.
+        unsafe { _mm256_stream_si256(d.add(i), _mm256_loadu_si256(s.add(i))) };
+    }
+}
+
+/// The CRC-32 of a whole record from its chunk table (`len` bytes in all).
+pub fn from_table(table: &[u32], len: u64) -> u32 {
+    let mut acc = 0u32;
+    let mut left = len;
+    for &c in table {
+        let n = left.min(CHUNK as u64);
+        acc = append(acc, c, n as usize);
+        left -= n;
+    }
+    acc
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,6 +257,26 @@ mod tests {
                 at += u64::from(n);
             }
             assert_eq!(at, d.len() as u64);
+        }
+    }
+
+    #[test]
+    fn copy_and_sum_copies_and_matches_separate_passes() {
+        for n in [0usize, 1, 31, 4095, 4096, 4097, 3 * CHUNK, 5 * CHUNK + 777] {
+            let src = bytes(n, 3 + n as u32);
+            // Aligned and unaligned destinations (the streaming and the plain copy).
+            let mut backing = vec![0u8; n + 64];
+            let base = backing.as_ptr() as usize;
+            for shift in [(32 - base % 32) % 32, (32 - base % 32) % 32 + 8] {
+                let dst = &mut backing[shift..shift + n];
+                dst.fill(0xa5);
+                let sums = copy_and_sum(dst, &src);
+                assert_eq!(dst, &src[..], "n={n} shift={shift}");
+                let mut table = vec![0u32; n.div_ceil(CHUNK)];
+                crate::chunks::compute_into(&src, CHUNK, crate::chunks::Algo::Crc32, &mut table);
+                assert_eq!(sums, table, "n={n}");
+                assert_eq!(from_table(&sums, n as u64), crc32fast::hash(&src));
+            }
         }
     }
 }

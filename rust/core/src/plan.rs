@@ -7,6 +7,7 @@
 //! chunk), the blocks that hold its header are left out of that chunk's writes
 //! ("deferred") and written once every CRC is known.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
 
 use crc32fast::Hasher;
@@ -36,10 +37,15 @@ pub enum Source {
 /// A counter a producer advances as it fills memory that a writer is
 /// already consuming; readers wait for the value they need. A producer that
 /// gives up calls [`Gate::fail`], which makes every waiter fail.
+///
+/// A producer that checksummed what it copied (see [`crate::crc::copy_and_sum`])
+/// leaves the chunk table with the gate ([`Gate::put_sums`]); a writer takes it
+/// ([`Gate::sums`]) instead of reading the memory a second time.
 #[derive(Default)]
 pub struct Gate {
     state: Mutex<(u64, bool)>,
     cv: Condvar,
+    sums: Mutex<HashMap<u64, Arc<[u32]>>>,
 }
 
 impl Gate {
@@ -61,6 +67,28 @@ impl Gate {
 
     pub fn value(&self) -> u64 {
         self.state.lock().expect("gate lock").0
+    }
+
+    /// Leaves the CRC-32 of every [`crate::crc::CHUNK`] of the memory that
+    /// becomes readable at `at`. Put them before advancing past `at`.
+    pub fn put_sums(&self, at: u64, sums: Vec<u32>) {
+        self.sums
+            .lock()
+            .expect("gate sums lock")
+            .insert(at, sums.into());
+    }
+
+    /// The chunk sums left for position `at`, once the gate has reached it
+    /// (before that the memory, and so its sums, may still change) and
+    /// unless the producer failed.
+    pub fn sums(&self, at: u64) -> Option<Arc<[u32]>> {
+        {
+            let g = self.state.lock().expect("gate lock");
+            if g.0 < at || g.1 {
+                return None;
+            }
+        }
+        self.sums.lock().expect("gate sums lock").get(&at).cloned()
     }
 
     /// Blocks until the counter reaches `at`; an error if the producer failed.
@@ -206,6 +234,9 @@ impl Plan {
     /// piece to [`Plan::absorb`]; with chunk sums, cut at chunk boundaries.
     pub fn piece(&self, record: usize, offset: u64, data: &[u8]) -> CrcPiece {
         let len = data.len() as u64;
+        if let Some(p) = self.known_piece(record, offset, data) {
+            return p;
+        }
         if self.chunk_sums && !matches!(self.sources[record], Source::Bytes(_)) {
             let mut chunks = Vec::with_capacity(data.len() / crc::CHUNK + 2);
             let c = crc::sum_chunks(data, offset, &mut chunks);
@@ -228,6 +259,59 @@ impl Plan {
         }
     }
 
+    /// The piece of `data`, the bytes of record `record` from `offset`, with
+    /// the CRCs of the record's whole chunks inside it taken from the chunk
+    /// sums its producer left with its gate (when it left them) and only the
+    /// partial chunks at its edges (less than a chunk each) read.
+    fn known_piece(&self, record: usize, offset: u64, data: &[u8]) -> Option<CrcPiece> {
+        let Source::Gated {
+            gate,
+            ready_at,
+            len: rec_len,
+            ..
+        } = &self.sources[record]
+        else {
+            return None;
+        };
+        let chunk = crc::CHUNK as u64;
+        let rec_len = *rec_len as u64;
+        let len = data.len() as u64;
+        let end = offset + len;
+        if len < chunk || end > rec_len {
+            return None;
+        }
+        let table = gate.sums(*ready_at)?;
+        if table.len() as u64 != rec_len.div_ceil(chunk) {
+            return None;
+        }
+        let mut acc = 0u32;
+        let mut chunks = Vec::new();
+        let mut at = offset;
+        while at < end {
+            let k = at / chunk;
+            let (cs, ce) = (k * chunk, ((k + 1) * chunk).min(rec_len));
+            let n = ce.min(end) - at;
+            let c = if at == cs && ce <= end {
+                table[k as usize]
+            } else {
+                let o = (at - offset) as usize;
+                crc32fast::hash(&data[o..o + n as usize])
+            };
+            acc = crc::append(acc, c, n as usize);
+            if self.chunk_sums {
+                chunks.push((at, n as u32, c));
+            }
+            at += n;
+        }
+        Some(CrcPiece {
+            record,
+            offset,
+            len,
+            hasher: Hasher::new_with_initial_len(acc, len),
+            chunks,
+        })
+    }
+
     /// Whether the write pass built record `record`'s chunk table.
     pub fn chunk_table_built(&self, record: usize) -> bool {
         matches!(self.chunk_tables.get(record), Some(Some(_)))
@@ -242,6 +326,13 @@ impl Plan {
         }
         let src = &self.sources[record];
         src.wait_ready()?;
+        if let Source::Gated { gate, ready_at, .. } = src {
+            if let Some(t) = gate.sums(*ready_at) {
+                if t.len() as u64 == (src.len() as u64).div_ceil(crc::CHUNK as u64) {
+                    return Ok(t.to_vec());
+                }
+            }
+        }
         let mut out =
             vec![0u32; crate::chunks::chunk_count(src.len() as u64, crc::CHUNK as u64) as usize];
         crate::chunks::compute_into(
@@ -680,6 +771,54 @@ mod tests {
             .unwrap();
         gate2.fail();
         assert!(plan2.gather(0, &mut buf, 1, true).is_err());
+    }
+
+    #[test]
+    fn producer_sums_are_taken_instead_of_reading_again() {
+        let n = 3 * crc::CHUNK + 100;
+        let src: Vec<u8> = (0..n).map(|x| (x * 31 % 251) as u8).collect();
+        let mut mem = vec![0u8; n];
+        let gate = Gate::new();
+        let sums = crc::copy_and_sum(&mut mem, &src);
+        // Not readable before the gate passes the position, nor after a failure.
+        gate.put_sums(1, sums.clone());
+        assert!(gate.sums(1).is_none());
+        gate.advance(1);
+        assert_eq!(gate.sums(1).as_deref(), Some(&sums[..]));
+        assert!(gate.sums(2).is_none());
+        // The memory is changed after the copy: a plan that took the
+        // producer's sums reports those, proving it did not read the memory.
+        mem[5] ^= 1;
+        let mut plan = Plan::new(4096).unwrap();
+        plan.set_chunk_sums(true);
+        // SAFETY: `mem` outlives the plan and is not written while it exists.
+        plan.add("a/data/0", unsafe {
+            Source::gated(mem.as_ptr(), n, Arc::clone(&gate), 1)
+        })
+        .unwrap();
+        plan.compute_missing_crcs(2);
+        assert_eq!(plan.crc(0), Some(crc32fast::hash(&src)));
+        assert_eq!(plan.chunk_table(0).unwrap(), sums);
+        // A piece's whole chunks come from the table (byte 5 is in chunk 0,
+        // so the sums are the source's), its partial edges from memory.
+        let p = plan.piece(0, 1, &mem[1..n - 1]);
+        assert_eq!(p.hasher.finalize(), crc32fast::hash(&mem[1..n - 1]));
+        let p = plan.piece(0, 0, &mem[..2 * crc::CHUNK + 7]);
+        assert_eq!(
+            p.hasher.finalize(),
+            crc32fast::hash(&src[..2 * crc::CHUNK + 7])
+        );
+        assert_eq!(p.chunks.len(), 3);
+        // Pieces on the grid, as a writer cuts them, agree with the table.
+        let p = plan.piece(0, 4096, &mem[4096..n]);
+        assert_eq!(p.hasher.finalize(), crc32fast::hash(&src[4096..n]));
+        assert_eq!(p.chunks.len(), 3);
+        // A failed gate gives no sums: the writer reads (and then fails).
+        let g2 = Gate::new();
+        g2.put_sums(1, sums);
+        g2.advance(1);
+        g2.fail();
+        assert!(g2.sums(1).is_none());
     }
 
     #[test]

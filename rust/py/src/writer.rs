@@ -345,6 +345,47 @@ impl PyGate {
     fn value(&self) -> u64 {
         self.inner.value()
     }
+
+    /// Copies `nbytes` from address `src` to address `dst` with the GIL
+    /// released, checksumming each 4096-byte chunk in the same pass, and
+    /// leaves the sums for the memory that becomes readable at `at` (the
+    /// writer takes them instead of reading `dst` again). The caller keeps
+    /// both ranges alive and advances the gate past `at` afterwards.
+    fn copy_in(
+        &self,
+        py: Python<'_>,
+        at: u64,
+        dst: usize,
+        src: usize,
+        nbytes: usize,
+    ) -> PyResult<()> {
+        if nbytes == 0 {
+            self.inner.put_sums(at, Vec::new());
+            return Ok(());
+        }
+        if dst == 0 || src == 0 {
+            return Err(PyValueError::new_err("Gate.copy_in: null address"));
+        }
+        let overlap = dst < src.saturating_add(nbytes) && src < dst.saturating_add(nbytes);
+        if overlap || dst.checked_add(nbytes).is_none() || src.checked_add(nbytes).is_none() {
+            return Err(PyValueError::new_err(
+                "Gate.copy_in: the source and destination ranges overlap or wrap",
+            ));
+        }
+        let sums = py.detach(|| {
+            // SAFETY: the caller promises that both ranges are valid for
+            // `nbytes` and alive for the call; they do not overlap (checked).
+            let (d, s) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(dst as *mut u8, nbytes),
+                    std::slice::from_raw_parts(src as *const u8, nbytes),
+                )
+            };
+            tierstore_core::crc::copy_and_sum(d, s)
+        });
+        self.inner.put_sums(at, sums);
+        Ok(())
+    }
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
