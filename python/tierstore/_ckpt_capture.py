@@ -352,7 +352,7 @@ class Capturer:
             with torch.no_grad():
                 for k in mine:
                     it = snap.items[k]
-                    it.dst.copy_(it.src)
+                    copy_host(it.dst, it.src, snap.gate, k + 1)  # with its sums, as the capture thread copies
         except BaseException as e:
             self.fail(snap, e)
             self.errors.append(e)
