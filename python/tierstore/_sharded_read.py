@@ -445,7 +445,12 @@ def _consolidate(
     m = ck.manifest
     _check_consolidated_size(Path(path), m, ck)
     ck.check_all_files()  # the global shapes it allocates, against what each file holds
-    sd: dict[str, Any] = {name: torch.empty(g["shape"], dtype=_dtype(g["dtype"])) for name, g in m["tensors"].items()}
+    # Tensors saved as the same bytes (tied weights) come back as one tensor,
+    # as torch.load gives one storage for them.
+    shared = shared_tensors(ck)
+    sd: dict[str, Any] = {}
+    for name, g in m["tensors"].items():
+        sd[name] = sd[shared[name]] if name in shared else torch.empty(g["shape"], dtype=_dtype(g["dtype"]))
     for key in m["objects"]:
         sd[key] = None
     rank, world, _pg = _dist.group_info(None)
@@ -469,12 +474,31 @@ def _consolidate(
     return flat_sd
 
 
+def shared_tensors(ck: Checkpoint) -> dict[str, str]:
+    """Each global tensor whose saved bytes are exactly those of an earlier
+    one (:meth:`Checkpoint.saved_view`), mapped to that one."""
+    first: dict[tuple[Any, ...], str] = {}
+    out: dict[str, str] = {}
+    for name in ck.manifest["tensors"]:
+        view = ck.saved_view(name)
+        if view is None:
+            continue
+        f = first.setdefault(view, name)
+        if f != name:
+            out[name] = f
+    return out
+
+
 def _check_consolidated_size(d: Path, m: dict[str, Any], ck: Checkpoint | None = None) -> None:
     """Refuses to allocate the full tensors of a manifest before their sizes
     are checked against what its pieces and files hold, and against the
-    memory there is."""
+    memory there is. Tensors saved as the same bytes (tied weights) are
+    allocated once (:func:`shared_tensors`), so they count once; that is
+    asked of the files' own manifests only when the sum of all exceeds
+    what the files hold."""
     where = str(d / MANIFEST)
     total = 0
+    sizes: dict[str, int] = {}
     for name, g in m["tensors"].items():
         numel = math.prod(g["shape"])
         # A rule's positions tile the tensor (proven when the manifest was read).
@@ -484,7 +508,8 @@ def _check_consolidated_size(d: Path, m: dict[str, Any], ck: Checkpoint | None =
                 f"{where}: global tensor {name!r} of shape {tuple(g['shape'])} has {numel} elements but its pieces "
                 f"hold {held}; the manifest is damaged"
             )
-        total += numel * torch.empty((), dtype=_dtype(g["dtype"])).element_size()
+        sizes[name] = numel * torch.empty((), dtype=_dtype(g["dtype"])).element_size()
+        total += sizes[name]
     on_disk = 0
     copies = ck.copies if ck is not None else [d]
     for i, fe in enumerate(m["files"]):
@@ -502,6 +527,8 @@ def _check_consolidated_size(d: Path, m: dict[str, Any], ck: Checkpoint | None =
         else:
             p = d / fe["name"]
             raise NotFoundError(f"{p}: shard file of the checkpoint is missing (files[{i}])", path=str(p))
+    if total > on_disk and ck is not None:
+        total -= sum(sizes[n] for n in shared_tensors(ck))
     if total > on_disk:
         raise CoverageError(
             f"{where}: the global tensors add up to {total} bytes but the shard files hold only {on_disk}; "

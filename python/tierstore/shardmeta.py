@@ -1066,6 +1066,37 @@ class Checkpoint:
             tables[r["name"]] = self._table(view.path, view.arch, view.fm, view.offsets, r)
         return r["offset"] + so * item, local
 
+    def saved_view(self, name: str) -> tuple[Any, ...] | None:
+        """What global tensor ``name``'s saved bytes are, as the files' own
+        manifests (checked against their pickles when opened) describe them:
+        its shape, dtype, split and, for each piece, the file, record, offset,
+        shape and stride it is read from. Two tensors with equal views hold
+        the same values from the same bytes (tied weights: ``save_sharded``
+        writes their storage once). None when a piece cannot be described."""
+        g = self.manifest["tensors"].get(name)
+        if g is None:
+            return None
+        head: tuple[Any, ...] = (tuple(g["shape"]), g["dtype"])
+        if "rule" in g:
+            rule = json.dumps({k: v for k, v in g["rule"].items() if k != "tensor"}, sort_keys=True)
+            parts: list[tuple[Any, ...]] = []
+            for gi, key in g["parts"]:
+                for _coords, fi in sorted(self.manifest["groups"][gi].items()):  # position -> file
+                    t = self._view(fi).tensors.get(key)
+                    if t is None:
+                        return None
+                    parts.append(
+                        (fi, t.get("record"), t.get("storage_offset"), json.dumps(t.get("shape")),
+                         json.dumps(t.get("stride")), t.get("dtype"))
+                    )  # fmt: skip
+            return (*head, rule, tuple(parts))
+        pieces = tuple(
+            (self.stored[si]["file"], self.stored[si]["offset"], json.dumps(self.stored[si]["shape"]),
+             json.dumps(box), json.dumps(local))
+            for si, box, local in g["pieces"]
+        )  # fmt: skip
+        return (*head, pieces)
+
     def check_all_files(self) -> None:
         """Checks every data file against the manifest (for readers that take
         the manifest's word for whole tensors: consolidate, verify), every

@@ -1531,6 +1531,11 @@ def sharded_variant_whole(ctx: Ctx, d: Path) -> Sharded:
         globals_["scalar"] = rand_tensor(g, (), dt[4])
     if rng.random() < 0.4:
         globals_["empty"] = rand_tensor(g, (0, 3), dt[3])
+    # Tied weights: a second tensor object over big's storage (written once;
+    # a consolidated load shares it, and the size guard counts it once).
+    tied = rng.random() < 0.3
+    if tied:
+        globals_["head"] = globals_["big"]
     objects: dict[str, Any] = {
         "step": rng.randint(0, 10**9),
         "cfg.lr": rng.random(),
@@ -1558,6 +1563,8 @@ def sharded_variant_whole(ctx: Ctx, d: Path) -> Sharded:
         gl = {k: (magic_like(v) if magic else v) for k, v in globals_.items()}
         s: dict[str, Any] = {"model": {"w": gl["model.w"], "b": gl["model.b"]}}
         s.update({k: v for k, v in gl.items() if not k.startswith(("model.", "opt."))})
+        if tied:
+            s["head"] = gl["big"].detach()  # another tensor object, the same storage
         s["step"] = objects["step"]
         s["cfg"] = {"lr": objects["cfg.lr"], "name": objects["cfg.name"]}
         if "hist" in objects:
@@ -1586,7 +1593,7 @@ def sharded_variant_whole(ctx: Ctx, d: Path) -> Sharded:
                           "groups": [{"lr": None, "params": None}]}  # fmt: skip
         return tgt, exp
 
-    return Sharded(d, globals_, objects, same, None, "whole", state)
+    return Sharded(d, globals_, objects, same, None, "whole+tied" if tied else "whole", state)
 
 
 def sharded_variant_pieces(ctx: Ctx, d: Path) -> Sharded:
