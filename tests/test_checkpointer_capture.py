@@ -99,3 +99,31 @@ def test_copy_in_refuses_overlap_and_null() -> None:
         g.copy_in(1, t.data_ptr() + 8, t.data_ptr(), 1024)
     with pytest.raises(ValueError, match="null"):
         g.copy_in(1, 0, t.data_ptr(), 16)
+
+
+def test_tied_weights_are_captured_once_and_restored_shared(tmp_path: Path) -> None:
+    """A state dict holds a separate tensor object per name, so tied weights
+    (an embedding and an output head) are two tensors over one storage. The
+    capture copies and writes that memory once, and the restored state
+    shares it as the saved one did (and as ``torch.save``'s file does);
+    other views of the same storage are still captured exactly."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10_000, 64)
+    head = torch.nn.Linear(64, 10_000, bias=False)
+    head.weight = emb.weight
+    sd = torch.nn.Sequential(emb, head).state_dict()
+    assert sd["0.weight"] is not sd["1.weight"]
+    assert sd["0.weight"].data_ptr() == sd["1.weight"].data_ptr()
+    w = emb.weight.detach()
+    state = {"model": sd, "rows": w[3:], "cols": w.t()}
+    with tierstore.Checkpointer(tmp_path / "run") as ck:
+        ck.save(1, state)
+        ck.wait()
+        # Three copies of the weight's bytes (the tied pair once, rows, cols), not four.
+        assert ck.pool.peak < 3 * w.nbytes + (1 << 20)
+    with tierstore.Checkpointer(tmp_path / "run") as ck:
+        got = ck.load_latest()
+    m = got["model"]
+    assert torch.equal(m["0.weight"], w) and torch.equal(m["1.weight"], w)
+    assert m["0.weight"].untyped_storage().data_ptr() == m["1.weight"].untyped_storage().data_ptr()
+    assert torch.equal(got["rows"], w[3:]) and torch.equal(got["cols"], w.t())

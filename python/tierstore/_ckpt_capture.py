@@ -100,6 +100,7 @@ class Capturer:
         snapshot's items), each tensor's offset in the slab, the slab's size."""
         plan: list[tuple[torch.Tensor, int]] = []
         memo: dict[int, Any] = {}
+        views: dict[tuple[Any, ...], torch.Tensor] = {}
         nbytes = [0]
 
         def reserve(t: torch.Tensor) -> int:
@@ -109,7 +110,7 @@ class Capturer:
             nbytes[0] = off + n
             return off
 
-        state_copy = self.copy_tree(state, snap, plan, memo, reserve, owned, "")
+        state_copy = self.copy_tree(state, snap, plan, memo, views, reserve, owned, "")
         snap.tree = list(flat_tree(state_copy)) if isinstance(state_copy, Mapping) else []
         return state_copy, plan, nbytes[0]
 
@@ -122,6 +123,8 @@ class Capturer:
             item.dst.set_(view)  # type: ignore[call-overload]  # the placeholder becomes the host copy
             if item.layout is not None:
                 attach_layout(item.dst, item.layout)
+        for alias, first in snap.aliases:  # the same memory viewed again (tied weights): one copy, shared
+            alias.set_(first.untyped_storage(), first.storage_offset(), first.shape, first.stride())
         snap.state = state_copy
         lazy: list[Item] = []
         for it in snap.items:
@@ -187,12 +190,16 @@ class Capturer:
         snap: Snapshot,
         plan: list[tuple[torch.Tensor, Any]],
         memo: dict[int, Any],
+        views: dict[tuple[Any, ...], torch.Tensor],
         reserve: Callable[[torch.Tensor], int],
         owned: set[int] | None,
         key: str,
     ) -> Any:
         """The state with each tensor replaced by a placeholder that becomes
-        its host copy; other leaves deep-copied now."""
+        its host copy; other leaves deep-copied now. Plain tensors that view
+        the same memory the same way (tied weights: a state dict holds a
+        separate tensor object per name) share one copy, as they share one
+        storage in the state and in ``torch.save``'s file."""
         if isinstance(obj, torch.Tensor):
             if id(obj) in memo:
                 return memo[id(obj)]
@@ -203,29 +210,49 @@ class Capturer:
             # Plain tensors get their layout (whole, replicated over the ranks) when written.
             # The capture runs under no_grad, so the source needs no detach().
             src = local
+            view = None
+            if keep_layout is None and src.layout == torch.strided and src.numel() > 0 and not is_dtensor(obj):
+                view = (
+                    src.device,
+                    src.untyped_storage().data_ptr(),
+                    src.storage_offset(),
+                    tuple(src.shape),
+                    tuple(src.stride()),
+                    src.dtype,
+                    src.is_conj(),
+                    src.is_neg(),
+                )
+                first = views.get(view)
+                if first is not None:
+                    alias = torch.empty(0, dtype=src.dtype)
+                    snap.aliases.append((alias, first))
+                    memo[id(obj)] = alias
+                    return alias
             dst = torch.empty(0, dtype=src.dtype)
             mutable = owned is None or src.untyped_storage().data_ptr() in owned
             snap.items.append(Item(src, dst, src._version, mutable, keep_layout))
             plan.append((src, reserve(src)))
             memo[id(obj)] = dst
+            if view is not None:
+                views[view] = dst
             return dst
         if isinstance(obj, PerRank):
-            return PerRank(self.copy_tree(obj.value, snap, plan, memo, reserve, owned, key))
+            return PerRank(self.copy_tree(obj.value, snap, plan, memo, views, reserve, owned, key))
         if isinstance(obj, Mapping):
             out = copy.copy(obj)
             nested = _tree.walks(obj)
             for k, v in obj.items():
                 child = _tree.child(key, k) if nested else key
-                out[k] = self.copy_tree(v, snap, plan, memo, reserve, owned, child)  # type: ignore[index]
+                out[k] = self.copy_tree(v, snap, plan, memo, views, reserve, owned, child)  # type: ignore[index]
             return out
         if isinstance(obj, list):
             nested = _tree.walks(obj)
             return [
-                self.copy_tree(v, snap, plan, memo, reserve, owned, _tree.child(key, i) if nested else key)
+                self.copy_tree(v, snap, plan, memo, views, reserve, owned, _tree.child(key, i) if nested else key)
                 for i, v in enumerate(obj)
             ]
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(self.copy_tree(v, snap, plan, memo, reserve, owned, key) for v in obj)
+            return tuple(self.copy_tree(v, snap, plan, memo, views, reserve, owned, key) for v in obj)
         return copy.deepcopy(obj, memo)
 
     def capture_device(self, snap: Snapshot) -> None:

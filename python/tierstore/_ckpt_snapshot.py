@@ -144,6 +144,7 @@ class Snapshot:
         self.state: dict[str, Any] = {}
         self.tree: list[tuple[str, list[str]]] = []
         self.items: list[Item] = []
+        self.aliases: list[tuple[torch.Tensor, torch.Tensor]] = []  # (placeholder, the copy it views)
         self.capture = Capture.COPYING
         self.residency = Residency.HELD
         self._moves = threading.Lock()
