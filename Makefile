@@ -117,7 +117,8 @@ bench-checkpoint: setup ## training loop with torch.save, DCP async_save and the
 	  --json docs/bench/checkpoint.json --out docs/bench/checkpoint.txt
 
 bench-capture-cpu: setup ## CPU per Checkpointer checkpoint by thread group (capture, engine, flush), no training
-	$(VPY) benches/bench_capture_cpu.py --workload gpt,mlp --saves 8 --rounds 3
+	$(VPY) benches/bench_capture_cpu.py --workload gpt,mlp --saves 8 --rounds 3 \
+	  --json docs/bench/capture_cpu.json --out docs/bench/capture_cpu.txt
 
 bench-nodes: setup ## node-scoped tiers: restart and lost-node restores, 4 ranks as 2 nodes, throttled remote (root)
 	$(VPY) benches/bench_nodes.py --mib-per-rank 64 --json docs/bench/nodes.json --out docs/bench/nodes.txt
