@@ -221,3 +221,49 @@ def test_many_records(tmp_path: pathlib.Path, n: int) -> None:
     tierstore.save(sd, p)
     assert tensors_equal(tierstore.load(p), sd)
     assert tensors_equal(torch.load(p), sd)
+
+
+class _Holder:
+    """An object whose tensor only the pickler finds (the walk enters dicts,
+    lists and tuples)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def test_a_save_of_many_tensors_written_in_batches_is_the_one_file(tmp_path: pathlib.Path) -> None:
+    """A path save registers its first tensors, starts writing them, and
+    registers the rest in batches while the engine writes: the keys, the
+    pickle and the records are those of a save that registers all first (a
+    file-object save, which does), including a storage shared by tensors of
+    different batches, a strided view in the last batch and a storage only
+    the pickler finds (inside an object the walk does not enter)."""
+    from tierstore import api
+
+    torch.manual_seed(0)
+    shared = torch.randn(50, 40)
+    state: dict[str, Any] = {f"t{i}": torch.randn(i % 7 + 1) for i in range(3000)}
+    state["t5"] = shared[:10]  # first batch
+    state["t2500"] = shared  # a later batch: the same storage
+    state["t2999"] = torch.randn(30, 20).t()  # strided, last batch
+    state["hidden"] = _Holder(torch.arange(12.0))  # found only by the pickler
+    assert api._FIRST_BATCH < 3000  # the test is about the batches
+    path = tmp_path / "many.pt"
+    tierstore.save(state, path)
+    buf = io.BytesIO()
+    tierstore.save(state, buf)
+    with zipfile.ZipFile(path) as a, zipfile.ZipFile(io.BytesIO(buf.getvalue())) as b:
+        pa = next(n for n in a.namelist() if n.endswith("/data.pkl"))
+        pb = next(n for n in b.namelist() if n.endswith("/data.pkl"))
+        assert a.read(pa) == b.read(pb)
+        names_a = sorted(n.split("/", 1)[1] for n in a.namelist() if "/data/" in n)
+        names_b = sorted(n.split("/", 1)[1] for n in b.namelist() if "/data/" in n)
+        assert names_a == names_b
+        for n in names_a:
+            assert a.read(f"{pa.split('/')[0]}/{n}") == b.read(f"{pb.split('/')[0]}/{n}"), n
+    got = tierstore.load(path, weights_only=False)
+    for k, v in state.items():
+        if k != "hidden":
+            assert torch.equal(got[k], v), k
+    assert got["t5"].untyped_storage().data_ptr() == got["t2500"].untyped_storage().data_ptr()
+    assert torch.equal(got["hidden"].t, state["hidden"].t)

@@ -10,6 +10,8 @@ import io
 import os
 import pathlib
 import pickle
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -362,3 +364,23 @@ def test_torchscript_archives_are_handed_to_torch_with_its_error_types(tmp_path:
         got = tierstore.load(src, weights_only=False)
         assert isinstance(got, torch.jit.ScriptModule)
         assert torch.equal(got(x), m(x))
+
+
+@pytest.mark.parametrize("nesting", ["dict", "list", "deep"])
+@pytest.mark.parametrize("target", ["path", "stream"])
+def test_one_storage_viewed_as_two_dtypes_is_refused_as_torch_refuses_it(
+    tmp_path: Path, nesting: str, target: str
+) -> None:
+    """Two tensors over one storage with different dtypes: torch.save refuses
+    the state, and so does tierstore, whether the second view is met when
+    the save registers tensors beforehand or while pickling."""
+    t = torch.randn(64)
+    u = t.view(torch.int32)
+    state: Any = {"dict": {"a": t, "b": u}, "list": [t, u], "deep": {"x": [{"a": t}], "y": ({"b": u},)}}[nesting]
+    with pytest.raises(RuntimeError, match="different types"):
+        torch.save(state, io.BytesIO())
+    dest: Any = tmp_path / "x.pt" if target == "path" else io.BytesIO()
+    with pytest.raises(tierstore.UsageError, match="different types"):
+        tierstore.save(state, dest)
+    if target == "path":
+        assert not (tmp_path / "x.pt").exists()

@@ -75,6 +75,8 @@ class StorageCollector:
         self.storages: dict[str, SavedStorage] = {}
         self._keys: dict[int, str] = {}
         self._dtypes: dict[int, torch.dtype] = {}
+        # tensor_args of the tensors preseed saw, by id (the tensor is kept, so the id stays its own)
+        self._args: dict[int, tuple[torch.Tensor, tuple[Any, ...]]] = {}
 
     def key_of(self, storage: torch.UntypedStorage) -> str | None:
         return self._keys.get(storage._cdata)
@@ -93,13 +95,20 @@ class StorageCollector:
         return key
 
     def preseed(self, tensors: list[torch.Tensor]) -> None:
-        """Registers the storages of plain tensors, in order."""
+        """Registers the storages of plain tensors, in order. For each tensor
+        the fast pickler can reduce, its arguments are computed now, every
+        check included, and :meth:`tensor_args` looks them up."""
         for t in tensors:
             if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
                 continue
             if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
                 continue
             _refuse_zerotensor(t)
+            if type(t) is torch.Tensor and id(t) not in self._args:
+                args = self._tensor_args(t)
+                if args is not None:
+                    self._args[id(t)] = (t, args)
+                    continue
             storage = t.untyped_storage()
             if storage._cdata in self._keys:
                 continue
@@ -115,6 +124,12 @@ class StorageCollector:
         arguments, for the fast pickler: ``(v3, persistent_id, storage_offset,
         size, stride, requires_grad, dtype_name)``; ``None`` when the tensor
         needs torch's own reduction."""
+        hit = self._args.get(id(t))
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        return self._tensor_args(t)
+
+    def _tensor_args(self, t: torch.Tensor) -> tuple[Any, ...] | None:
         if (
             type(t) is not torch.Tensor
             or t.layout != torch.strided

@@ -38,6 +38,9 @@ FileLike = str | os.PathLike[str] | IO[bytes]
 MapLocation = None | str | torch.device | dict[str, str] | Callable[[Any, str], Any]
 
 DEFAULT_ALIGN = 4096
+# A path save registers this many tensors, starts writing them, and registers
+# the rest in batches four times larger each while the engine writes.
+_FIRST_BATCH = 256
 # Metadata records (data.pkl, version, the manifest, ...) are aligned like
 # torch aligns records; only storages need page alignment.
 _META_ALIGN = 64
@@ -209,7 +212,7 @@ def save(
             f"f must be a path or a writable binary file object, not {type(f).__name__} (it has no write)"
         )
     if isinstance(f, (str, os.PathLike)):
-        pickler = _PickleJob(obj, pickle_module, pickle_protocol)
+        pickler = _PickleJob(obj, pickle_module, pickle_protocol, first=_FIRST_BATCH)
         small = _small_records(not _disable_byteorder_record, align)
         _save_path(os.fspath(f), pickler, small, durable=durable, progress=progress, align=align, background=background)
     else:
@@ -264,7 +267,7 @@ def write_file(
     tensors' shard layouts for the manifest, ``extra`` top-level fields of
     the manifest. Returns where everything went, so that no caller opens
     the file again to learn it."""
-    pickler = _PickleJob(obj, None, _pickle.DEFAULT_PROTOCOL)
+    pickler = _PickleJob(obj, None, _pickle.DEFAULT_PROTOCOL, first=_FIRST_BATCH)
     small = _small_records(True, DEFAULT_ALIGN)
     return _save_path(
         os.fspath(path),
@@ -286,11 +289,30 @@ class _PickleJob:
     reachable through dicts, lists and tuples get their keys before pickling,
     so that their bytes are written while the pickler runs."""
 
-    def __init__(self, obj: Any, module: ModuleType | None, protocol: int) -> None:
+    def __init__(self, obj: Any, module: ModuleType | None, protocol: int, first: int | None = None) -> None:
+        """``first``: register only that many tensors now, the rest by
+        :meth:`register_more` (a path save starts writing the first ones
+        while it registers the others)."""
         self.obj, self.module, self.protocol = obj, module, protocol
         self.found = _pickle.tensor_paths(obj)
         self.collector = _pickle.StorageCollector()
-        self.collector.preseed([t for _, t in self.found])
+        tensors = [t for _, t in self.found]
+        n = len(tensors) if first is None else first
+        self.collector.preseed(tensors[:n])
+        self._rest = tensors[n:]
+
+    def register_more(self, n: int) -> bool:
+        """Registers the next ``n`` tensors, in order (keys and file are the
+        same as when all are registered at once); False when none was left."""
+        if not self._rest:
+            return False
+        self.collector.preseed(self._rest[:n])
+        del self._rest[:n]
+        return True
+
+    @property
+    def registered_all(self) -> bool:
+        return not self._rest
 
     def run(self) -> bytes:
         data, _ = _pickle.dumps(self.obj, self.module, self.protocol, self.collector)
@@ -416,13 +438,35 @@ def _save_path(
 
     try:
         total = add_new()
-        with _progress.bar(_progress.wanted(progress) and total > 0, f"saving {path}") as cb:
+        enabled = _progress.wanted(progress) and (total > 0 or not pickler.registered_all)
+        with _progress.bar(enabled, f"saving {path}") as cb:
             w.start_data()
+            # The tensors not registered yet are registered in growing batches,
+            # each while the engine writes the one before (a state of many
+            # small tensors would otherwise wait for all of them).
+            written = 0
+            batch = 4 * _FIRST_BATCH
+            while pickler.register_more(batch):
+
+                def batch_progress(done: int, of: int, base: int = written) -> None:
+                    if cb is not None:
+                        cb(base + done, base + of)
+
+                w.wait_data(batch_progress)
+                written += total
+                total = add_new()
+                w.start_data()
+                batch *= 4
             # Pickling and most of the manifest are done while the engine writes.
             data_pkl = pickler.run()
             late = [key for key in collector.storages if key not in added]
             parts = _ManifestParts(prefix, collector, found, align, layouts, extra)
-            w.wait_data(cb)
+
+            def last_progress(done: int, of: int, base: int = written) -> None:
+                if cb is not None:
+                    cb(base + done, base + of)
+
+            w.wait_data(last_progress)
             if late:  # storages only the pickler found (inside custom objects)
                 add_new()
                 w.write_data(cb)
