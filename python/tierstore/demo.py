@@ -3,10 +3,12 @@
 1. A small GPT-style model trained for a few steps on the CPU, its checkpoint
    (model + AdamW state) saved and loaded with tierstore and with torch, both
    ways, with the time each step took.
-2. Training with lazy checkpoints (``tierstore.Checkpointer``) in a child
-   process that is killed mid-run; the job resumes from the newest complete
-   checkpoint on another layout (two tensor-parallel shards of every matrix),
-   and the cost of a checkpoint to the loop is set next to ``torch.save`` and
+2. Training with lazy checkpoints (``tierstore.Checkpointer``: host memory,
+   local disk, and a remote tier that keeps deltas against a keyframe every
+   4 checkpoints) in a child process that is killed mid-run; the job resumes
+   from the newest complete checkpoint on another layout (two tensor-parallel
+   shards of every matrix), what the remote tier stores is shown, and the
+   cost of a checkpoint to the loop is set next to ``torch.save`` and
    PyTorch DCP ``async_save`` on the same state.
 3. The same model with AdamW offloaded (``tierstore.offload``): half of its
    fp32 masters and state in host memory, the rest on disk; the parameters
@@ -224,7 +226,8 @@ def child(d: Path, layers: int, width: int) -> None:
         tiers=[
             tierstore.HostTier("2GiB"),
             tierstore.DiskTier("local", keep_last=2),  # under the job's directory
-            tierstore.RemoteTier(str(d / "job" / "remote")),  # a remote tier's relative path would be the cwd's
+            # A remote tier's relative path would be the cwd's. Deltas against a keyframe every 4 checkpoints.
+            tierstore.RemoteTier(str(d / "job" / "remote"), codec=_REMOTE_CODEC),
         ],
     )
     ck.attach(opt)
@@ -241,6 +244,26 @@ def child(d: Path, layers: int, width: int) -> None:
             if h.state.startswith("durable"):
                 print(json.dumps({"durable": s, "state": h.state, "blocked": h.timings["blocked"]}), flush=True)
                 del seen[s]
+
+
+_REMOTE_CODEC = tierstore.Delta(keyframe_every=4)
+
+
+def _remote_stats(con: Any, remote: Path) -> None:
+    """What the remote tier stores for what its checkpoints hold (from the
+    encoded files' headers, as ``tierstore stats`` shows it)."""
+    from tierstore import _tier_codec
+
+    got = _tier_codec.run_stats([remote])
+    for t in got["tiers"].values():
+        ratio = f"{t['raw'] / t['stored']:.2f}x" if t["stored"] else "-"
+        con.print(
+            f"  remote tier (deltas): {t['steps']} checkpoints, {t['keyframes']} keyframe(s) + {t['deltas']} "
+            f"delta(s), {t['stored'] / 2**20:.1f} MiB stored for {t['raw'] / 2**20:.1f} MiB held ({ratio}); "
+            f"`tierstore stats {remote}` shows it by tensor class"
+        )
+    if not got["tiers"]:
+        con.print("  remote tier: no checkpoint promoted there before the kill")
 
 
 def _lazy_part(con: Any, d: Path, args: argparse.Namespace, state: dict[str, Any], nbytes: int) -> bool:
@@ -277,7 +300,7 @@ def _lazy_part(con: Any, d: Path, args: argparse.Namespace, state: dict[str, Any
         tiers=[
             tierstore.HostTier("2GiB"),
             tierstore.DiskTier("local"),
-            tierstore.RemoteTier(str(d / "job" / "remote")),
+            tierstore.RemoteTier(str(d / "job" / "remote"), codec=_REMOTE_CODEC),
         ],
     )
     torch.manual_seed(0)
@@ -310,6 +333,7 @@ def _lazy_part(con: Any, d: Path, args: argparse.Namespace, state: dict[str, Any
         f"  resumed step {restored.get('step')} from the {restored.get('tier')} tier as 2 tensor-parallel shards "
         f"in {t_shards:.2f} s; shards equal the full tensors: {'[green]yes[/green]' if same else '[red]NO[/red]'}"
     )
+    _remote_stats(con, d / "job" / "remote")
     model.load_state_dict(full["model"])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     opt.load_state_dict(full["optim"])
