@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -157,6 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         print(lines[-1], flush=True)
         out.append(r)
     lines.append(f"best of {args.rounds} rounds of {args.saves} checkpoints, each durable before the next; no training")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           check=False).stdout.strip()  # fmt: skip
+    commit = (head.stdout.strip() or "unknown") + ("+changes" if dirty else "")
+    lines.append(
+        f"(python benches/bench_capture_cpu.py {' '.join(argv if argv is not None else sys.argv[1:])}; "
+        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, commit {commit})"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     if args.out:
