@@ -5,6 +5,7 @@ non-tensor state. ``tierstore.sharded`` re-exports its public names."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -477,9 +478,20 @@ def _consolidate(
 def shared_tensors(ck: Checkpoint) -> dict[str, str]:
     """Each global tensor whose saved bytes are exactly those of an earlier
     one (:meth:`Checkpoint.saved_view`), mapped to that one."""
+    # Only tensors alike in shape, dtype and split can share bytes: the full
+    # view (every piece) is built for those alone, so a checkpoint without
+    # tied weights costs one pass over its global entries.
+    alike: dict[tuple[Any, ...], list[str]] = {}
+    for name, g in ck.manifest["tensors"].items():
+        how = (
+            json.dumps({k: v for k, v in g["rule"].items() if k != "tensor"}, sort_keys=True)
+            if "rule" in g
+            else len(g["pieces"])
+        )
+        alike.setdefault((json.dumps(g["shape"]), g["dtype"], how), []).append(name)
     first: dict[tuple[Any, ...], str] = {}
     out: dict[str, str] = {}
-    for name in ck.manifest["tensors"]:
+    for name in (n for names in alike.values() if len(names) > 1 for n in names):
         view = ck.saved_view(name)
         if view is None:
             continue
