@@ -447,12 +447,7 @@ def _save_path(
             written = 0
             batch = 4 * _FIRST_BATCH
             while pickler.register_more(batch):
-
-                def batch_progress(done: int, of: int, base: int = written) -> None:
-                    if cb is not None:
-                        cb(base + done, base + of)
-
-                w.wait_data(batch_progress)
+                w.wait_data(_after(cb, written))
                 written += total
                 total = add_new()
                 w.start_data()
@@ -461,12 +456,7 @@ def _save_path(
             data_pkl = pickler.run()
             late = [key for key in collector.storages if key not in added]
             parts = _ManifestParts(prefix, collector, found, align, layouts, extra)
-
-            def last_progress(done: int, of: int, base: int = written) -> None:
-                if cb is not None:
-                    cb(base + done, base + of)
-
-            w.wait_data(last_progress)
+            w.wait_data(_after(cb, written))
             if late:  # storages only the pickler found (inside custom objects)
                 add_new()
                 w.write_data(cb)
@@ -492,6 +482,17 @@ def _save_path(
         for sg in staged:
             sg.release()
     return Written(file_len, parts.records, parts.tensors, zlib.crc32(built))
+
+
+def _after(cb: _progress.ProgressFn | None, base: int) -> _progress.ProgressFn | None:
+    """A write's progress reported after ``base`` bytes already written."""
+    if cb is None:
+        return None
+
+    def report(done: int, of: int) -> None:
+        cb(base + done, base + of)
+
+    return report
 
 
 def _save_encoded(
