@@ -39,6 +39,8 @@ use std::sync::Mutex;
 
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::planes;
+
 pub const MAGIC: &[u8; 4] = b"TSZ1";
 pub const VERSION: u16 = 1;
 pub const HEADER: usize = 32;
@@ -377,18 +379,14 @@ fn encode_chunk(
         ent.arg = j;
         return (ent, Vec::new());
     }
-    let mut pred = std::mem::take(&mut sc.pred);
-    let src: &[u8] = match (rchunk, transform) {
-        (Some(r), Transform::Isub | Transform::Xor) => {
-            sized(&mut pred, d.len());
-            predict(d, r, width, transform, &mut pred);
-            &pred
-        }
-        _ => d,
+    sized(&mut sc.planes, d.len());
+    let t = if rchunk.is_some() {
+        transform
+    } else {
+        Transform::None
     };
-    let coded = code_planes(src, width, sc);
-    sc.pred = pred;
-    match coded {
+    planes::predict_split(d, rchunk, width, t, &mut sc.planes);
+    match code_planes(width, sc) {
         Some((mask, payload)) if payload.len() < d.len() => {
             ent.kind = KIND_CODED;
             ent.mask = mask;
@@ -673,12 +671,15 @@ fn decode_chunk(
                 ));
             }
             sized(planes, dst.len());
-            let mut at = 4 * width;
             let dctx = dctx.ok_or_else(|| CodecError::Malformed("no zstd decoder".into()))?;
+            // Coded planes are decoded into `planes`; stored ones are read
+            // from the payload where they are.
+            let mut at = 4 * width;
+            let mut spans = [(0usize, 0usize); 8];
             for (k, &len) in lens.iter().enumerate() {
                 let src = &p[at..at + len];
-                let plane = &mut planes[k * n..(k + 1) * n];
                 if e.mask & (1 << k) != 0 {
+                    let plane = &mut planes[k * n..(k + 1) * n];
                     let got = dctx
                         .decompress_to_buffer(src, plane)
                         .map_err(|err| CodecError::Malformed(format!("plane {k}: zstd: {err}")))?;
@@ -687,22 +688,33 @@ fn decode_chunk(
                             "plane {k}: decoded {got} bytes, {n} expected"
                         )));
                     }
-                } else if len == n {
-                    plane.copy_from_slice(src);
-                } else {
+                } else if len != n {
                     return Err(CodecError::Malformed(format!(
                         "plane {k}: stored plane of {len} bytes, {n} expected"
                     )));
                 }
+                spans[k] = (at, len);
                 at += len;
             }
-            join_planes(planes, width, dst);
-            if let (Some(r), Transform::Isub | Transform::Xor) = (rchunk, transform) {
-                unpredict(dst, r, width, transform);
-            } else if transform != Transform::None {
-                return Err(CodecError::Reference(
-                    "a predicted chunk without its reference".into(),
-                ));
+            let views: Vec<&[u8]> = (0..width)
+                .map(|k| {
+                    if e.mask & (1 << k) != 0 {
+                        &planes[k * n..(k + 1) * n]
+                    } else {
+                        &p[spans[k].0..spans[k].0 + spans[k].1]
+                    }
+                })
+                .collect();
+            match (rchunk, transform) {
+                (Some(r), Transform::Isub | Transform::Xor) => {
+                    planes::join_unpredict(&views, Some(r), width, transform, dst);
+                }
+                (_, Transform::None) => planes::join_unpredict(&views, None, width, transform, dst),
+                (None, _) => {
+                    return Err(CodecError::Reference(
+                        "a predicted chunk without its reference".into(),
+                    ))
+                }
             }
         }
     }
@@ -710,42 +722,83 @@ fn decode_chunk(
 }
 
 struct Scratch {
-    pred: Vec<u8>,
     planes: Vec<u8>,
-    /// One output buffer per plane, reused chunk after chunk (fresh ones
-    /// would cost page faults at every chunk).
-    coded: Vec<Vec<u8>>,
     cctx: Option<zstd::bulk::Compressor<'static>>,
 }
 
 impl Scratch {
     fn new(chunk: usize, level: i32) -> Self {
         Scratch {
-            pred: Vec::with_capacity(chunk),
             planes: Vec::with_capacity(chunk),
-            coded: Vec::new(),
             cctx: zstd::bulk::Compressor::new(level).ok(),
         }
     }
 }
 
+/// The free capacity of a vector from its length on, at most `room` bytes,
+/// as a zstd output buffer: zstd writes the coded plane straight into the
+/// chunk's payload (no copy), and fails where it would not fit in `room`.
+struct Tail<'a> {
+    v: &'a mut Vec<u8>,
+    start: usize,
+    room: usize,
+}
+
+// SAFETY: `as_mut_ptr`/`capacity` describe the vector's spare capacity from
+// `start` (at most `room` bytes); `filled_until(n)` marks exactly the `n`
+// bytes zstd reports written there as the vector's.
+unsafe impl zstd::zstd_safe::WriteBuf for Tail<'_> {
+    fn as_slice(&self) -> &[u8] {
+        &self.v[self.start..]
+    }
+    fn capacity(&self) -> usize {
+        (self.v.capacity() - self.start).min(self.room)
+    }
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        // SAFETY: `start` is the vector's length, inside its allocation.
+        unsafe { self.v.as_mut_ptr().add(self.start) }
+    }
+    unsafe fn filled_until(&mut self, n: usize) {
+        // SAFETY: zstd wrote `n` bytes from `start` (the trait's contract),
+        // inside the capacity reported above.
+        unsafe { self.v.set_len(self.start + n) };
+    }
+}
+
 /// The size of `plane` under an ideal order-0 entropy coder (the Shannon
-/// bound of its byte histogram), in bytes.
+/// bound of its byte histogram), in bytes, estimated from a sample: every
+/// fourth 4 KiB block of a plane over 64 KiB (a plane of the low mantissa
+/// bytes of floats is uniform in any of its blocks).
 fn order0_bytes(plane: &[u8]) -> usize {
+    const BLOCK: usize = 4096;
+    const EVERY: usize = 4;
     // Four histograms: consecutive equal bytes do not wait on each other's
     // increments.
     let mut h = [[0u32; 256]; 4];
-    let mut quads = plane.chunks_exact(4);
-    for q in &mut quads {
-        h[0][usize::from(q[0])] += 1;
-        h[1][usize::from(q[1])] += 1;
-        h[2][usize::from(q[2])] += 1;
-        h[3][usize::from(q[3])] += 1;
-    }
-    for &b in quads.remainder() {
-        h[0][usize::from(b)] += 1;
-    }
-    let n = plane.len() as f64;
+    let mut count = |bytes: &[u8]| {
+        let mut quads = bytes.chunks_exact(4);
+        for q in &mut quads {
+            h[0][usize::from(q[0])] += 1;
+            h[1][usize::from(q[1])] += 1;
+            h[2][usize::from(q[2])] += 1;
+            h[3][usize::from(q[3])] += 1;
+        }
+        for &b in quads.remainder() {
+            h[0][usize::from(b)] += 1;
+        }
+    };
+    let sampled = if plane.len() > 16 * BLOCK {
+        let mut n = 0usize;
+        for b in plane.chunks(BLOCK).step_by(EVERY) {
+            count(b);
+            n += b.len();
+        }
+        n
+    } else {
+        count(plane);
+        plane.len()
+    };
+    let n = sampled as f64;
     let mut bits = 0.0f64;
     let (h0, h1, h2, h3) = (&h[0], &h[1], &h[2], &h[3]);
     for (((a, b), c), d) in h0.iter().zip(h1).zip(h2).zip(h3) {
@@ -754,7 +807,7 @@ fn order0_bytes(plane: &[u8]) -> usize {
             bits -= c * (c / n).log2();
         }
     }
-    (bits / 8.0) as usize
+    (bits / 8.0 * plane.len() as f64 / n) as usize
 }
 
 /// `v` holding exactly `n` bytes whose values do not matter (they are
@@ -766,60 +819,46 @@ fn sized(v: &mut Vec<u8>, n: usize) {
     }
 }
 
-/// The planes of `src`, each zstd-coded where that gains, as a payload
-/// (plane lengths, then planes) and the mask of coded planes.
-fn code_planes(src: &[u8], width: usize, sc: &mut Scratch) -> Option<(u8, Vec<u8>)> {
-    let n = src.len() / width;
-    sized(&mut sc.planes, src.len());
-    split_planes(src, width, &mut sc.planes);
+/// The planes in `sc.planes` (`width` planes of equal length), each
+/// zstd-coded where that gains, as a payload (plane lengths, then planes)
+/// and the mask of coded planes.
+fn code_planes(width: usize, sc: &mut Scratch) -> Option<(u8, Vec<u8>)> {
+    let n = sc.planes.len() / width;
     let cctx = sc.cctx.as_mut()?;
     let room = n - n / PLANE_GAIN;
-    if sc.coded.len() < width {
-        sc.coded.resize_with(width, || Vec::with_capacity(room));
-    }
+    // Room for every plane stored as it is: pages that zstd's smaller output
+    // does not reach are never touched (and given back below).
+    let mut payload: Vec<u8> = Vec::with_capacity(4 * width + sc.planes.len());
+    payload.resize(4 * width, 0);
     let mut mask = 0u8;
-    let mut total = 4 * width;
     for k in 0..width {
         let plane = &sc.planes[k * n..(k + 1) * n];
-        let out = &mut sc.coded[k];
-        out.clear();
+        let start = payload.len();
         // A plane whose bytes are close to uniformly distributed (the low
         // mantissa bytes of floats, of their differences) cannot gain 2%
         // from an order-0 entropy coder and rarely has matches: it is
         // stored as it is without spending zstd's time on it.
-        if order0_bytes(plane) >= room {
-            total += n;
-            continue;
-        }
-        out.reserve(room);
-        // Written into the vector's spare capacity (no zero fill); a plane
-        // that does not fit (does not gain 2%) is stored as it is.
-        match cctx.compress_to_buffer(plane, out) {
-            Ok(m) if m < room => {
-                mask |= 1 << k;
-                total += m;
-            }
-            _ => {
-                out.clear();
-                total += n;
-            }
-        }
-    }
-    let mut payload = Vec::with_capacity(total);
-    for k in 0..width {
-        let len = if mask & (1 << k) != 0 {
-            sc.coded[k].len()
-        } else {
-            n
+        let coded = order0_bytes(plane) < room && {
+            let mut tail = Tail {
+                v: &mut payload,
+                start,
+                room,
+            };
+            // A plane that does not fit in `room` (does not gain 2%) is
+            // stored as it is.
+            matches!(cctx.compress_to_buffer(plane, &mut tail), Ok(m) if m < room)
         };
-        payload.extend_from_slice(&(len as u32).to_le_bytes());
-    }
-    for k in 0..width {
-        if mask & (1 << k) != 0 {
-            payload.extend_from_slice(&sc.coded[k]);
+        if coded {
+            mask |= 1 << k;
         } else {
-            payload.extend_from_slice(&sc.planes[k * n..(k + 1) * n]);
+            payload.truncate(start);
+            payload.extend_from_slice(plane);
         }
+        let len = (payload.len() - start) as u32;
+        payload[4 * k..4 * k + 4].copy_from_slice(&len.to_le_bytes());
+    }
+    if payload.capacity() - payload.len() > 64 << 10 {
+        payload.shrink_to_fit();
     }
     Some((mask, payload))
 }
@@ -842,14 +881,9 @@ fn choose_transform(d: &[u8], r: &[u8], width: usize, chunk: usize, level: i32) 
             let s = i * chunk;
             let e = (s + SAMPLE.min(chunk)).min(d.len());
             let piece = &d[s..e];
-            let src: Vec<u8> = if t == Transform::None {
-                piece.to_vec()
-            } else {
-                let mut p = vec![0u8; piece.len()];
-                predict(piece, &r[s..e], width, t, &mut p);
-                p
-            };
-            size += code_planes(&src, width, &mut sc).map_or(src.len(), |(_, p)| p.len());
+            sized(&mut sc.planes, piece.len());
+            planes::predict_split(piece, Some(&r[s..e]), width, t, &mut sc.planes);
+            size += code_planes(width, &mut sc).map_or(piece.len(), |(_, p)| p.len());
         }
         if size < best.0 {
             best = (size, t);
@@ -866,118 +900,6 @@ fn is_zero(d: &[u8]) -> bool {
 fn unsafe_align_u64(d: &[u8]) -> (&[u8], &[u64], &[u8]) {
     // SAFETY: every bit pattern is a valid u64.
     unsafe { d.align_to::<u64>() }
-}
-
-macro_rules! by_width {
-    ($w:expr, $f:ident, $($a:expr),*) => {
-        match $w {
-            1 => $f::<1>($($a),*),
-            2 => $f::<2>($($a),*),
-            4 => $f::<4>($($a),*),
-            _ => $f::<8>($($a),*),
-        }
-    };
-}
-
-fn split_planes(src: &[u8], width: usize, planes: &mut [u8]) {
-    by_width!(width, split_w, src, planes);
-}
-
-fn split_w<const W: usize>(src: &[u8], planes: &mut [u8]) {
-    let n = src.len() / W;
-    let mut p: Vec<&mut [u8]> = planes.chunks_exact_mut(n.max(1)).take(W).collect();
-    if n == 0 {
-        return;
-    }
-    // One plane at a time: each pass streams the source once and writes one
-    // plane sequentially (zipped iterators: no bounds checks).
-    for (k, plane) in p.iter_mut().enumerate() {
-        for (o, el) in plane.iter_mut().zip(src.chunks_exact(W)) {
-            *o = el[k];
-        }
-    }
-}
-
-fn join_planes(planes: &[u8], width: usize, dst: &mut [u8]) {
-    by_width!(width, join_w, planes, dst);
-}
-
-fn join_w<const W: usize>(planes: &[u8], dst: &mut [u8]) {
-    let n = dst.len() / W;
-    if n == 0 {
-        return;
-    }
-    for (k, plane) in planes.chunks_exact(n).take(W).enumerate() {
-        for (el, &b) in dst.chunks_exact_mut(W).zip(plane) {
-            el[k] = b;
-        }
-    }
-}
-
-macro_rules! zigzag_impl {
-    ($u:ty, $i:ty, $bits:expr) => {
-        (
-            |a: $u, b: $u| -> $u {
-                let d = a.wrapping_sub(b) as $i;
-                ((d << 1) ^ (d >> ($bits - 1))) as $u
-            },
-            |z: $u, b: $u| -> $u {
-                let d = ((z >> 1) as $i) ^ (-((z & 1) as $i));
-                b.wrapping_add(d as $u)
-            },
-        )
-    };
-}
-
-/// `out` = `d` predicted from `r`: zigzag of the integer difference of each
-/// element's bit pattern (`isub`) or their exclusive or (`xor`).
-fn predict(d: &[u8], r: &[u8], width: usize, t: Transform, out: &mut [u8]) {
-    if t == Transform::Xor {
-        for ((o, a), b) in out.iter_mut().zip(d).zip(r) {
-            *o = a ^ b;
-        }
-        return;
-    }
-    macro_rules! go {
-        ($u:ty, $i:ty, $bits:expr, $w:expr) => {{
-            let (enc, _) = zigzag_impl!($u, $i, $bits);
-            for ((o, a), b) in out.chunks_exact_mut($w).zip(d.chunks_exact($w)).zip(r.chunks_exact($w)) {
-                let x = enc(<$u>::from_le_bytes(a.try_into().expect("w")), <$u>::from_le_bytes(b.try_into().expect("w")));
-                o.copy_from_slice(&x.to_le_bytes());
-            }
-        }};
-    }
-    match width {
-        1 => go!(u8, i8, 8, 1),
-        2 => go!(u16, i16, 16, 2),
-        4 => go!(u32, i32, 32, 4),
-        _ => go!(u64, i64, 64, 8),
-    }
-}
-
-/// Inverts [`predict`] in place.
-fn unpredict(x: &mut [u8], r: &[u8], width: usize, t: Transform) {
-    if t == Transform::Xor {
-        for (a, b) in x.iter_mut().zip(r) {
-            *a ^= b;
-        }
-        return;
-    }
-    macro_rules! go {
-        ($u:ty, $i:ty, $bits:expr, $w:expr) => {{
-            let (_, dec) = zigzag_impl!($u, $i, $bits);
-            for (a, b) in x.chunks_exact_mut($w).zip(r.chunks_exact($w)) {
-                let v = dec(<$u>::from_le_bytes((&*a).try_into().expect("w")), <$u>::from_le_bytes(b.try_into().expect("w")));
-                a.copy_from_slice(&v.to_le_bytes());
-            }
-        }};
-    }
-    match width {
-        1 => go!(u8, i8, 8, 1),
-        2 => go!(u16, i16, 16, 2),
-        4 => go!(u32, i32, 32, 4),
-        _ => go!(u64, i64, 64, 8),
-    }
 }
 
 #[derive(Clone, Copy)]

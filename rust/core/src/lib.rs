@@ -30,6 +30,7 @@ pub mod gather;
 pub mod halves;
 pub mod io;
 pub mod plan;
+mod planes;
 pub mod probe;
 pub mod ranges;
 pub mod reader;
