@@ -288,6 +288,10 @@ def ratios(
         if i % keyframe_every == 0:
             key = s
         parent = snaps[i - 1]
+        # Delta(reference="best") picks, per file (here the snapshot is one
+        # rank's file), the reference it encodes smaller against: the
+        # better of the two whole-snapshot totals below.
+        cand: dict[str, list[tuple[str, int, int]]] = {"parent": [], "key": []}
         for cls, tensors in s.items():
             if dtype is not None and cls != "weights":
                 continue
@@ -300,14 +304,21 @@ def ratios(
                 add("zstd-3", cls, raw, zstd_size(t, 3))
                 add("zipnn", cls, raw, zipnn_size(t))
                 add("tsz1 keyframe", cls, raw, tsz1(t, None))
-                add("tsz1 vs parent", cls, raw, tsz1(t, pp))
-                add("tsz1 vs keyframe", cls, raw, tsz1(t, kk) if i % keyframe_every else tsz1(t, None))
+                vs_parent = tsz1(t, pp)
+                vs_key = tsz1(t, kk) if i % keyframe_every else tsz1(t, None)
+                add("tsz1 vs parent", cls, raw, vs_parent)
+                add("tsz1 vs keyframe", cls, raw, vs_key)
+                cand["parent"].append((cls, raw, vs_parent))
+                cand["key"].append((cls, raw, vs_key))
                 if t.dtype == torch.float32:
                     # Lossy: 10 mantissa bits kept, against the parent as the
                     # decoder has it (rounded too: a chain does not drift).
                     rt, _ = _lossy.round_mantissa(t.reshape(-1), 10, n)
                     rp, _ = _lossy.round_mantissa(pp.reshape(-1), 10, n)
                     add("lossy 10 bits vs parent", cls, raw, tsz1(rt, rp))
+        best = min(cand.values(), key=lambda rows: sum(g for _c, _r, g in rows))
+        for cls, raw, got in best:
+            add("tsz1 best ref", cls, raw, got)
     return {m: {c: a[0] / a[1] for c, a in d.items()} for m, d in out.items()}
 
 

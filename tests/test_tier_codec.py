@@ -32,13 +32,15 @@ def _model() -> torch.nn.Module:
     return m
 
 
-def _run(root: Path, saves: int, every: int = 3, keep_last: int | None = None) -> tuple[Any, list[dict[str, Any]]]:
+def _run(
+    root: Path, saves: int, every: int = 3, keep_last: int | None = None, reference: str = "keyframe"
+) -> tuple[Any, list[dict[str, Any]]]:
     """Trains ``saves`` steps, saving each; returns the checkpointer's tier
     list factory and each step's state (cloned)."""
     model = _model()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     states: list[dict[str, Any]] = []
-    with tierstore.Checkpointer(root / "run", tiers=_tiers(root, every, keep_last)) as ck:
+    with tierstore.Checkpointer(root / "run", tiers=_tiers(root, every, keep_last, reference)) as ck:
         for step in range(1, saves + 1):
             loss = model(torch.randn(8, 256)).square().mean()
             loss.backward()
@@ -50,11 +52,15 @@ def _run(root: Path, saves: int, every: int = 3, keep_last: int | None = None) -
     return model, states
 
 
-def _tiers(root: Path, every: int, keep_last: int | None = None) -> list[Any]:
+def _tiers(root: Path, every: int, keep_last: int | None = None, reference: str = "keyframe") -> list[Any]:
     return [
         tierstore.HostTier("256MiB"),
         tierstore.DiskTier("local", keep_last=1),
-        tierstore.RemoteTier(str(root / "remote"), codec=tierstore.Delta(keyframe_every=every), keep_last=keep_last),
+        tierstore.RemoteTier(
+            str(root / "remote"),
+            codec=tierstore.Delta(keyframe_every=every, reference=reference),
+            keep_last=keep_last,
+        ),
     ]
 
 
@@ -119,6 +125,78 @@ def test_retention_keeps_the_keyframe_of_a_kept_delta(tmp_path: Path) -> None:
     with tierstore.Checkpointer(tmp_path / "run", tiers=_tiers(tmp_path, 4, keep_last=1)) as ck:
         shutil.rmtree(tmp_path / "run" / "local")
         assert ck.load_latest() is not None and ck.restored is not None and ck.restored["step"] == 3
+
+
+def _file_reference(d: Path) -> str | None:
+    ref = _tier_codec.read_header(next(d.glob("rank-*.pt.tsd")))[0]["reference"]
+    return None if ref is None else str(ref["step_dir"])
+
+
+def test_parent_chains_restore_every_step_and_keep_their_chain(tmp_path: Path) -> None:
+    """``Delta(reference="parent")``: each delta is encoded against the
+    checkpoint before it, back to the keyframe; every step decodes bit-exact
+    from the tier alone (its chain decoded on the way), a checkpoint a later
+    delta needs cannot be deleted, and retention keeps the whole chain of
+    what it keeps."""
+    _m, states = _run(tmp_path, 5, every=4, reference="parent")
+    steps = _steps(tmp_path)
+    metas = [_meta(d) for d in steps]
+    assert [m["keyframe"] for m in metas] == [True, False, False, False, True]
+    assert [m["references"] for m in metas] == [[], [steps[0].name], [steps[1].name], [steps[2].name], []]
+    assert [_file_reference(d) for d in steps] == [None, steps[0].name, steps[1].name, steps[2].name, None]
+    shutil.rmtree(tmp_path / "run")  # no raw copy left anywhere: only the tier's encoded files
+    for i, d in enumerate(steps):
+        w = states[i]["2.weight"]
+        out = {"model.2.weight": torch.zeros_like(w)}
+        tierstore.load_sharded(d, out)
+        assert torch.equal(out["model.2.weight"], w), d.name
+    with pytest.raises(tierstore.ReferencedCheckpointError) as e:
+        tierstore.delete_checkpoint(steps[1])
+    assert e.value.dependents == [str(steps[2])]
+    tierstore.delete_checkpoint(steps[3])  # the end of a chain goes on its own
+    # Retention: keep_last=1 keeps step 3 of a new run, and with it steps 2 and 1.
+    root = tmp_path / "again"
+    _run(root, 3, every=4, keep_last=1, reference="parent")
+    assert [d.name for d in _steps(root)] == [f"step-{i:012d}" for i in (1, 2, 3)]
+    shutil.rmtree(root / "run" / "local")
+    with tierstore.Checkpointer(root / "run", tiers=_tiers(root, 4, keep_last=1, reference="parent")) as ck:
+        assert ck.load_latest() is not None and ck.restored is not None and ck.restored["step"] == 3
+
+
+def test_best_reference_picks_per_file_among_keyframe_and_parent(tmp_path: Path) -> None:
+    _m, states = _run(tmp_path, 3, every=4, reference="best")
+    steps = _steps(tmp_path)
+    assert _meta(steps[1])["references"] == [steps[0].name]  # the parent is the keyframe
+    assert _meta(steps[2])["references"] == [steps[0].name, steps[1].name]
+    assert _file_reference(steps[2]) in (steps[0].name, steps[1].name)
+    # Retention and deletion count every candidate as needed.
+    with pytest.raises(tierstore.ReferencedCheckpointError):
+        tierstore.delete_checkpoint(steps[1])
+    shutil.rmtree(tmp_path / "run" / "local")
+    with tierstore.Checkpointer(tmp_path / "run", tiers=_tiers(tmp_path, 4, reference="best")) as ck:
+        got = ck.load_latest()
+    for k, v in states[-1].items():
+        assert torch.equal(got["model"][k], v), k
+
+
+def test_choose_reference_takes_the_candidate_the_file_is_closest_to(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    w0 = torch.randn(512, 1024, generator=g)
+    near = w0 + 1e-4 * torch.randn(512, 1024, generator=g)
+    src = w0 + 1e-4 * torch.randn(512, 1024, generator=g)
+    far = torch.randn(512, 1024, generator=g)
+    paths = {}
+    for name, w in (("near", near), ("far", far), ("src", src)):
+        paths[name] = tmp_path / f"{name}.pt"
+        tierstore.save({"w": w, "b": torch.zeros(10)}, paths[name])
+    spec = tierstore.codec.resolve(tierstore.Delta())
+    assert spec is not None
+    assert _tier_codec.choose_reference(paths["src"], [paths["far"], paths["near"]], spec) == 1
+    assert _tier_codec.choose_reference(paths["src"], [paths["near"], paths["far"]], spec) == 0
+    # A candidate without the record (records match by name, dtype and
+    # size) codes the sample on its own.
+    tierstore.save({"w": near[:256].clone(), "b": torch.zeros(10)}, tmp_path / "other.pt")
+    assert _tier_codec.choose_reference(paths["src"], [tmp_path / "other.pt", paths["near"]], spec) == 1
 
 
 def test_a_damaged_keyframe_is_named_and_the_restore_moves_on(tmp_path: Path) -> None:
@@ -226,6 +304,11 @@ def test_tier_codec_arguments() -> None:
         tierstore.DiskTier("a", scope="node", codec="zstd")
     with pytest.raises(InvalidArgumentError, match="unknown codec"):
         tierstore.RemoteTier("/tmp/r", codec="lz4")
+    with pytest.raises(InvalidArgumentError, match="reference must be one of keyframe, parent, best"):
+        tierstore.Delta(reference="sideways")
+    with pytest.raises(InvalidArgumentError, match="at most 64"):
+        tierstore.Delta(reference="parent", keyframe_every=65)
+    assert tierstore.Delta(reference="keyframe", keyframe_every=65).keyframe_every == 65
     assert not os.path.exists("x")
 
 

@@ -402,18 +402,18 @@ class Cascade:
         if self.rank == 0 and "index" in m:
             mine.append(m["index"]["name"])  # a large manifest's index, committed with it
         spec = t.codec_spec if t is not None else None
-        ref_dir: Path | None = None
+        refs: list[Path] = []
         if spec is not None:
             assert t is not None
             step = _tier_codec.step_of(dst)
             if step is not None:
-                ref_dir = _ckpt_codec.plan_reference(dst.parent, step, t.keyframe_every, self.world)
+                refs = _ckpt_codec.plan_references(dst.parent, step, t.keyframe_every, self.world, t.reference)
         err: BaseException | None = None
         try:
             for f in mine:
                 if spec is not None and _tier_codec.encodable(f):
                     assert t is not None
-                    self._encode(src / f, dst, t, ref_dir)
+                    self._encode(src / f, dst, t, refs)
                 else:
                     _core.copy_file(engine, src / f, dst / f, background=True)
             if spec is not None and self.rank == 0:
@@ -421,8 +421,11 @@ class Cascade:
                 info = {
                     "format": "tierstore-tier-codec",
                     "codec": CODEC,
-                    "keyframe": ref_dir is None,
-                    "reference": ref_dir.name if ref_dir is not None else None,
+                    "keyframe": not refs,
+                    # The first candidate (files written before `references` name only this one).
+                    "reference": refs[0].name if refs else None,
+                    "references": [r.name for r in refs],
+                    "chain": t.reference,
                     "keyframe_every": t.keyframe_every,
                     "level": spec.level,
                 }
@@ -438,23 +441,31 @@ class Cascade:
             _core.copy_file(engine, src / MANIFEST, dst / MANIFEST, background=True)
         barrier(self.world, self._pg_promote)
 
-    def _encode(self, src: Path, dst: Path, t: DiskTier, ref_dir: Path | None) -> None:
+    def _encode(self, src: Path, dst: Path, t: DiskTier, refs: list[Path]) -> None:
         """Stores file ``src`` encoded in ``dst`` (``<name>.tsd``): against
-        this rank's file of keyframe ``ref_dir`` where that file is at hand
-        and intact, else on its own (a keyframe file, kept raw in the
-        reference cache for the deltas that follow)."""
+        this rank's file of the candidate references ``refs`` that is at
+        hand and intact (of two, the one that encodes a sample of the file
+        smaller), else on its own (a keyframe). The raw file is kept in the
+        reference cache when later deltas may be encoded against it: a
+        keyframe's, and with ``reference="parent"``/``"best"`` every
+        checkpoint's (with the keyframe's, for ``"best"``)."""
         cache = _ckpt_codec.ReferenceCache(self.path / ".tierstore-refs" / t.name)
-        reference = None
-        if ref_dir is not None:
+        found: list[tuple[str, Path]] = []
+        for ref_dir in refs:
             name = _ckpt_codec.reference_file(ref_dir, src.name)
             want = _ckpt_codec.expected_files(ref_dir).get(name) if name is not None else None
             raw = cache.raw(ref_dir, name, want) if name is not None and want is not None else None
             if raw is not None:
-                reference = (ref_dir.name, raw)
+                found.append((ref_dir.name, raw))
         assert t.codec_spec is not None
+        reference = found[0] if found else None
+        if len(found) > 1:
+            reference = found[_tier_codec.choose_reference(src, [p for _n, p in found], t.codec_spec)]
         _tier_codec.encode_file(src, dst / (src.name + _tier_codec.SUFFIX), t.codec_spec, reference)
-        if ref_dir is None:
+        if not refs:
             cache.keep(dst.name, src)
+        elif t.reference != "keyframe":
+            cache.keep(dst.name, src, also=refs[0].name if t.reference == "best" else None)
 
     def gc(self, t: DiskTier) -> None:
         """Retention on tier ``t`` (rank 0 only): keeps the newest ``keep_last``
@@ -479,12 +490,18 @@ class Cascade:
         if t.keep_every:
             keep |= {d for s, d in complete if s % t.keep_every == 0}
         if t.codec_spec is not None:
-            # A kept delta's keyframe is kept with it.
-            for d in list(keep):
+            # What a kept delta is encoded against is kept with it, along
+            # its chain (a delta's parent may be a delta too).
+            todo = list(keep)
+            while todo:
+                d = todo.pop()
                 with contextlib.suppress(OSError, TierstoreError):
                     meta = _tier_codec.tier_meta(d)
-                    if meta is not None and meta.get("reference"):
-                        keep.add(d.parent / meta["reference"])
+                    for ref in _tier_codec.references_of(meta) if meta is not None else ():
+                        r = d.parent / ref
+                        if r not in keep:
+                            keep.add(r)
+                            todo.append(r)
         with self._lock:
             busy = set(self._busy_dirs)
         for _s, d in complete:

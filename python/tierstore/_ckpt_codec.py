@@ -21,18 +21,20 @@ from tierstore.errors import TierstoreError
 from tierstore.shardmeta import MANIFEST, read_manifest
 
 
-def plan_reference(tier_dir: Path, step: int, every: int, world: int) -> Path | None:
-    """The step directory of ``tier_dir`` that a new checkpoint of ``step``
-    is encoded against: the latest keyframe, unless ``every`` checkpoints
-    have been stored since it was made (then the new one is a keyframe, as
-    it is when there is none, or when the keyframe was saved by another
-    number of ranks). Every rank computes the same answer from the tier's
-    committed directories."""
+def plan_references(tier_dir: Path, step: int, every: int, world: int, mode: str = "keyframe") -> list[Path]:
+    """The step directories of ``tier_dir`` that a new checkpoint of
+    ``step`` may be encoded against, by ``mode`` (``Delta.reference``):
+    ``"keyframe"``: the latest keyframe; ``"parent"``: the latest checkpoint
+    (a chain back to the keyframe); ``"best"``: both (each rank's file picks
+    one). Empty when the new checkpoint is a keyframe: there is none yet,
+    ``every`` checkpoints have been stored since the last one, or it was
+    saved by another number of ranks. Every rank computes the same answer
+    from the tier's committed directories."""
     rows: list[tuple[int, Path, bool]] = []
     try:
         entries = list(tier_dir.iterdir())
     except OSError:
-        return None
+        return []
     for d in entries:
         s = step_of(d)
         if s is None or s >= step or not (d / MANIFEST).is_file():
@@ -46,17 +48,21 @@ def plan_reference(tier_dir: Path, step: int, every: int, world: int) -> Path | 
     rows.sort()
     keys = [i for i, r in enumerate(rows) if r[2]]
     if not keys or every <= 1:
-        return None
+        return []
     since = len(rows) - 1 - keys[-1]
     if since + 1 >= every:
-        return None
-    ref = rows[keys[-1]][1]
-    try:
-        if read_manifest(ref)["world_size"] != world:
-            return None
-    except TierstoreError:
-        return None
-    return ref
+        return []
+    key, parent = rows[keys[-1]][1], rows[-1][1]
+    want = {"keyframe": [key], "parent": [parent], "best": [key, parent]}[mode]
+    out: list[Path] = []
+    for ref in dict.fromkeys(want):
+        try:
+            if read_manifest(ref)["world_size"] != world:
+                return []
+        except TierstoreError:
+            return []
+        out.append(ref)
+    return out
 
 
 def expected_files(d: Path) -> dict[str, tuple[int, int]]:
@@ -97,9 +103,10 @@ class ReferenceCache:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    def keep(self, step_dir: str, src: Path) -> None:
+    def keep(self, step_dir: str, src: Path, also: str | None = None) -> None:
         """Links (or copies) raw file ``src`` as ``step_dir``'s, and drops
-        this rank's files of older keyframes."""
+        this rank's files of other checkpoints (but ``also``'s: the
+        keyframe, while its deltas are encoded against it too)."""
         d = self.root / step_dir
         d.mkdir(parents=True, exist_ok=True)
         dst = d / src.name
@@ -112,7 +119,7 @@ class ReferenceCache:
             shutil.copyfile(src, dst)
         head = src.name.split(".", 1)[0] + "."
         for old in self.root.iterdir() if self.root.is_dir() else ():
-            if old.name == step_dir or not old.is_dir():
+            if old.name in (step_dir, also) or not old.is_dir():
                 continue
             for f in old.iterdir():
                 if f.name.startswith(head):

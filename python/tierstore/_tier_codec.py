@@ -115,6 +115,55 @@ def fingerprint(path: Path) -> tuple[int, int]:
     return arch.file_len, mrec.crc32
 
 
+def choose_reference(src: Path, candidates: list[Path], spec: _codec.Spec, sample: int = 1 << 20) -> int:
+    """Which of the raw files ``candidates`` (the same rank's file of the
+    tier's keyframe, of the previous checkpoint) to encode ``src`` against:
+    the one against which a sample of ``src`` encodes smallest. The sample:
+    up to ``sample`` bytes from the middle of each of its four largest
+    storage records, each encoded against the same record of the candidate
+    (on its own where the candidate lacks it). Ties go to the first."""
+    recs, _n, _crc = _storage_records(src)
+    big = sorted((r for r in recs if r["size"] >= _codec.MIN_BYTES), key=lambda r: -r["size"])[:4]
+    if len(candidates) < 2 or not big:
+        return 0
+    src_t, src_mm = _map(src)
+    sizes: list[int] = []
+    try:
+        for c in candidates:
+            rr, _rn, _rcrc = _storage_records(c)
+            offsets = {(r["name"], r.get("dtype", ""), r["size"]): r["offset"] for r in rr}
+            ref_t, ref_mm = _map(c)
+            try:
+                total = 0
+                for r in big:
+                    dtype = _dtype(r.get("dtype"))
+                    width = _codec.element_width(dtype) if dtype is not None else 1
+                    if r["size"] % width:
+                        width = 1
+                    length = min(sample, r["size"]) // width * width
+                    off = (r["size"] - length) // 2 // width * width
+                    ro = offsets.get((r["name"], r.get("dtype", ""), r["size"]))
+                    data, _t, _s = _core.codec_encode(
+                        src_t.data_ptr() + r["offset"] + off,
+                        length,
+                        width,
+                        ref_t.data_ptr() + ro + off if ro is not None else 0,
+                        length if ro is not None else 0,
+                        level=spec.level,
+                        threads=_codec.threads(),
+                        transform=spec.transform if ro is not None else None,
+                    )
+                    total += len(data)
+                sizes.append(total)
+            finally:
+                del ref_t
+                ref_mm.close()
+    finally:
+        del src_t
+        src_mm.close()
+    return min(range(len(sizes)), key=sizes.__getitem__)
+
+
 def encode_file(
     src: Path,
     dst: Path,
@@ -553,7 +602,23 @@ def tier_meta(d: Path) -> dict[str, Any] | None:
     ref = m.get("reference")
     if ref is not None and not (isinstance(ref, str) and _STEP.match(ref)):
         raise CorruptFileError(f"{p}: bad reference {ref!r:.60}", path=str(p))
+    refs = m.get("references")
+    if refs is not None and not (
+        isinstance(refs, list) and len(refs) <= 2 and all(isinstance(r, str) and _STEP.match(r) for r in refs)
+    ):
+        raise CorruptFileError(f"{p}: bad references {refs!r:.60}", path=str(p))
     return m
+
+
+def references_of(meta: dict[str, Any]) -> list[str]:
+    """The step directories a tier checkpoint's ``codec.json`` says its
+    files may be encoded against (``references``; written before it:
+    ``reference`` alone)."""
+    refs = meta.get("references")
+    if isinstance(refs, list):
+        return [r for r in refs if isinstance(r, str)]
+    ref = meta.get("reference")
+    return [ref] if isinstance(ref, str) else []
 
 
 def step_of(d: Path) -> int | None:
@@ -666,7 +731,7 @@ def dependents(step_dir: Path) -> list[Path]:
             meta = tier_meta(d)
         except TierstoreError:
             meta = None
-        if meta is not None and meta.get("reference") == step_dir.name:
+        if meta is not None and step_dir.name in references_of(meta):
             out.append(d)
             continue
         # A step without a readable codec.json may still hold deltas: their headers say.

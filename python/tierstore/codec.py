@@ -46,6 +46,8 @@ PICKLE_NAME = ".tierstore/data.pkl"
 #: Longest chain of references a load follows (a cycle is damage).
 MAX_CHAIN = 64
 _TRANSFORMS = (None, "none", "isub", "xor")
+#: What a tier's deltas are encoded against (:class:`Delta`'s ``reference``).
+REFERENCES = ("keyframe", "parent", "best")
 
 
 @dataclass(frozen=True)
@@ -73,12 +75,20 @@ class Delta:
     transform: str | None = None
     keep_bits: Mapping[str, int] | None = None
     max_rel_error: Mapping[str, float] | None = None
+    reference: str = "keyframe"
 
     def __post_init__(self) -> None:
         _lossy.check_keep_bits(self.keep_bits)
         _lossy.bits_for_bounds(self.max_rel_error)
         if not isinstance(self.keyframe_every, int) or self.keyframe_every < 1:
             raise InvalidArgumentError(f"keyframe_every must be a positive integer, got {self.keyframe_every!r}")
+        if self.reference not in REFERENCES:
+            raise InvalidArgumentError(f"reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}")
+        if self.reference != "keyframe" and self.keyframe_every > MAX_CHAIN:
+            raise InvalidArgumentError(
+                f"Delta(reference={self.reference!r}): a chain of deltas is decoded one file after another, "
+                f"so keyframe_every must be at most {MAX_CHAIN} (got {self.keyframe_every})"
+            )
         _check_level(self.level)
         if self.transform not in _TRANSFORMS:
             raise InvalidArgumentError(f"transform must be one of isub, xor, none or None, got {self.transform!r}")

@@ -83,8 +83,11 @@ class DiskTier:
     bytes encoded; with ``Delta`` every K-th checkpoint on the tier is a
     keyframe (encoded on its own) and the others are encoded against the
     latest keyframe (a star: a restore decodes two files, a delta can be
-    deleted on its own). Reads decode transparently; retention keeps a
-    keyframe while a kept delta needs it. Lossless only here (lossy
+    deleted on its own), or with ``Delta(reference="parent")`` against the
+    previous checkpoint (a chain), or with ``reference="best"`` each rank's
+    file against whichever of the two encodes it smaller. Reads decode
+    transparently; retention keeps every checkpoint a kept delta needs,
+    directly or along its chain. Lossless only here (lossy
     ``keep_bits`` belongs to single files). Not on the first disk tier
     (written raw by the flush, for restores at disk speed) nor on
     node-scoped tiers.
@@ -100,6 +103,7 @@ class DiskTier:
     codec: Any = None
     codec_spec: Any = field(default=None, init=False, repr=False, compare=False)
     keyframe_every: int = field(default=1, init=False, repr=False, compare=False)
+    reference: str = field(default="keyframe", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ps = self.paths if isinstance(self.paths, list) else [self.paths]
@@ -134,6 +138,7 @@ class DiskTier:
         self.codec_spec = spec
         every = self.codec.keyframe_every if isinstance(self.codec, _codec.Delta) else 1
         self.keyframe_every = every
+        self.reference = self.codec.reference if isinstance(self.codec, _codec.Delta) else "keyframe"
 
 
 @dataclass

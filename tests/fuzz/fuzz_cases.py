@@ -2925,19 +2925,21 @@ def ckpt_states(ctx: Ctx) -> tuple[dict[int, dict[str, Any]], Callable[[int, boo
     return {s: state(s) for s in (1, 2, 3)}, state
 
 
-def ckpt_tiers(run: Path, remote: bool, codec: bool = False) -> list[Any]:
+def ckpt_tiers(run: Path, remote: bool, codec: str = "") -> list[Any]:
     """The case's tiers: one local tier; or (``remote``) a node-scoped local
     tier and a remote one, so that a load reads each file of the agreed
     step from the nearest copy that holds it intact (per-file fallback).
     ``codec``: the remote tier stores deltas (step 1 a keyframe, steps 2
-    and 3 deltas against it), decoded where a load reads them."""
+    and 3 deltas), decoded where a load reads them; its value is what they
+    reference (``Delta.reference``: the keyframe, a chain of parents, or
+    the better of the two per file)."""
     if not remote:
         return [tierstore.DiskTier(str(run / "local"))]
-    rc = tierstore.Delta(keyframe_every=3) if codec else None
+    rc = tierstore.Delta(keyframe_every=3, reference=codec) if codec else None
     return [tierstore.DiskTier(str(run / "local"), scope="node"), tierstore.RemoteTier(str(run / "remote"), codec=rc)]
 
 
-def ckpt_save(run: Path, states: dict[int, dict[str, Any]], remote: bool = False, codec: bool = False) -> None:
+def ckpt_save(run: Path, states: dict[int, dict[str, Any]], remote: bool = False, codec: str = "") -> None:
     ck = tierstore.Checkpointer(str(run), tiers=ckpt_tiers(run, remote, codec))
     try:
         for s in sorted(states):
@@ -2952,7 +2954,7 @@ def step_dir(run: Path, s: int) -> Path:
 
 
 def ckpt_mutators(
-    ctx: Ctx, run: Path, make_state: Callable[[int, bool], dict[str, Any]], codec: bool = False
+    ctx: Ctx, run: Path, make_state: Callable[[int, bool], dict[str, Any]], codec: str = ""
 ) -> list[tuple[str, float, Any]]:
     rng = ctx.rng
 
@@ -3202,12 +3204,18 @@ def ckpt_mutators(
         elif field == "bytes":
             h["bytes"] = rng.choice([h["bytes"] + 1, h["bytes"] - 1, 0, 1 << 50])
         elif field == "reference":
+            # A later step's file of the same rank: with a chain of parents
+            # (step 3 against step 2), a cycle.
+            later = [f for f in files if f.parent.name > p.parent.name and f.name.split(".")[0] == p.name.split(".")[0]]
+            cyc = rng.choice(later) if later else p
             h["reference"] = rng.choice(
                 [
                     None,
                     {"step_dir": "step-000000000002", "name": p.name.removesuffix(".tsd"), "bytes": 1,
                      "manifest_crc32": 0},
                     {"step_dir": "../../..", "name": "etc", "bytes": 1, "manifest_crc32": 0},
+                    {"step_dir": cyc.parent.name, "name": cyc.name.removesuffix(".tsd"), "bytes": h["bytes"],
+                     "manifest_crc32": 0},
                 ]
             )  # fmt: skip
         else:
@@ -3261,9 +3269,10 @@ def case_checkpointer(ctx: Ctx) -> None:
     # then read around file by file (every result must still be exact).
     remote = ctx.rng.random() < 0.33
     # Half of those store deltas on the remote tier (read where the local copy is damaged).
-    codec = remote and ctx.rng.random() < 0.5
+    deltas = remote and ctx.rng.random() < 0.5
     if "tsd" in str(ctx.env.cache.get("force_mutator", "")):
-        remote = codec = True  # a mutator of encoded files needs them
+        remote = deltas = True  # a mutator of encoded files needs them
+    codec = ctx.rng.choice(["keyframe", "parent", "best"]) if deltas else ""
     ckpt_save(run, states, remote, codec)
     ctx.env.emit({"ev": "case", "stage": "saved"})
     table = [("none", 2, lambda: "no change"), *ckpt_mutators(ctx, run, make_state, codec)]
