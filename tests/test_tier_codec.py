@@ -238,6 +238,50 @@ def test_a_partial_load_decodes_only_the_records_it_reads(tmp_path: Path) -> Non
         tierstore.load_sharded(steps[1], {"model.1.weight": torch.zeros(512, 512)})
 
 
+def test_a_row_shard_of_a_delta_reads_and_decodes_only_its_chunks(tmp_path: Path) -> None:
+    """Within a record too: a resharding load of rows of a 16 MiB tensor
+    decodes only the codec chunks (1 MiB) its rows lie in, of the delta and
+    of its keyframe, and reads only their payloads; damage to a chunk it
+    does not need is never met, while a load of the rows there meets it."""
+    g = torch.Generator().manual_seed(5)
+    w1 = torch.randn(4096, 1024, generator=g)
+    w2 = w1 + 1e-3 * torch.randn(4096, 1024, generator=g)
+    tiers = _tiers(tmp_path, 4)
+    with tierstore.Checkpointer(tmp_path / "run", tiers=tiers) as ck:
+        for step, w in ((1, w1), (2, w2)):
+            ck.save(step, {"w": w})
+            ck.wait()
+    key, delta = (next(d.glob("rank-*.tsd")) for d in _steps(tmp_path))
+    # Damage the keyframe's last chunk of "w" (the last rows).
+    h, at = _tier_codec.read_header(key)
+    i = h["labels"].index("w")
+    end = at + sum(seg[4] for seg in h["segments"][: i + 1])
+    data = bytearray(key.read_bytes())
+    data[end - 100] ^= 0x08
+    key.write_bytes(bytes(data))
+
+    def rows(r: int) -> dict[str, torch.Tensor]:
+        return {"w": attach(torch.zeros(1024, 1024), Layout.shard("w", (4096, 1024), 0, r, 4))}
+
+    out = rows(0)
+    tierstore.load_sharded(delta.parent, out)
+    assert torch.equal(out["w"], w2[:1024])
+    with pytest.raises(TierstoreError, match="segment"):
+        tierstore.load_sharded(delta.parent, rows(3))
+    # What the decoder reads of the delta for a quarter of the rows.
+    dh, _ = _tier_codec.read_header(delta)
+    seg = dh["segments"][dh["labels"].index("w")]
+    dec = _tier_codec.Decoder()
+    try:
+        raw = dec.raw(delta)
+        before = {p: o.bytes_read for p, o in dec._open.items()}
+        dec.ensure(raw, [(seg[0], seg[0] + seg[1] // 4)])
+        got = dec._open[Path(os.path.abspath(delta))].bytes_read - before[Path(os.path.abspath(delta))]
+    finally:
+        dec.close()
+    assert 0 < got < 0.35 * seg[4], (got, seg[4])
+
+
 def test_a_replaced_keyframe_is_refused(tmp_path: Path) -> None:
     """A keyframe file swapped for another intact one (another step's):
     its fingerprint is not the one the delta recorded."""

@@ -20,8 +20,11 @@ __all__ = [
     "__version__",
     "chunk_checksums",
     "codec_decode",
+    "codec_decode_span",
+    "codec_directory_end",
     "codec_encode",
     "codec_info",
+    "codec_span",
     "copy_file",
     "crc32_combine",
     "crc32_regions",
@@ -317,3 +320,27 @@ def codec_decode(
     record: str | None = None,
 ) -> None: ...
 def codec_info(data: bytes, *, path: str | None = None, record: str | None = None) -> dict[str, Any]: ...
+def codec_directory_end(first: bytes, *, path: str | None = None, record: str | None = None) -> int: ...
+def codec_span(
+    head: bytes,
+    payload_len: int,
+    lo: int,
+    hi: int,
+    *,
+    path: str | None = None,
+    record: str | None = None,
+) -> tuple[int, int, int, int, int, int]: ...
+def codec_decode_span(
+    head: bytes,
+    payload_len: int,
+    sp: tuple[int, int, int, int, int, int],
+    window: bytes,
+    out: int,
+    out_len: int,
+    ref_addr: int = 0,
+    ref_len: int = 0,
+    *,
+    threads: int = 1,
+    path: str | None = None,
+    record: str | None = None,
+) -> None: ...

@@ -417,7 +417,10 @@ class _Open:
             self.starts.append(at)
             at += seg[4]
         self.seg_at = [seg[0] for seg in header["segments"]]
-        self.done: set[int] = set()
+        self.done: set[int] = set()  # segments decoded whole
+        self.heads: dict[int, bytes] = {}  # a segment's stream header and directory
+        self.chunks: dict[int, set[int]] = {}  # a segment's chunks decoded so far
+        self.bytes_read = 0  # encoded bytes read
         self.enc_fd = os.open(enc, os.O_RDONLY | os.O_CLOEXEC)
         self.out_fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         os.ftruncate(self.out_fd, header["bytes"])
@@ -523,7 +526,8 @@ class Decoder:
                 continue
             i = max(0, bisect.bisect_right(o.seg_at, lo) - 1)
             while i < len(o.seg_at) and o.seg_at[i] < hi:
-                self._decode(o, i)
+                at = o.seg_at[i]
+                self._decode(o, i, max(lo - at, 0), hi - at)
                 i += 1
 
     def ensure_all(self, path: str | Path) -> None:
@@ -532,44 +536,78 @@ class Decoder:
             for i in range(len(o.seg_at)):
                 self._decode(o, i)
 
-    def _decode(self, o: _Open, i: int) -> None:
+    def _read(self, o: _Open, n: int, at: int, i: int, what: str) -> bytes:
+        got = os.pread(o.enc_fd, n, at) if n else b""
+        if len(got) != n:
+            raise CorruptFileError(
+                f"{o.enc}: segment {i}: the file is shorter than its header says ({what})", path=str(o.enc)
+            )
+        o.bytes_read += n
+        return got
+
+    def _decode(self, o: _Open, i: int, lo: int = 0, hi: int | None = None) -> None:
+        """Decodes the chunks of segment ``i`` that its decoded bytes ``[lo,
+        hi)`` (default: all) lie in, reading only the stream's directory and
+        those chunks' payloads (and the reference's bytes of those chunks)."""
         if i in o.done:
             return
         at, length, _width, ref_at, slen = o.header["segments"][i]
-        stream = os.pread(o.enc_fd, slen, o.starts[i])
-        if len(stream) != slen:
-            raise CorruptFileError(f"{o.enc}: segment {i}: the file is shorter than its header says", path=str(o.enc))
+        hi = length if hi is None else min(hi, length)
+        record = f"segment {i} (bytes {at}..{at + length} of {o.header['name']})"
+        head = o.heads.get(i)
+        if head is None:
+            first = self._read(o, min(_core.CODEC_HEADER, slen), o.starts[i], i, "stream header")
+            n = _core.codec_directory_end(first, path=str(o.enc), record=record)
+            if n > slen:
+                raise CorruptFileError(
+                    f"{o.enc}: {record}: a directory of {n} bytes in a stream of {slen}", path=str(o.enc)
+                )
+            head = first + self._read(o, n - len(first), o.starts[i] + len(first), i, "directory")
+            o.heads[i] = head
+        plen = slen - len(head)
+        sp = _core.codec_span(head, plen, lo, hi, path=str(o.enc), record=record)
+        first_chunk, end_chunk, start, end, p_lo, p_hi = sp
+        done = o.chunks.setdefault(i, set())
+        if all(c in done for c in range(first_chunk, end_chunk)):
+            return
+        window = self._read(o, p_hi - p_lo, o.starts[i] + len(head) + p_lo, i, "chunk payloads")
         ref_buf: torch.Tensor | None = None
         if ref_at >= 0:
             assert o.ref is not None
+            n = end - start
             if isinstance(o.ref, _Open):
-                self.ensure(o.ref.out, [(ref_at, ref_at + length)])
-                rb = os.pread(o.ref.out_fd, length, ref_at)
+                self.ensure(o.ref.out, [(ref_at + start, ref_at + end)])
+                rb = os.pread(o.ref.out_fd, n, ref_at + start)
             else:
                 with open(o.ref, "rb") as f:
-                    f.seek(ref_at)
-                    rb = f.read(length)
-            if len(rb) != length:
-                raise CorruptFileError(f"{o.enc}: segment {i}: its reference is too short", path=str(o.enc))
-            ref_buf = torch.frombuffer(bytearray(rb), dtype=torch.uint8)
-        src = torch.frombuffer(bytearray(stream), dtype=torch.uint8) if slen else torch.empty(0, dtype=torch.uint8)
-        out = torch.empty(length, dtype=torch.uint8)
-        _core.codec_decode(
-            src.data_ptr() if slen else 0,
-            slen,
-            out.data_ptr(),
-            length,
+                    f.seek(ref_at + start)
+                    rb = f.read(n)
+            if len(rb) != n:
+                raise CorruptFileError(f"{o.enc}: {record}: its reference is too short", path=str(o.enc))
+            ref_buf = torch.frombuffer(bytearray(rb), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+        out = torch.empty(end - start, dtype=torch.uint8)
+        _core.codec_decode_span(
+            head,
+            plen,
+            sp,
+            window,
+            out.data_ptr() if end > start else 0,
+            end - start,
             (ref_buf.data_ptr() if ref_buf.numel() else 1) if ref_buf is not None else 0,
             ref_buf.numel() if ref_buf is not None else 0,
             threads=_codec.threads(),
             path=str(o.enc),
-            record=f"segment {i} (bytes {at}..{at + length} of {o.header['name']})",
+            record=record,
         )
         mv = memoryview(out.numpy().data)
-        done = 0
-        while done < length:
-            done += os.pwrite(o.out_fd, mv[done:], at + done)
-        o.done.add(i)
+        written = 0
+        while written < end - start:
+            written += os.pwrite(o.out_fd, mv[written:], at + start + written)
+        done.update(range(first_chunk, end_chunk))
+        if len(done) == (len(head) - _core.CODEC_HEADER) // _core.CODEC_ENTRY:  # every chunk of the segment
+            o.done.add(i)
+            o.heads.pop(i, None)
+            o.chunks.pop(i, None)
 
     def close(self) -> None:
         for o in list(self._open.values()):

@@ -494,29 +494,128 @@ pub fn decode(enc: &[u8], reference: Option<&[u8]>, out: &mut [u8], threads: usi
             out.len()
         )));
     }
-    let payload = &enc[HEADER + h.count * ENTRY..];
-    let entries: Vec<Entry> = (0..h.count).map(|i| entry(enc, i)).collect();
-    let needs_ref = h.predicted || entries.iter().any(|e| e.kind == KIND_SAME);
-    let reference = match reference {
-        Some(r) if r.len() == out.len() => Some(r),
-        Some(r) => {
-            return Err(CodecError::Reference(format!(
-                "the reference holds {} bytes, the data {}",
-                r.len(),
-                out.len()
-            )))
-        }
-        None if needs_ref => {
-            return Err(CodecError::Reference(
-                "the record is a difference against a reference, and none was given".into(),
-            ))
-        }
-        None => None,
+    let head = HEADER + h.count * ENTRY;
+    let sp = Span {
+        first: 0,
+        last: h.count,
+        start: 0,
+        end: h.decoded_len,
+        payload_lo: 0,
+        payload_hi: (enc.len() - head) as u64,
     };
-    let chunk = h.chunk;
-    let total = out.len();
-    let span = |i: usize| (i * chunk, ((i + 1) * chunk).min(total));
-    check_entries(&entries, &h, payload.len(), total)?;
+    decode_span(
+        &enc[..head],
+        (enc.len() - head) as u64,
+        &sp,
+        &enc[head..],
+        reference,
+        out,
+        threads,
+    )
+}
+
+/// The length of a stream's header and directory, from its first
+/// [`HEADER`] bytes (what a reader of part of a stream reads first).
+pub fn directory_end(first: &[u8]) -> Result<usize> {
+    if first.len() < HEADER || &first[..4] != MAGIC {
+        return Err(CodecError::Malformed(
+            "not a tsz1 stream (bad magic or shorter than its header)".into(),
+        ));
+    }
+    let count = u32::from_le_bytes(first[12..16].try_into().expect("4 bytes")) as usize;
+    Ok(HEADER + count * ENTRY)
+}
+
+/// The chunks a read of decoded bytes `[lo, hi)` needs decoded: chunks
+/// `first..last` (widened back to the source of any copy of an earlier
+/// chunk among them), which decode to bytes `[start, end)`, from payload
+/// bytes `[payload_lo, payload_hi)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    pub first: usize,
+    pub last: usize,
+    pub start: u64,
+    pub end: u64,
+    pub payload_lo: u64,
+    pub payload_hi: u64,
+}
+
+/// The [`Span`] of chunks that decoded bytes `[lo, hi)` lie in. `head` is
+/// the stream's header and directory ([`directory_end`] bytes) and
+/// `payload_len` the length of the payload that follows them; the
+/// directory is checked whole against it.
+pub fn span(head: &[u8], payload_len: u64, lo: u64, hi: u64) -> Result<Span> {
+    let h = header(head)?;
+    let entries: Vec<Entry> = (0..h.count).map(|i| entry(head, i)).collect();
+    check_entries(&entries, &h, payload_len, h.decoded_len)?;
+    let (lo, hi) = (lo.min(h.decoded_len), hi.min(h.decoded_len));
+    let chunk = h.chunk as u64;
+    if lo >= hi {
+        let at = (lo / chunk) as usize;
+        return Ok(Span {
+            first: at,
+            last: at,
+            start: at as u64 * chunk,
+            end: at as u64 * chunk,
+            payload_lo: 0,
+            payload_hi: 0,
+        });
+    }
+    let mut first = (lo / chunk) as usize;
+    let last = hi.div_ceil(chunk) as usize;
+    // A copy of an earlier chunk outside the span: decode from its source on
+    // (sources are earlier; a stream's encoder makes copies of the first
+    // occurrence only, so this rarely widens at all).
+    loop {
+        let src = entries[first..last]
+            .iter()
+            .filter(|e| e.kind == KIND_DUP)
+            .map(|e| e.arg as usize)
+            .min();
+        match src {
+            Some(j) if j < first => first = j,
+            _ => break,
+        }
+    }
+    let with_payload = entries[first..last].iter().filter(|e| e.len > 0);
+    let payload_lo = with_payload.clone().map(|e| e.offset).min().unwrap_or(0);
+    let payload_hi = with_payload.map(|e| e.offset + e.len).max().unwrap_or(0);
+    Ok(Span {
+        first,
+        last,
+        start: first as u64 * chunk,
+        end: (last as u64 * chunk).min(h.decoded_len),
+        payload_lo,
+        payload_hi: payload_hi.max(payload_lo),
+    })
+}
+
+/// Decodes the chunks of span `sp` (from [`span`]) into `out` (its `end -
+/// start` bytes), from `window` (the payload bytes `[payload_lo,
+/// payload_hi)`) and, where the stream was encoded against a reference, the
+/// reference's bytes `[start, end)`. Every decoded chunk's checksum is
+/// checked.
+pub fn decode_span(
+    head: &[u8],
+    payload_len: u64,
+    sp: &Span,
+    window: &[u8],
+    reference: Option<&[u8]>,
+    out: &mut [u8],
+    threads: usize,
+) -> Result<()> {
+    let h = header(head)?;
+    let entries: Vec<Entry> = (0..h.count).map(|i| entry(head, i)).collect();
+    check_entries(&entries, &h, payload_len, h.decoded_len)?;
+    check_span(&h, &entries, sp, window.len(), out.len())?;
+    let chunk = h.chunk as u64;
+    let reference = span_reference(&h, &entries[sp.first..sp.last], reference, out.len())?;
+    // Chunk i's decoded bytes, relative to `out`.
+    let span_of = |i: usize| {
+        let s = i as u64 * chunk - sp.start;
+        let e = ((i as u64 + 1) * chunk).min(h.decoded_len) - sp.start;
+        (s as usize, e as usize)
+    };
     let first_err: Mutex<Option<(usize, CodecError)>> = Mutex::new(None);
     let base = SendPtr(out.as_mut_ptr());
     let width = h.width;
@@ -525,8 +624,9 @@ pub fn decode(enc: &[u8], reference: Option<&[u8]>, out: &mut [u8], threads: usi
     } else {
         Transform::None
     };
-    let next = AtomicUsize::new(0);
-    let nthreads = threads.clamp(1, h.count.max(1));
+    let next = AtomicUsize::new(sp.first);
+    let n = sp.last - sp.first;
+    let nthreads = threads.clamp(1, n.max(1));
     std::thread::scope(|sc| {
         for _ in 0..nthreads {
             sc.spawn(|| {
@@ -534,18 +634,20 @@ pub fn decode(enc: &[u8], reference: Option<&[u8]>, out: &mut [u8], threads: usi
                 let mut dctx = zstd::bulk::Decompressor::new().ok();
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= h.count {
+                    if i >= sp.last {
                         break;
                     }
                     let e = &entries[i];
                     if e.kind == KIND_DUP {
                         continue; // after every other chunk
                     }
-                    let (s, en) = span(i);
+                    let (s, en) = span_of(i);
                     // SAFETY: chunks are disjoint ranges of `out`, each
                     // written by one thread only; `out` outlives the scope.
                     let dst = unsafe { std::slice::from_raw_parts_mut(base.get().add(s), en - s) };
-                    let p = &payload[e.offset as usize..(e.offset + e.len) as usize];
+                    let from = (e.offset.max(sp.payload_lo) - sp.payload_lo) as usize;
+                    let p = &window[from..from + e.len as usize];
+                    let at = (s as u64 + sp.start) as usize;
                     let r = decode_chunk(
                         e,
                         p,
@@ -556,8 +658,8 @@ pub fn decode(enc: &[u8], reference: Option<&[u8]>, out: &mut [u8], threads: usi
                         &mut planes,
                         dctx.as_mut(),
                     )
-                    .map_err(|err| in_chunk(i, s, en, err))
-                    .and_then(|()| check(i, s, en, e.hash, dst));
+                    .map_err(|err| in_chunk(i, at, at + en - s, err))
+                    .and_then(|()| check(i, at, at + en - s, e.hash, dst));
                     if let Err(err) = r {
                         let mut f = first_err.lock().expect("lock");
                         if f.as_ref().is_none_or(|(j, _)| i < *j) {
@@ -571,10 +673,11 @@ pub fn decode(enc: &[u8], reference: Option<&[u8]>, out: &mut [u8], threads: usi
     if let Some((_, e)) = first_err.into_inner().expect("lock") {
         return Err(e);
     }
-    for (i, e) in entries.iter().enumerate() {
+    for (k, e) in entries[sp.first..sp.last].iter().enumerate() {
+        let i = sp.first + k;
         if e.kind == KIND_DUP {
-            let (s, en) = span(i);
-            let (js, je) = span(e.arg as usize);
+            let (s, en) = span_of(i);
+            let (js, je) = span_of(e.arg as usize);
             if je - js != en - s {
                 return Err(CodecError::Malformed(format!(
                     "chunk {i}: a copy of chunk {} of another length",
@@ -582,19 +685,79 @@ pub fn decode(enc: &[u8], reference: Option<&[u8]>, out: &mut [u8], threads: usi
                 )));
             }
             out.copy_within(js..je, s);
-            check(i, s, en, e.hash, &out[s..en])?;
+            let at = (s as u64 + sp.start) as usize;
+            check(i, at, at + en - s, e.hash, &out[s..en])?;
+        }
+    }
+    Ok(())
+}
+
+/// The reference a span is decoded with: refused where it is missing and
+/// the span's `entries` need one, or has another length than the `out`
+/// bytes decoded.
+fn span_reference<'r>(
+    h: &Header,
+    entries: &[Entry],
+    reference: Option<&'r [u8]>,
+    out: usize,
+) -> Result<Option<&'r [u8]>> {
+    let needs_ref = h.predicted || entries.iter().any(|e| e.kind == KIND_SAME);
+    Ok(match reference {
+        Some(r) if r.len() == out => Some(r),
+        Some(r) => {
+            return Err(CodecError::Reference(format!(
+                "the reference holds {} bytes, the data {}",
+                r.len(),
+                out
+            )))
+        }
+        None if needs_ref => {
+            return Err(CodecError::Reference(
+                "the record is a difference against a reference, and none was given".into(),
+            ))
+        }
+        None => None,
+    })
+}
+
+/// That span `sp` fits the stream of header `h` and directory `entries`, a
+/// payload window of `window` bytes and an output of `out` bytes.
+fn check_span(h: &Header, entries: &[Entry], sp: &Span, window: usize, out: usize) -> Result<()> {
+    let chunk = h.chunk as u64;
+    let exact = sp.first <= sp.last
+        && sp.last <= h.count
+        && sp.start == sp.first as u64 * chunk
+        && sp.end == (sp.last as u64 * chunk).min(h.decoded_len).max(sp.start)
+        && sp.payload_lo <= sp.payload_hi
+        && window as u64 == sp.payload_hi - sp.payload_lo;
+    if !exact || out as u64 != sp.end - sp.start {
+        return Err(CodecError::Invalid(format!(
+            "span {sp:?} with a window of {window} bytes and {out} output bytes does not fit the stream"
+        )));
+    }
+    for e in &entries[sp.first..sp.last] {
+        if e.len > 0 && (e.offset < sp.payload_lo || e.offset + e.len > sp.payload_hi) {
+            return Err(CodecError::Invalid(format!(
+                "a chunk's payload [{}, +{}) lies outside the window read [{}, {})",
+                e.offset, e.len, sp.payload_lo, sp.payload_hi
+            )));
+        }
+        if e.kind == KIND_DUP && (e.arg as usize) < sp.first {
+            return Err(CodecError::Invalid(
+                "a copied chunk's source lies before the span".into(),
+            ));
         }
     }
     Ok(())
 }
 
 /// The structural checks of a stream's directory, made before any decoding.
-fn check_entries(entries: &[Entry], h: &Header, payload_len: usize, total: usize) -> Result<()> {
-    let chunk = h.chunk;
-    let span = |i: usize| (i * chunk, ((i + 1) * chunk).min(total));
+fn check_entries(entries: &[Entry], h: &Header, payload_len: u64, total: u64) -> Result<()> {
+    let chunk = h.chunk as u64;
+    let span = |i: usize| (i as u64 * chunk, ((i as u64 + 1) * chunk).min(total));
     for (i, e) in entries.iter().enumerate() {
         let end = e.offset.checked_add(e.len);
-        if end.is_none_or(|x| x > payload_len as u64) {
+        if end.is_none_or(|x| x > payload_len) {
             return Err(CodecError::Malformed(format!(
                 "chunk {i}: payload [{}, +{}) lies outside the stream's {} payload bytes",
                 e.offset, e.len, payload_len
@@ -602,7 +765,7 @@ fn check_entries(entries: &[Entry], h: &Header, payload_len: usize, total: usize
         }
         let (s, en) = span(i);
         let ok = match e.kind {
-            KIND_RAW => e.len == (en - s) as u64,
+            KIND_RAW => e.len == en - s,
             KIND_CODED => e.len >= 4 * h.width as u64,
             KIND_DUP => (e.arg as usize) < i && e.len == 0,
             KIND_SAME | KIND_ZERO => e.len == 0,
@@ -1061,6 +1224,102 @@ mod tests {
         ));
         let wrong = floats(50_000, 7);
         assert!(decode(&e.bytes, Some(&wrong), &mut out, 1).is_err());
+    }
+
+    /// Decodes decoded bytes `[lo, hi)` of `enc` the way a partial reader
+    /// does: the directory first, then only the payload window of the span.
+    fn decode_part(enc: &[u8], r: Option<&[u8]>, lo: u64, hi: u64) -> Result<(Span, Vec<u8>)> {
+        let head_len = directory_end(&enc[..HEADER])?;
+        let (head, payload) = enc.split_at(head_len);
+        let sp = span(head, payload.len() as u64, lo, hi)?;
+        let window = &payload[sp.payload_lo as usize..sp.payload_hi as usize];
+        let mut out = vec![0u8; (sp.end - sp.start) as usize];
+        let rs = r.map(|r| &r[sp.start as usize..sp.end as usize]);
+        decode_span(head, payload.len() as u64, &sp, window, rs, &mut out, 2)?;
+        Ok((sp, out))
+    }
+
+    #[test]
+    fn a_span_decodes_only_its_chunks_and_equals_the_whole() {
+        let chunk = 4096;
+        let mut d = floats(10 * 1024 + 7, 1); // 11 chunks of 4 KiB, the last short
+        let r = floats(10 * 1024 + 7, 2);
+        // Chunk 7 copies chunk 2; chunk 5 equals the reference's; chunk 9 is zero.
+        d.copy_within(2 * chunk..3 * chunk, 7 * chunk);
+        d[5 * chunk..6 * chunk].copy_from_slice(&r[5 * chunk..6 * chunk]);
+        d[9 * chunk..10 * chunk].fill(0);
+        let enc = encode(&d, 4, Some(&r), &opts(chunk, Some(Transform::Isub))).unwrap();
+        assert_eq!(enc.stats.dup, 1);
+        let total = d.len() as u64;
+        for (lo, hi) in [
+            (0, total),
+            (100, 200),
+            (4096, 8192),
+            (4095, 4097),
+            (6 * 4096 + 5, 8 * 4096),
+            (total - 1, total),
+            (50, 50),
+        ] {
+            let (sp, out) = decode_part(&enc.bytes, Some(&r), lo, hi).unwrap();
+            assert!(
+                sp.start <= lo.min(hi) && sp.end >= hi.max(lo) || lo == hi,
+                "{sp:?}"
+            );
+            assert_eq!(out, d[sp.start as usize..sp.end as usize], "[{lo}, {hi})");
+        }
+        // The copy of chunk 2 in chunk 7: a read of chunk 7 decodes from chunk 2 on.
+        let (sp, _) = decode_part(&enc.bytes, Some(&r), 7 * 4096, 7 * 4096 + 1).unwrap();
+        assert_eq!((sp.first, sp.last), (2, 8));
+        // A read of one chunk reads one chunk's payload, not the stream's.
+        let (sp, _) = decode_part(&enc.bytes, Some(&r), 3 * 4096, 3 * 4096 + 10).unwrap();
+        assert_eq!((sp.first, sp.last), (3, 4));
+        let payload_len = enc.bytes.len() - directory_end(&enc.bytes).unwrap();
+        assert!(
+            (sp.payload_hi - sp.payload_lo) * 5 < payload_len as u64,
+            "{sp:?}"
+        );
+    }
+
+    #[test]
+    fn a_span_with_a_wrong_window_or_reference_is_refused() {
+        let d = floats(4096, 3);
+        let r = floats(4096, 4);
+        let enc = encode(&d, 4, Some(&r), &opts(4096, Some(Transform::Isub)))
+            .unwrap()
+            .bytes;
+        let head_len = directory_end(&enc).unwrap();
+        let (head, payload) = enc.split_at(head_len);
+        let pl = payload.len() as u64;
+        let sp = span(head, pl, 4096, 8192).unwrap();
+        let mut out = vec![0u8; (sp.end - sp.start) as usize];
+        let rs = &r[sp.start as usize..sp.end as usize];
+        let w = &payload[sp.payload_lo as usize..sp.payload_hi as usize];
+        // A window one byte short, a span moved by one chunk, no reference.
+        assert!(decode_span(head, pl, &sp, &w[1..], Some(rs), &mut out, 1).is_err());
+        let moved = Span {
+            first: sp.first + 1,
+            last: sp.last + 1,
+            ..sp
+        };
+        assert!(decode_span(head, pl, &moved, w, Some(rs), &mut out, 1).is_err());
+        assert!(decode_span(head, pl, &sp, w, None, &mut out, 1).is_err());
+        // A damaged payload byte: the chunk's checksum names it.
+        let mut bad = w.to_vec();
+        let k = bad.len() - 1;
+        bad[k] ^= 1;
+        let e = decode_span(head, pl, &sp, &bad, Some(rs), &mut out, 1).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                CodecError::Mismatch { chunk: 1, .. } | CodecError::Malformed(_)
+            ),
+            "{e}"
+        );
+        decode_span(head, pl, &sp, w, Some(rs), &mut out, 1).unwrap();
+        assert_eq!(out, d[4096..8192]);
+        // A directory shorter than its header says.
+        assert!(span(&head[..head_len - 1], pl, 0, 10).is_err());
+        assert!(directory_end(&enc[..10]).is_err());
     }
 
     proptest! {

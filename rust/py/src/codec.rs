@@ -145,6 +145,85 @@ fn codec_decode(
         .map_err(|e| to_pyerr(py, e, path, record))
 }
 
+/// The length of an encoded stream's header and directory, from its first
+/// `CODEC_HEADER` bytes.
+#[pyfunction]
+#[pyo3(signature = (first, *, path = None, record = None))]
+fn codec_directory_end(
+    py: Python<'_>,
+    first: &[u8],
+    path: Option<&str>,
+    record: Option<&str>,
+) -> PyResult<usize> {
+    codec::directory_end(first).map_err(|e| to_pyerr(py, e, path, record))
+}
+
+/// What a read of decoded bytes `[lo, hi)` of a stream needs decoded, from
+/// its header and directory `head` (the payload of `payload_len` bytes
+/// follows them): `(first chunk, end chunk, start byte, end byte, payload
+/// from, payload to)`.
+#[pyfunction]
+#[pyo3(signature = (head, payload_len, lo, hi, *, path = None, record = None))]
+fn codec_span(
+    py: Python<'_>,
+    head: &[u8],
+    payload_len: u64,
+    lo: u64,
+    hi: u64,
+    path: Option<&str>,
+    record: Option<&str>,
+) -> PyResult<(usize, usize, u64, u64, u64, u64)> {
+    let s = codec::span(head, payload_len, lo, hi).map_err(|e| to_pyerr(py, e, path, record))?;
+    Ok((s.first, s.last, s.start, s.end, s.payload_lo, s.payload_hi))
+}
+
+/// Decodes the span `sp` (from `codec_span`) of a stream into the `out_len`
+/// bytes at `out`, from `window` (its payload bytes) and the reference's
+/// bytes of the span at `ref_addr` where the stream has one.
+#[pyfunction]
+#[pyo3(signature = (head, payload_len, sp, window, out, out_len, ref_addr = 0, ref_len = 0, *, threads = 1, path = None, record = None))]
+#[allow(clippy::too_many_arguments)]
+fn codec_decode_span(
+    py: Python<'_>,
+    head: &[u8],
+    payload_len: u64,
+    sp: (usize, usize, u64, u64, u64, u64),
+    window: &[u8],
+    out: usize,
+    out_len: usize,
+    ref_addr: usize,
+    ref_len: usize,
+    threads: usize,
+    path: Option<&str>,
+    record: Option<&str>,
+) -> PyResult<()> {
+    let span = codec::Span {
+        first: sp.0,
+        last: sp.1,
+        start: sp.2,
+        end: sp.3,
+        payload_lo: sp.4,
+        payload_hi: sp.5,
+    };
+    // SAFETY: the caller keeps the buffers alive for the call; `out` is
+    // written only through the slice made here.
+    let reference = unsafe { slice(ref_addr, ref_len)? };
+    let reference = (ref_addr != 0).then_some(reference);
+    let dst: &mut [u8] = if out_len == 0 {
+        &mut []
+    } else {
+        if out == 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "null output address",
+            ));
+        }
+        // SAFETY: as above.
+        unsafe { std::slice::from_raw_parts_mut(out as *mut u8, out_len) }
+    };
+    py.detach(|| codec::decode_span(head, payload_len, &span, window, reference, dst, threads))
+        .map_err(|e| to_pyerr(py, e, path, record))
+}
+
 /// The header of an encoded stream and its chunk counts, as a dict.
 #[pyfunction]
 #[pyo3(signature = (data, *, path = None, record = None))]
@@ -174,6 +253,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(codec_encode, m)?)?;
     m.add_function(wrap_pyfunction!(codec_decode, m)?)?;
     m.add_function(wrap_pyfunction!(codec_info, m)?)?;
+    m.add_function(wrap_pyfunction!(codec_directory_end, m)?)?;
+    m.add_function(wrap_pyfunction!(codec_span, m)?)?;
+    m.add_function(wrap_pyfunction!(codec_decode_span, m)?)?;
     m.add("CODEC_HEADER", codec::HEADER)?;
     m.add("CODEC_ENTRY", codec::ENTRY)?;
     Ok(())
