@@ -11,6 +11,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -184,6 +185,52 @@ def test_identical_chunks_cost_nothing(tmp_path: Path) -> None:
     rec = next(r for r in _manifest(tmp_path / "r.pt")["records"] if r.get("codec"))
     assert rec["chunk_kinds"]["dup"] == 3
     _same(tierstore.load(tmp_path / "r.pt"), {"r": rep})
+
+
+def test_a_chain_of_coded_files_decodes_in_one_pass_or_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delta whose base is coded too (a zstd keyframe, a delta against
+    it) decodes chunk by chunk down the chain, never the base whole; a base
+    that copies its own chunks is decoded whole instead; both bit-exact,
+    and damage to the base is named either way."""
+    g = torch.Generator().manual_seed(11)
+    k = torch.randn(3 << 18, generator=g)  # 3 MiB
+    mid = k + 1e-4 * torch.randn(3 << 18, generator=g)
+    top = mid + 1e-4 * torch.randn(3 << 18, generator=g)
+    tierstore.save({"w": k}, tmp_path / "k.pt", codec="zstd")
+    tierstore.save({"w": mid}, tmp_path / "m.pt", codec=tierstore.Delta(base=tmp_path / "k.pt"))
+    tierstore.save({"w": top}, tmp_path / "t.pt", codec=tierstore.Delta(base=tmp_path / "m.pt"))
+    calls: list[tuple[int, bool]] = []
+    real = codec._core.codec_decode_chain
+
+    def spy(srcs: Any, *a: Any, **kw: Any) -> bool:
+        got = real(srcs, *a, **kw)
+        calls.append((len(srcs), got))
+        return got
+
+    monkeypatch.setattr(codec._core, "codec_decode_chain", spy)
+    _same(tierstore.load(tmp_path / "t.pt"), {"w": top})
+    assert calls == [(3, True)]
+    # A keyframe whose record copies its own chunks: the chain declines, the base is decoded whole.
+    rep = torch.cat([k[:262144]] * 3)
+    tierstore.save({"w": rep}, tmp_path / "k.pt", codec="zstd")
+    near = rep + 1e-4 * torch.randn(3 << 18, generator=g)
+    tierstore.save({"w": near}, tmp_path / "n.pt", codec=tierstore.Delta(base=tmp_path / "k.pt"))
+    calls.clear()
+    _same(tierstore.load(tmp_path / "n.pt"), {"w": near})
+    assert calls == [(2, False)]
+    # Damage inside the keyframe's coded record: named (its file and record).
+    tierstore.save({"w": k}, tmp_path / "k.pt", codec="zstd")
+    tierstore.save({"w": mid}, tmp_path / "m.pt", codec=tierstore.Delta(base=tmp_path / "k.pt"))
+    rec = next(r for r in _manifest(tmp_path / "k.pt")["records"] if r.get("codec"))
+    data = bytearray((tmp_path / "k.pt").read_bytes())
+    data[rec["offset"] + rec["size"] // 2] ^= 0x20
+    (tmp_path / "k.pt").write_bytes(bytes(data))
+    for verify in (True, False):  # the stored CRC-32; without it, the codec's chunk checksum
+        with pytest.raises(tierstore.TierstoreError, match=r"k\.pt: record '[^']*data/0'") as e:
+            tierstore.load(tmp_path / "m.pt", verify=verify)
+        assert e.value.path == str(tmp_path / "k.pt")
 
 
 def _manifest(p: Path) -> dict:

@@ -20,6 +20,7 @@ __all__ = [
     "__version__",
     "chunk_checksums",
     "codec_decode",
+    "codec_decode_chain",
     "codec_decode_span",
     "codec_directory_end",
     "codec_encode",
@@ -320,6 +321,15 @@ def codec_decode(
     record: str | None = None,
 ) -> None: ...
 def codec_info(data: bytes, *, path: str | None = None, record: str | None = None) -> dict[str, Any]: ...
+def codec_decode_chain(
+    srcs: list[tuple[int, int]],
+    out: int,
+    out_len: int,
+    *,
+    threads: int = 1,
+    path: str | None = None,
+    record: str | None = None,
+) -> bool: ...
 def codec_directory_end(first: bytes, *, path: str | None = None, record: str | None = None) -> int: ...
 def codec_span(
     head: bytes,

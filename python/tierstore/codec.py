@@ -32,7 +32,13 @@ from typing import Any, NoReturn
 import torch
 
 from tierstore import _core, _lossy
-from tierstore.errors import CompressedFileError, CorruptFileError, InvalidArgumentError, MissingRecordError
+from tierstore.errors import (
+    CompressedFileError,
+    CorruptFileError,
+    InvalidArgumentError,
+    MissingRecordError,
+    TierstoreError,
+)
 
 __all__ = ["Delta", "tierstore_compressed_file__load_with_tierstore_or_convert_plain"]
 
@@ -333,17 +339,12 @@ def check_codec(path: str, m: dict[str, Any]) -> None:
             )
 
 
-def read_decoded(
-    path: str,
-    names: list[str] | None,
-    *,
-    depth: int = 0,
-    verify: bool = True,
-    delta_base: str | None = None,
-    seen: frozenset[str] = frozenset(),
-) -> dict[str, torch.Tensor]:
-    """The decoded bytes (uint8 tensors) of the storage records ``names`` of
-    ``path`` (None: all), with the references they need read likewise."""
+def _read_stored(
+    path: str, names: list[str] | None, *, depth: int, verify: bool, seen: frozenset[str]
+) -> tuple[str, dict[str, dict[str, Any]], dict[str, torch.Tensor]]:
+    """The stored bytes (uint8 tensors, checked against their CRC-32) of the
+    storage records ``names`` of ``path`` (None: all), not decoded; with the
+    file's real path and its manifest's records."""
     from tierstore import _archive
     from tierstore._engine import get_engine
 
@@ -371,17 +372,74 @@ def read_decoded(
     pending = _core.start_read(get_engine(), path, specs, verify=verify)
     pending.wait(None)
     out: dict[str, torch.Tensor] = {}
-    stored: dict[str, torch.Tensor] = {}
     for n, buf in zip(names, pending.buffers, strict=True):
-        t = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
-        if recs.get(n, {}).get("codec") == CODEC:
-            stored[n] = t
-        else:
-            out[n] = t
-    refs = _references(path, {n: recs[n] for n in stored}, depth, verify, delta_base, seen | {real})
-    for n, t in stored.items():
-        out[n] = decode_record(path, n, recs[n], t, refs.get(n))
-    return {n: out[n] for n in names}
+        out[n] = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    return real, recs, out
+
+
+#: A record's stored bytes with what decoding them needs: (file, record name,
+#: manifest record, stored bytes, its reference: another link, raw bytes, or None).
+_Link = tuple[str, str, dict[str, Any], torch.Tensor, Any]
+
+
+def read_decoded(
+    path: str,
+    names: list[str] | None,
+    *,
+    depth: int = 0,
+    verify: bool = True,
+    delta_base: str | None = None,
+    seen: frozenset[str] = frozenset(),
+) -> dict[str, torch.Tensor]:
+    """The decoded bytes (uint8 tensors) of the storage records ``names`` of
+    ``path`` (None: all), with the references they need read likewise. A
+    delta whose references are coded too is decoded chunk by chunk down its
+    chain (a reference is never decoded whole into memory of its own)."""
+    links = _read_links(path, names, depth=depth, verify=verify, delta_base=delta_base, seen=seen)
+    return {n: _decode_link(link) for n, link in links.items()}
+
+
+def _read_links(
+    path: str,
+    names: list[str] | None,
+    *,
+    depth: int,
+    verify: bool,
+    delta_base: str | None,
+    seen: frozenset[str],
+) -> dict[str, _Link]:
+    real, recs, stored = _read_stored(path, names, depth=depth, verify=verify, seen=seen)
+    coded = {n: recs[n] for n in stored if recs.get(n, {}).get("codec") == CODEC}
+    refs = _references(path, coded, depth, verify, delta_base, seen | {real})
+    return {n: (path, n, recs.get(n, {}), t, refs.get(n) if n in coded else None) for n, t in stored.items()}
+
+
+def _decode_link(link: _Link) -> torch.Tensor:
+    """The decoded bytes of one link: stored bytes that are not coded as
+    they are; a chain of coded links in one pass where the codec can; else
+    its reference decoded first, then the link against it."""
+    path, name, rec, t, ref = link
+    if rec.get("codec") != CODEC:
+        return t
+    chain = [link]
+    while isinstance(chain[-1][4], tuple) and chain[-1][4][2].get("codec") == CODEC:
+        chain.append(chain[-1][4])
+    if len(chain) > 1 and chain[-1][4] is None:
+        out = _empty_decoded(path, name, rec, t)
+        try:
+            if out.numel() == 0 or _core.codec_decode_chain(
+                [(c[3].data_ptr() if c[3].numel() else 1, c[3].numel()) for c in chain],
+                out.data_ptr(),
+                out.numel(),
+                threads=threads(),
+                path=path,
+                record=name,
+            ):
+                return out
+        except TierstoreError:
+            pass  # decoded again level by level below, so that the error names the damaged file and record
+    ref_t = _decode_link(ref) if isinstance(ref, tuple) else ref
+    return decode_record(path, name, rec, t, ref_t)
 
 
 def _references(
@@ -391,10 +449,11 @@ def _references(
     verify: bool,
     delta_base: str | None,
     seen: frozenset[str],
-) -> dict[str, torch.Tensor]:
-    """The decoded reference of every record in ``recs`` that has one: each
-    base file opened once, its records read together, each checked to be the
-    one the record was encoded against."""
+) -> dict[str, Any]:
+    """The reference of every record in ``recs`` that has one, as a link
+    (its stored bytes, not decoded yet): each base file opened once, its
+    records read together, each checked to be the one the record was
+    encoded against."""
     from tierstore import _archive
 
     wanted: dict[str, list[tuple[str, dict[str, Any]]]] = {}
@@ -402,7 +461,7 @@ def _references(
         ref = rec.get("delta_base")
         if ref is not None:
             wanted.setdefault(resolve_reference(path, ref, n, delta_base), []).append((n, ref))
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
     for base, items in wanted.items():
         if not os.path.isfile(base):
             n = items[0][0]
@@ -421,10 +480,28 @@ def _references(
                     record=n,
                 )
         names = sorted({ref["record"] for _n, ref in items})
-        got = read_decoded(base, names, depth=depth + 1, verify=verify, seen=seen)
+        got = _read_links(base, names, depth=depth + 1, verify=verify, delta_base=None, seen=seen)
         for n, ref in items:
-            out[n] = got[ref["record"]]
+            link = got[ref["record"]]
+            out[n] = link if link[2].get("codec") == CODEC else link[3]
     return out
+
+
+def _empty_decoded(path: str, name: str, rec: dict[str, Any], stored: torch.Tensor) -> torch.Tensor:
+    """Room for record ``name``'s decoded bytes, its ``decoded_size`` checked
+    first: the codec's directory bounds what a record can decode to (chunks
+    of at most 4 MiB, 32 bytes each), so a size beyond that is damage, not a
+    reason to allocate."""
+    size = rec.get("decoded_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise CorruptFileError(f"{path}: record '{name}': bad decoded_size {size!r:.40}", path=path, record=name)
+    if size > (stored.numel() // _core.CODEC_ENTRY) * (4 << 20):
+        raise CorruptFileError(
+            f"{path}: record '{name}': decoded_size {size} is more than its {stored.numel()} stored bytes can hold",
+            path=path,
+            record=name,
+        )
+    return torch.empty(size, dtype=torch.uint8)
 
 
 def decode_record(
@@ -432,19 +509,8 @@ def decode_record(
 ) -> torch.Tensor:
     """Record ``name`` of ``path`` decoded from its ``stored`` bytes (and its
     decoded reference, where it has one)."""
-    size = rec.get("decoded_size")
-    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-        raise CorruptFileError(f"{path}: record '{name}': bad decoded_size {size!r:.40}", path=path, record=name)
-    # The codec's directory bounds what a record can decode to (chunks of at
-    # most 4 MiB, 32 bytes each): a size beyond that is damage, not a reason
-    # to allocate.
-    if size > (stored.numel() // _core.CODEC_ENTRY) * (4 << 20):
-        raise CorruptFileError(
-            f"{path}: record '{name}': decoded_size {size} is more than its {stored.numel()} stored bytes can hold",
-            path=path,
-            record=name,
-        )
-    out = torch.empty(size, dtype=torch.uint8)
+    out = _empty_decoded(path, name, rec, stored)
+    size = out.numel()
     ref_addr = 0
     if ref_t is not None:
         # An empty reference still says "there is one" to the decoder.

@@ -514,6 +514,189 @@ pub fn decode(enc: &[u8], reference: Option<&[u8]>, out: &mut [u8], threads: usi
     )
 }
 
+/// The streams of a chain ([`decode_chain`]), level 0 the top.
+struct Levels<'a> {
+    heads: &'a [Header],
+    entries: &'a [Vec<Entry>],
+    payloads: &'a [&'a [u8]],
+}
+
+impl Levels<'_> {
+    fn needs_ref(&self, k: usize, e: &Entry) -> bool {
+        e.kind == KIND_SAME || (e.kind == KIND_CODED && self.heads[k].predicted)
+    }
+
+    /// Decodes chunk `i` (decoded bytes from `s`) of the top into `dst`,
+    /// with the reference chunks it needs decoded into `scratch`, level by
+    /// level from the deepest one needed.
+    #[allow(clippy::too_many_arguments)]
+    fn chunk(
+        &self,
+        i: usize,
+        s: usize,
+        dst: &mut [u8],
+        scratch: &mut [Vec<u8>],
+        planes: &mut Vec<u8>,
+        mut dctx: Option<&mut zstd::bulk::Decompressor<'static>>,
+    ) -> Result<()> {
+        let last = self.entries.len() - 1;
+        let en = s + dst.len();
+        let mut depth = 0;
+        while depth < last && self.needs_ref(depth, &self.entries[depth][i]) {
+            depth += 1;
+        }
+        for k in (0..=depth).rev() {
+            let e = &self.entries[k][i];
+            let p = &self.payloads[k][e.offset as usize..(e.offset + e.len) as usize];
+            let h = &self.heads[k];
+            let transform = if h.predicted {
+                h.transform
+            } else {
+                Transform::None
+            };
+            let (below, here) = scratch.split_at_mut(k + 1);
+            let rchunk = if k < depth {
+                Some(&here[0][..en - s])
+            } else {
+                None
+            };
+            let out: &mut [u8] = if k == 0 {
+                &mut *dst
+            } else {
+                sized(&mut below[k], en - s);
+                &mut below[k][..]
+            };
+            decode_chunk(
+                e,
+                p,
+                rchunk,
+                out,
+                h.width,
+                transform,
+                planes,
+                dctx.as_deref_mut(),
+            )
+            .and_then(|()| check(i, s, en, e.hash, out))
+            .map_err(|err| {
+                let err = in_chunk(i, s, en, err);
+                if k == 0 {
+                    err
+                } else {
+                    CodecError::Reference(format!("reference stream {k}: {err}"))
+                }
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Decodes a chain of streams into `out`: `encs[0]` was encoded against
+/// the decoding of `encs[1]`, that one against `encs[2]`'s, and so on; the
+/// last needs no reference. Chunk by chunk: each reference chunk a chunk
+/// needs is decoded into per-thread scratch (it stays in cache and is never
+/// stored whole), and every decoded chunk's checksum is checked at every
+/// level. Returns `Ok(false)`, having written nothing, where the chain
+/// cannot be decoded this way (a reference stream that copies its own
+/// chunks, or streams of other lengths or chunk sizes): decode the
+/// references whole instead.
+pub fn decode_chain(encs: &[&[u8]], out: &mut [u8], threads: usize) -> Result<bool> {
+    if encs.is_empty() {
+        return Err(CodecError::Invalid("an empty chain".into()));
+    }
+    let heads: Vec<Header> = encs.iter().map(|e| header(e)).collect::<Result<_>>()?;
+    let h0 = &heads[0];
+    if out.len() as u64 != h0.decoded_len {
+        return Err(CodecError::Malformed(format!(
+            "the stream decodes to {} bytes, {} expected",
+            h0.decoded_len,
+            out.len()
+        )));
+    }
+    let mut entries: Vec<Vec<Entry>> = Vec::with_capacity(encs.len());
+    let mut payloads: Vec<&[u8]> = Vec::with_capacity(encs.len());
+    for (k, (e, h)) in encs.iter().zip(&heads).enumerate() {
+        let dir: Vec<Entry> = (0..h.count).map(|i| entry(e, i)).collect();
+        let payload = &e[HEADER + h.count * ENTRY..];
+        check_entries(&dir, h, payload.len() as u64, h.decoded_len)?;
+        if h.decoded_len != h0.decoded_len
+            || h.chunk != h0.chunk
+            || (k > 0 && dir.iter().any(|x| x.kind == KIND_DUP))
+        {
+            return Ok(false);
+        }
+        entries.push(dir);
+        payloads.push(payload);
+    }
+    let last = encs.len() - 1;
+    let needs_ref =
+        |k: usize, e: &Entry| e.kind == KIND_SAME || (e.kind == KIND_CODED && heads[k].predicted);
+    if entries[last].iter().any(|e| needs_ref(last, e)) {
+        return Err(CodecError::Reference(
+            "the last stream of a chain is a difference against a reference, and none was given"
+                .into(),
+        ));
+    }
+    let chunk = h0.chunk;
+    let total = out.len();
+    let span = |i: usize| (i * chunk, ((i + 1) * chunk).min(total));
+    let first_err: Mutex<Option<(usize, CodecError)>> = Mutex::new(None);
+    let base = SendPtr(out.as_mut_ptr());
+    let next = AtomicUsize::new(0);
+    let nthreads = threads.clamp(1, h0.count.max(1));
+    std::thread::scope(|sc| {
+        for _ in 0..nthreads {
+            sc.spawn(|| {
+                let mut planes: Vec<u8> = Vec::new();
+                let mut scratch: Vec<Vec<u8>> = vec![Vec::new(); encs.len()];
+                let mut dctx = zstd::bulk::Decompressor::new().ok();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= h0.count {
+                        break;
+                    }
+                    if entries[0][i].kind == KIND_DUP {
+                        continue; // after every other chunk
+                    }
+                    let (s, en) = span(i);
+                    // SAFETY: chunks are disjoint ranges of `out`, each
+                    // written by one thread only; `out` outlives the scope.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(base.get().add(s), en - s) };
+                    let levels = Levels {
+                        heads: &heads,
+                        entries: &entries,
+                        payloads: &payloads,
+                    };
+                    let r = levels.chunk(i, s, dst, &mut scratch, &mut planes, dctx.as_mut());
+                    if let Err(err) = r {
+                        let mut f = first_err.lock().expect("lock");
+                        if f.as_ref().is_none_or(|(j, _)| i < *j) {
+                            *f = Some((i, err));
+                        }
+                    }
+                }
+            });
+        }
+    });
+    if let Some((_, e)) = first_err.into_inner().expect("lock") {
+        return Err(e);
+    }
+    for (i, e) in entries[0].iter().enumerate() {
+        if e.kind == KIND_DUP {
+            let (s, en) = span(i);
+            let (js, je) = span(e.arg as usize);
+            if je - js != en - s {
+                return Err(CodecError::Malformed(format!(
+                    "chunk {i}: a copy of chunk {} of another length",
+                    e.arg
+                )));
+            }
+            out.copy_within(js..je, s);
+            check(i, s, en, e.hash, &out[s..en])?;
+        }
+    }
+    Ok(true)
+}
+
 /// The length of a stream's header and directory, from its first
 /// [`HEADER`] bytes (what a reader of part of a stream reads first).
 pub fn directory_end(first: &[u8]) -> Result<usize> {
@@ -1231,7 +1414,9 @@ mod tests {
     fn decode_part(enc: &[u8], r: Option<&[u8]>, lo: u64, hi: u64) -> Result<(Span, Vec<u8>)> {
         let head_len = directory_end(&enc[..HEADER])?;
         if head_len > enc.len() {
-            return Err(CodecError::Malformed("a directory past the stream's end".into()));
+            return Err(CodecError::Malformed(
+                "a directory past the stream's end".into(),
+            ));
         }
         let (head, payload) = enc.split_at(head_len);
         let sp = span(head, payload.len() as u64, lo, hi)?;
@@ -1281,6 +1466,60 @@ mod tests {
             (sp.payload_hi - sp.payload_lo) * 5 < payload_len as u64,
             "{sp:?}"
         );
+    }
+
+    #[test]
+    fn a_chain_decodes_chunk_by_chunk_as_the_references_whole_would() {
+        let chunk = 4096;
+        let n = 6 * 1024 + 3; // 7 chunks of 4 KiB, the last short
+        let k = floats(n, 1);
+        let mut mid = floats(n, 1);
+        let mut top = floats(n, 1);
+        for (i, (m, t)) in mid.iter_mut().zip(top.iter_mut()).enumerate() {
+            if i % 7 == 0 {
+                *m ^= 1;
+            }
+            if i % 5 == 0 {
+                *t ^= 2;
+            }
+        }
+        mid[chunk..2 * chunk].copy_from_slice(&k[chunk..2 * chunk]); // mid's chunk 1: same as the keyframe's
+        top[2 * chunk..3 * chunk].copy_from_slice(&mid[2 * chunk..3 * chunk]); // top's chunk 2: same as mid's
+        top.copy_within(3 * chunk..4 * chunk, 5 * chunk); // top's chunk 5 copies its chunk 3
+        top[4 * chunk..5 * chunk].fill(0);
+        let o = opts(chunk, Some(Transform::Isub));
+        let ek = encode(&k, 4, None, &opts(chunk, None)).unwrap().bytes;
+        let em = encode(&mid, 4, Some(&k), &o).unwrap().bytes;
+        let et = encode(&top, 4, Some(&mid), &o).unwrap();
+        assert!(
+            et.stats.dup == 1 && et.stats.same == 1 && et.stats.zero == 1,
+            "{:?}",
+            et.stats
+        );
+        let mut out = vec![0u8; top.len()];
+        assert!(decode_chain(&[&et.bytes, &em, &ek], &mut out, 2).unwrap());
+        assert_eq!(out, top);
+        // Two levels; a reference stream that copies its own chunks is
+        // declined (decode it whole instead), and a chain whose last stream
+        // needs a reference is refused.
+        assert!(decode_chain(&[&em, &ek], &mut out, 1).unwrap());
+        assert_eq!(out, mid);
+        let mut kd = k.clone();
+        kd.copy_within(0..chunk, 3 * chunk);
+        let ekd = encode(&kd, 4, None, &opts(chunk, None)).unwrap().bytes;
+        assert!(!decode_chain(&[&em, &ekd], &mut out, 1).unwrap());
+        assert!(decode_chain(&[&et.bytes, &em], &mut out, 1).is_err());
+        let short = encode(&k[..k.len() - 4], 4, None, &opts(chunk, None))
+            .unwrap()
+            .bytes;
+        assert!(!decode_chain(&[&em, &short], &mut out, 1).unwrap());
+        // Damage in the middle stream's payload of chunk 0 (which the top's
+        // chunk 0 needs) is named as the reference's.
+        let mut bad = em.clone();
+        let at = directory_end(&bad).unwrap() + 40;
+        bad[at] ^= 0x40;
+        let e = decode_chain(&[&et.bytes, &bad, &ek], &mut out, 2).unwrap_err();
+        assert!(e.to_string().contains("reference stream 1"), "{e}");
     }
 
     #[test]

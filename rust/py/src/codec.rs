@@ -145,6 +145,41 @@ fn codec_decode(
         .map_err(|e| to_pyerr(py, e, path, record))
 }
 
+/// Decodes a chain of streams (`srcs`: (address, length) of each, the top
+/// first, each encoded against the decoding of the next) into the `out_len`
+/// bytes at `out`, chunk by chunk (`codec::decode_chain`). False, with
+/// nothing written, where the chain cannot be decoded that way.
+#[pyfunction]
+#[pyo3(signature = (srcs, out, out_len, *, threads = 1, path = None, record = None))]
+fn codec_decode_chain(
+    py: Python<'_>,
+    srcs: Vec<(usize, usize)>,
+    out: usize,
+    out_len: usize,
+    threads: usize,
+    path: Option<&str>,
+    record: Option<&str>,
+) -> PyResult<bool> {
+    let mut encs: Vec<&[u8]> = Vec::with_capacity(srcs.len());
+    for (addr, n) in srcs {
+        // SAFETY: the caller keeps every stream alive and unchanged for the call.
+        encs.push(unsafe { slice(addr, n)? });
+    }
+    let dst: &mut [u8] = if out_len == 0 {
+        &mut []
+    } else {
+        if out == 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "null output address",
+            ));
+        }
+        // SAFETY: as above; `out` is written only through this slice.
+        unsafe { std::slice::from_raw_parts_mut(out as *mut u8, out_len) }
+    };
+    py.detach(|| codec::decode_chain(&encs, dst, threads))
+        .map_err(|e| to_pyerr(py, e, path, record))
+}
+
 /// The length of an encoded stream's header and directory, from its first
 /// `CODEC_HEADER` bytes.
 #[pyfunction]
@@ -255,6 +290,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(codec_info, m)?)?;
     m.add_function(wrap_pyfunction!(codec_directory_end, m)?)?;
     m.add_function(wrap_pyfunction!(codec_span, m)?)?;
+    m.add_function(wrap_pyfunction!(codec_decode_chain, m)?)?;
     m.add_function(wrap_pyfunction!(codec_decode_span, m)?)?;
     m.add("CODEC_HEADER", codec::HEADER)?;
     m.add("CODEC_ENTRY", codec::ENTRY)?;
