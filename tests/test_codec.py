@@ -233,6 +233,44 @@ def test_a_chain_of_coded_files_decodes_in_one_pass_or_falls_back(
         assert e.value.path == str(tmp_path / "k.pt")
 
 
+def test_several_bases_each_storage_takes_the_one_it_is_closest_to(tmp_path: Path) -> None:
+    """``Delta(base=[pretrained, previous])``: the reference is chosen per
+    storage by trial on a sample; each record names its own base; bases
+    outside the directory are named at load time as a list."""
+    g = torch.Generator().manual_seed(7)
+    pre = {"a": torch.randn(200_000, generator=g), "b": torch.randn(200_000, generator=g)}
+    prev = {"a": torch.randn(200_000, generator=g), "b": pre["b"] + 0.5 * torch.randn(200_000, generator=g)}
+    cur = {
+        "a": pre["a"] + 1e-5 * torch.randn(200_000, generator=g),
+        "b": prev["b"] + 1e-5 * torch.randn(200_000, generator=g),
+    }
+    (tmp_path / "bases").mkdir()
+    (tmp_path / "run").mkdir()
+    tierstore.save(pre, tmp_path / "bases" / "pre.pt")
+    tierstore.save(prev, tmp_path / "bases" / "prev.pt")
+    both = [tmp_path / "bases" / "pre.pt", tmp_path / "bases" / "prev.pt"]
+    tierstore.save(cur, tmp_path / "run" / "cur.pt", codec=tierstore.Delta(base=both))
+    m = _manifest(tmp_path / "run" / "cur.pt")
+    by_tensor = {t["path"][-1]: t["record"] for t in m["tensors"]}
+    recs = {r["name"]: r for r in m["records"]}
+    assert recs[by_tensor["a"]]["delta_base"]["file"].endswith("pre.pt")
+    assert recs[by_tensor["b"]]["delta_base"]["file"].endswith("prev.pt")
+    # Each base alone would do worse than the choice per storage.
+    tierstore.save(cur, tmp_path / "run" / "pre_only.pt", codec=tierstore.Delta(base=both[0]))
+    tierstore.save(cur, tmp_path / "run" / "prev_only.pt", codec=tierstore.Delta(base=both[1]))
+    size = {n: os.path.getsize(tmp_path / "run" / n) for n in ("cur.pt", "pre_only.pt", "prev_only.pt")}
+    assert size["cur.pt"] < min(size["pre_only.pt"], size["prev_only.pt"]), size
+    with pytest.raises(tierstore.CorruptFileError, match="outside the file's directory"):
+        tierstore.load(tmp_path / "run" / "cur.pt")
+    _same(tierstore.load(tmp_path / "run" / "cur.pt", delta_base=both), cur)
+    with pytest.raises(tierstore.InvalidArgumentError, match="names 0 files of that name"):
+        tierstore.load(tmp_path / "run" / "cur.pt", delta_base=[both[0]])
+    with pytest.raises(tierstore.InvalidArgumentError, match="at least one base"):
+        tierstore.save(cur, tmp_path / "x.pt", codec=tierstore.Delta(base=[]))
+    with pytest.raises(tierstore.InvalidArgumentError, match="no such file"):
+        tierstore.save(cur, tmp_path / "x.pt", codec=tierstore.Delta(base=[both[0], tmp_path / "nope.pt"]))
+
+
 def _manifest(p: Path) -> dict:
     with zipfile.ZipFile(p) as z:
         name = next(n for n in z.namelist() if n.endswith(".tierstore/manifest.json"))

@@ -15,7 +15,7 @@ import secrets
 import sys
 import warnings
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import IO, Any
@@ -515,7 +515,8 @@ def _save_encoded(
         storages = _host_storages(collector, None, staged)
         for sg in staged:
             sg.wait()
-        base = _codec.BaseFile(spec.base, os.path.dirname(os.path.abspath(path))) if spec.base else None
+        out_dir = os.path.dirname(os.path.abspath(path))
+        bases = [_codec.BaseFile(b, out_dir) for b in spec.base] if spec.base else []
         paths_of: dict[str, list[tuple[Any, ...]]] = {}
         for p, t in found:
             try:
@@ -525,17 +526,24 @@ def _save_encoded(
             if key is not None:
                 paths_of.setdefault(key, []).append(tuple(p))
         encoded: dict[str, _codec.Encoded] = {}
-        refs: dict[str, str] = {}
-        if base is not None:
-            for key, st in storages:
-                if st.nbytes() >= _codec.MIN_BYTES:
-                    rname = base.match(paths_of.get(key, []), collector.storages[key].dtype, st.nbytes())
+        refs: dict[str, tuple[_codec.BaseFile, str]] = {}
+        cands: dict[str, list[tuple[_codec.BaseFile, str]]] = {}
+        for key, st in storages:
+            if bases and st.nbytes() >= _codec.MIN_BYTES:
+                dtype = collector.storages[key].dtype
+                for bf in bases:
+                    rname = bf.match(paths_of.get(key, []), dtype, st.nbytes())
                     if rname is not None:
-                        refs[key] = rname
-            base.read(list(refs.values()))  # the base's records in one read
+                        cands.setdefault(key, []).append((bf, rname))
+        for bf in bases:  # each base's records in one read
+            bf.read([r for c in cands.values() for b, r in c if b is bf])
+        for key, st in storages:
+            if key in cands:
+                c = cands[key]
+                refs[key] = c[_codec.choose_base(st, collector.storages[key].dtype, spec, c)]
         for key, st in storages:
             dtype = collector.storages[key].dtype
-            ref = base.bytes_of(refs[key]) if base is not None and key in refs else None
+            ref = refs[key][0].bytes_of(refs[key][1]) if key in refs else None
             bits = _lossy.bits_for(paths_of.get(key, []), spec.keep_bits) if spec.keep_bits else None
             e = _codec.encode_storage(st, dtype, spec, ref, bits, f"{path}: storage data/{key}")
             if e is not None:
@@ -630,7 +638,7 @@ def load(
     mmap: bool | None = None,
     verify: bool = True,
     progress: bool | None = False,
-    delta_base: str | os.PathLike[str] | None = None,
+    delta_base: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
     **pickle_load_args: Any,
 ) -> Any:
     """Loads an object saved by ``tierstore.save`` or ``torch.save``, like ``torch.load``.
@@ -646,7 +654,8 @@ def load(
     Files in torch's legacy pre-1.6 format are handed to ``torch.load``.
     Compressed files (``save(..., codec=...)``) are decoded; a delta file's
     base is looked for where the file names it, inside the file's directory
-    only, unless ``delta_base`` names it.
+    only, unless ``delta_base`` names it (a file, or a list of them for a
+    file with several bases: each record takes the one of its base's name).
     """
     weights_only = _load.resolve_weights_only(weights_only, pickle_module)
     if pickle_load_args and weights_only:
@@ -660,7 +669,13 @@ def load(
         encoding=encoding,
         encoding_given=encoding_given,
         pickle_load_args=pickle_load_args,
-        delta_base=None if delta_base is None else os.fspath(delta_base),
+        delta_base=(
+            None
+            if delta_base is None
+            else os.fspath(delta_base)
+            if isinstance(delta_base, (str, os.PathLike))
+            else [os.fspath(b) for b in delta_base]
+        ),
     )
     if _skip_data() or not _pickle.no_fake_mode():
         # torch.serialization.skip_data(): storages are made, not read (fake

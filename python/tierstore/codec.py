@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import pickle
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -60,7 +60,10 @@ REFERENCES = ("keyframe", "parent", "best")
 class Delta:
     """A delta codec: each storage is encoded against the same storage of a
     reference. ``base``: a file to difference against (a pre-trained model
-    for a fine-tune's checkpoints, an earlier checkpoint). ``keyframe_every``:
+    for a fine-tune's checkpoints, an earlier checkpoint), or a list of
+    candidates (``[pretrained, previous]``): each storage is encoded against
+    the candidate against which a sample of it (up to 1 MiB from its middle)
+    encodes smallest, ties to the first listed; each record names its own. ``keyframe_every``:
     for tiers that keep a series of checkpoints, how often one is a keyframe
     (encoded on its own). ``transform``: ``"isub"``, ``"xor"`` or ``"none"``;
     None chooses per storage by trial on a sample. ``level``: zstd level.
@@ -75,7 +78,7 @@ class Delta:
     reconstruction, and a delta is taken against its reference as a
     decoder holds it (rounded), so errors do not grow along a chain."""
 
-    base: str | os.PathLike[str] | None = None
+    base: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None
     keyframe_every: int = 8
     level: int = 1
     transform: str | None = None
@@ -106,7 +109,7 @@ class Spec:
 
     level: int = 1
     transform: str | None = None
-    base: str | None = None
+    base: tuple[str, ...] | None = None
     keep_bits: Mapping[str, int] | None = None
 
 
@@ -121,9 +124,15 @@ def resolve(codec: Any) -> Spec | None:
     if codec is None or codec == "raw":
         return None
     if isinstance(codec, Delta):
-        base = None if codec.base is None else os.fspath(codec.base)
-        if base is not None and not os.path.isfile(base):
-            raise InvalidArgumentError(f"Delta(base={base!r}): no such file")
+        base: tuple[str, ...] | None = None
+        if codec.base is not None:
+            b0 = codec.base
+            base = (os.fspath(b0),) if isinstance(b0, (str, os.PathLike)) else tuple(os.fspath(b) for b in b0)
+            if not base:
+                raise InvalidArgumentError("Delta(base=[]): name at least one base file, or base=None")
+            for b in base:
+                if not os.path.isfile(b):
+                    raise InvalidArgumentError(f"Delta(base={b!r}): no such file")
         bits = {**_lossy.check_keep_bits(codec.keep_bits)}
         for cls, k in _lossy.bits_for_bounds(codec.max_rel_error).items():
             bits[cls] = max(k, bits[cls]) if cls in bits else k  # both asked: the tighter error
@@ -293,13 +302,53 @@ class BaseFile:
         }
 
 
-def resolve_reference(path: str, ref: Any, record: str, override: str | None) -> str:
+def choose_base(
+    st: torch.UntypedStorage, dtype: torch.dtype, spec: Spec, candidates: list[tuple[BaseFile, str]]
+) -> int:
+    """Which of ``candidates`` (a base file and its record for this storage)
+    to encode storage ``st`` against: the one against which a sample (up
+    to 1 MiB from its middle) encodes smallest; ties go to the first."""
+    if len(candidates) < 2:
+        return 0
+    n = st.nbytes()
+    width = element_width(dtype)
+    if n % width:
+        width = 1
+    length = min(1 << 20, n) // width * width
+    off = (n - length) // 2 // width * width
+    sizes = []
+    for bf, rname in candidates:
+        ref, _entry = bf.bytes_of(rname)
+        data, _t, _s = _core.codec_encode(
+            st.data_ptr() + off,
+            length,
+            width,
+            ref.data_ptr() + off,
+            length,
+            level=spec.level,
+            threads=threads(),
+            transform=spec.transform,
+        )
+        sizes.append(len(data))
+    return min(range(len(sizes)), key=sizes.__getitem__)
+
+
+def resolve_reference(path: str, ref: Any, record: str, override: str | list[str] | None) -> str:
     """The file a record's ``delta_base`` names, confined to the directory
-    of ``path`` unless the caller named the base (``override``)."""
+    of ``path`` unless the caller named the base (``override``: a file, or
+    a list of them, each taken for the records whose base has its name)."""
     if not isinstance(ref, dict) or not isinstance(ref.get("file"), str) or not isinstance(ref.get("record"), str):
         raise CorruptFileError(f"{path}: record '{record}': bad delta_base {ref!r:.200}", path=path, record=record)
-    if override is not None:
+    if isinstance(override, str):
         return override
+    if override is not None:
+        named = [o for o in override if os.path.basename(o) == os.path.basename(ref["file"])]
+        if len(named) != 1:
+            raise InvalidArgumentError(
+                f"{path}: record '{record}' is a delta against '{ref['file']}'; delta_base names "
+                f"{len(named)} files of that name ({', '.join(override)})"
+            )
+        return named[0]
     rel = ref["file"]
     parts = Path(rel).parts
     if not rel or Path(rel).is_absolute() or ".." in parts or "\0" in rel:
@@ -388,7 +437,7 @@ def read_decoded(
     *,
     depth: int = 0,
     verify: bool = True,
-    delta_base: str | None = None,
+    delta_base: str | list[str] | None = None,
     seen: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
     """The decoded bytes (uint8 tensors) of the storage records ``names`` of
@@ -405,7 +454,7 @@ def _read_links(
     *,
     depth: int,
     verify: bool,
-    delta_base: str | None,
+    delta_base: str | list[str] | None,
     seen: frozenset[str],
 ) -> dict[str, _Link]:
     real, recs, stored = _read_stored(path, names, depth=depth, verify=verify, seen=seen)
@@ -447,7 +496,7 @@ def _references(
     recs: dict[str, dict[str, Any]],
     depth: int,
     verify: bool,
-    delta_base: str | None,
+    delta_base: str | list[str] | None,
     seen: frozenset[str],
 ) -> dict[str, Any]:
     """The reference of every record in ``recs`` that has one, as a link

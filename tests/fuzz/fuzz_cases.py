@@ -1318,6 +1318,16 @@ def single_mutate(ctx: Ctx, path: Path, tier_file: bool) -> None:
         ctx.sealed = True
         return got[0]
 
+    def m_flip_base() -> str:
+        # The base a delta file is encoded against (raw, or coded: a chain).
+        base = path.parent / "base.pt"
+        bm = zip_map(base.read_bytes())
+        sto = [e for e in (bm.storages() if bm else []) if e.size]
+        if not sto:
+            return "base.pt: " + flip_bits(base, rng)
+        e = rng.choice(sto)
+        return f"base.pt {e.name}: " + flip_bits(base, rng, e.data_off, e.data_off + e.size)
+
     def m_hostile_saved() -> str:
         what, obj = evil_object(rng, str(ctx.marker))
         tierstore.save({"model": {"w": torch.zeros(3)}, "evil": obj, "step": 1}, path)
@@ -1341,6 +1351,7 @@ def single_mutate(ctx: Ctx, path: Path, tier_file: bool) -> None:
         ("none", 2, m_none),
         ("flip_any", 10, m_flip_any),
         ("flip_storage", 8, m_flip_record),
+        ("flip_base", 6 if (path.parent / "base.pt").exists() else 0, m_flip_base),
         ("flip_pickle", 4, m_flip_pickle),
         ("flip_manifest", 4 if tier_file else 0, m_flip_manifest),
         ("flip_small_record", 3, m_flip_small),
@@ -1391,7 +1402,9 @@ def case_single(ctx: Ctx) -> None:
         if ctx.rng.random() < 0.5:
             base = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in obj.items()}
             base["huge"] = base["huge"] + 1e-3 * torch.randn(base["huge"].shape, generator=g)
-            tierstore.save(base, path.parent / "base.pt")
+            # Half of the bases are coded too: the delta then decodes chunk
+            # by chunk down the chain (base damage met inside that pass).
+            tierstore.save(base, path.parent / "base.pt", codec="zstd" if ctx.rng.random() < 0.5 else None)
             tierstore.save(obj, path, codec=tierstore.Delta(base=path.parent / "base.pt"))
         else:
             tierstore.save(obj, path, codec="zstd")
