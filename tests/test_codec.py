@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tierstore
+import tierstore.cli
 from tierstore import _core, codec
 
 DTYPES = [
@@ -269,6 +270,27 @@ def test_several_bases_each_storage_takes_the_one_it_is_closest_to(tmp_path: Pat
         tierstore.save(cur, tmp_path / "x.pt", codec=tierstore.Delta(base=[]))
     with pytest.raises(tierstore.InvalidArgumentError, match="no such file"):
         tierstore.save(cur, tmp_path / "x.pt", codec=tierstore.Delta(base=[both[0], tmp_path / "nope.pt"]))
+
+
+def test_verify_of_a_delta_checks_the_base_records_it_needs(tmp_path: Path) -> None:
+    """``tierstore verify`` of a delta file reads and checks the records of
+    its base that a load reads (found by the fuzz campaign: with the base
+    damaged where the delta's chunks need no reference bytes, all zero
+    here, verify said OK while every load failed on the base's CRC-32)."""
+    g = torch.Generator().manual_seed(2)
+    tierstore.save({"z": torch.randn(300_000, generator=g)}, tmp_path / "a.pt")
+    tierstore.save({"z": torch.zeros(300_000)}, tmp_path / "d.pt", codec=tierstore.Delta(base=tmp_path / "a.pt"))
+    assert any(r.get("delta_base") for r in _manifest(tmp_path / "d.pt")["records"])  # a delta of zero chunks
+    assert tierstore.cli.main(["verify", str(tmp_path / "d.pt")]) == 0
+    rec = max(
+        (r for r in _manifest(tmp_path / "a.pt")["records"] if r.get("kind") == "storage"), key=lambda r: r["size"]
+    )
+    data = bytearray((tmp_path / "a.pt").read_bytes())
+    data[rec["offset"] + rec["size"] // 3] ^= 0x01
+    (tmp_path / "a.pt").write_bytes(bytes(data))
+    with pytest.raises(tierstore.ChecksumError, match=r"a\.pt: record"):
+        tierstore.load(tmp_path / "d.pt")
+    assert tierstore.cli.main(["verify", str(tmp_path / "d.pt")]) == 1
 
 
 def _manifest(p: Path) -> dict:

@@ -31,6 +31,7 @@ from typing import Any, cast
 from rich.markup import escape
 
 from tierstore import _archive, _core, _progress
+from tierstore import codec as _codec
 from tierstore.errors import ChecksumError, TierstoreError
 
 
@@ -347,19 +348,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return _verify_dir(path, not args.unsafe)
     with _progress.bar(_progress.wanted(None), f"verifying {path}") as cb:
         n, nbytes = _archive.verify(path, cb)
-    _loads_as_load_does(path, not args.unsafe)
-    size = _archive.open_archive(path)[0].file_len
+    arch, m, _offsets = _archive.open_archive(path)
+    # A compressed file decodes as a load does, with the records of the
+    # bases its deltas name read and checked too (a load needs them).
+    _loads_as_load_does(path, not args.unsafe, verify=_codec.is_compressed(m))
+    size = arch.file_len
     print(f"{path}: OK ({n} records, {_human(nbytes)} of record data verified, in a {_human(size)} file)")
     return 0
 
 
-def _loads_as_load_does(path: str, weights_only: bool) -> None:
+def _loads_as_load_does(path: str, weights_only: bool, verify: bool = False) -> None:
     """Everything ``tierstore.load`` relies on besides the data's checksums
     (the directory as load reads it, the manifest, data.pkl and the storages
     it names), without reading the data: a load onto the meta device."""
     from tierstore.api import load
 
-    load(path, map_location="meta", weights_only=weights_only, verify=False)
+    load(path, map_location="meta", weights_only=weights_only, verify=verify)
 
 
 def _verify_dir(path: str, weights_only: bool) -> int:

@@ -1388,18 +1388,20 @@ def single_mutate(ctx: Ctx, path: Path, tier_file: bool) -> None:
 
 def case_single(ctx: Ctx) -> None:
     obj = single_object(ctx)
-    tier_file = ctx.rng.random() < 0.85
+    tier_file = ctx.rng.random() < 0.85 or ctx.env.cache.get("force_mutator") == "flip_base"
     path = ctx.dir / "ck" / "model.pt"
     path.parent.mkdir()
     # A quarter of tierstore's files are compressed (codec tsz1), half of
     # those as deltas against a base beside them: the mutators then damage
     # encoded records, their directories and their references.
     coded = tier_file and ctx.rng.random() < 0.25
+    force_base = ctx.env.cache.get("force_mutator") == "flip_base"  # it needs a delta file and its base
+    coded = coded or force_base
     if coded:
         g = ctx.gen
         obj["huge"] = torch.randn(ctx.rng.randint(17_000, 80_000), generator=g)
         obj["frozen"] = torch.zeros(ctx.rng.randint(17_000, 40_000))
-        if ctx.rng.random() < 0.5:
+        if ctx.rng.random() < 0.5 or force_base:
             base = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in obj.items()}
             base["huge"] = base["huge"] + 1e-3 * torch.randn(base["huge"].shape, generator=g)
             # Half of the bases are coded too: the delta then decodes chunk
