@@ -293,6 +293,45 @@ def test_verify_of_a_delta_checks_the_base_records_it_needs(tmp_path: Path) -> N
     assert tierstore.cli.main(["verify", str(tmp_path / "d.pt")]) == 1
 
 
+def test_a_compressed_save_writes_each_batch_while_the_next_is_encoded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Storages are encoded in batches, each written while the next is
+    encoded; the records keep their order and the file loads bit-exact."""
+    from tierstore import api
+
+    g = torch.Generator().manual_seed(4)
+    state = {f"t{i}": torch.randn(40_000, generator=g) for i in range(9)}
+    state["empty"] = torch.zeros(0)
+    state["small"] = torch.arange(10)
+    calls: list[str] = []
+    real = api._core.create_writer
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        w = real(*a, **kw)
+
+        class W:
+            def __getattr__(self, name: str) -> Any:
+                f = getattr(w, name)
+                if name in ("start_data", "write_data"):
+                    calls.append(name)
+                return f
+
+        return W()
+
+    monkeypatch.setattr(api._core, "create_writer", spy)
+    monkeypatch.setattr(api, "_ENCODE_BATCH", 300_000)  # about two storages per batch
+    tierstore.save(state, tmp_path / "a.pt", codec="zstd")
+    assert calls.count("start_data") >= 4, calls
+    _same(tierstore.load(tmp_path / "a.pt"), state)
+    recs = [r for r in _manifest(tmp_path / "a.pt")["records"] if r["name"].startswith("data/")]
+    assert [r["offset"] for r in recs] == sorted(r["offset"] for r in recs)
+    assert tierstore.cli.main(["verify", str(tmp_path / "a.pt")]) == 0
+    calls.clear()
+    tierstore.save({"x": 1}, tmp_path / "b.pt", codec="zstd")  # no storage at all
+    assert tierstore.load(tmp_path / "b.pt") == {"x": 1}
+
+
 def _manifest(p: Path) -> dict:
     with zipfile.ZipFile(p) as z:
         name = next(n for n in z.namelist() if n.endswith(".tierstore/manifest.json"))

@@ -505,9 +505,9 @@ def _save_encoded(
     align: int,
     background: bool,
 ) -> None:
-    """A compressed file (see :mod:`tierstore.codec`): every storage is
-    encoded before the file is laid out (an encoded record's size is known
-    only then), then written like any other."""
+    """A compressed file (see :mod:`tierstore.codec`): storages are encoded
+    in batches, each batch laid out and written (an encoded record's size is
+    known only once it is encoded) while the next one is encoded."""
     collector, found, prefix = pickler.collector, pickler.found, _archive_name(path)
     data_pkl = pickler.run()
     staged: list[gpu.Staged] = []
@@ -541,25 +541,42 @@ def _save_encoded(
             if key in cands:
                 c = cands[key]
                 refs[key] = c[_codec.choose_base(st, collector.storages[key].dtype, spec, c)]
-        for key, st in storages:
-            dtype = collector.storages[key].dtype
-            ref = refs[key][0].bytes_of(refs[key][1]) if key in refs else None
-            bits = _lossy.bits_for(paths_of.get(key, []), spec.keep_bits) if spec.keep_bits else None
-            e = _codec.encode_storage(st, dtype, spec, ref, bits, f"{path}: storage data/{key}")
-            if e is not None:
-                encoded[key] = e
         w = _core.create_writer(get_engine(), path, align=align, durable=durable, background=background)
         try:
-            for key, st in storages:
-                name = f"{prefix}/data/{key}"
-                if key in encoded:
-                    w.add_bytes(name, encoded[key].data, align)
-                elif st.nbytes() == 0:
-                    w.add_bytes(name, b"")
-                else:
-                    w.add_memory(name, st.data_ptr(), st.nbytes(), st)
-            w.start_data()
-            w.wait_data(None)
+            # Encoded in batches of about _ENCODE_BATCH input bytes, each
+            # batch added and written while the next one is encoded (the
+            # codec runs without the GIL): compression overlaps the writes.
+            writing = False
+            batch: list[tuple[str, torch.UntypedStorage]] = []
+            size = 0
+            for i, (key, st) in enumerate(storages):
+                dtype = collector.storages[key].dtype
+                ref = refs[key][0].bytes_of(refs[key][1]) if key in refs else None
+                bits = _lossy.bits_for(paths_of.get(key, []), spec.keep_bits) if spec.keep_bits else None
+                e = _codec.encode_storage(st, dtype, spec, ref, bits, f"{path}: storage data/{key}")
+                if e is not None:
+                    encoded[key] = e
+                batch.append((key, st))
+                size += st.nbytes()
+                if size < _ENCODE_BATCH and i + 1 < len(storages):
+                    continue
+                if writing:
+                    w.wait_data(None)
+                for k, s in batch:
+                    name = f"{prefix}/data/{k}"
+                    if k in encoded:
+                        w.add_bytes(name, encoded[k].data, align)
+                    elif s.nbytes() == 0:
+                        w.add_bytes(name, b"")
+                    else:
+                        w.add_memory(name, s.data_ptr(), s.nbytes(), s)
+                w.start_data()
+                writing = True
+                batch, size = [], 0
+            if writing:
+                w.wait_data(None)
+            else:  # no storage at all
+                w.write_data(None)
             metas = [("data.pkl", _codec.guard_pickle(os.path.basename(path))), (_codec.PICKLE_NAME, data_pkl), *small]
             for name, data in metas:
                 w.add_bytes(f"{prefix}/{name}", data, _META_ALIGN)
@@ -577,6 +594,11 @@ def _save_encoded(
     finally:
         for sg in staged:
             sg.release()
+
+
+#: Input bytes encoded per batch of a compressed save (one batch is written
+#: while the next is encoded).
+_ENCODE_BATCH = 32 << 20
 
 
 def _chunk_table(
