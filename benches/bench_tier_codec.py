@@ -88,6 +88,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--keyframe-every", type=int, default=8)
+    ap.add_argument(
+        "--reference", default="keyframe", choices=["keyframe", "parent", "best"], help="Delta(reference=...)"
+    )
     ap.add_argument("--rate", type=int, default=100, help="remote tier bandwidth, MiB/s (kernel-enforced)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default=None)
@@ -114,11 +117,16 @@ def main() -> int:
         "rate_mib_s": args.rate,
         "throttled": all(r.throttled for r in remotes.values()),
         "keyframe_every": args.keyframe_every,
+        "reference": args.reference,
     }
     try:
         cks = {}
         for name, r in remotes.items():
-            codec = tierstore.Delta(keyframe_every=args.keyframe_every) if name == "delta" else None
+            codec = (
+                tierstore.Delta(keyframe_every=args.keyframe_every, reference=args.reference)
+                if name == "delta"
+                else None
+            )
             cks[name] = tierstore.Checkpointer(
                 work / f"run-{name}",
                 tiers=[
@@ -202,7 +210,8 @@ def report(r: dict[str, Any]) -> list[str]:
         f"remote tier with deltas: {r['model']}, {r['checkpoints']} checkpoints of {_mib(r['checkpoint_bytes'])} "
         f"(fp32 weights, exp_avg, exp_avg_sq), remote tiers at {r['rate_mib_s']} MiB/s "
         f"({'kernel-throttled loop devices' if r['throttled'] else 'NOT throttled: plain folders'}), "
-        f"keyframe every {r['keyframe_every']}",
+        f"keyframe every {r['keyframe_every']}, deltas against the {r.get('reference', 'keyframe')}"
+        + (" (reference='best': per file, keyframe or parent)" if r.get("reference") == "best" else ""),
         "",
         f"{'until durable remotely':<26} {'median':>9} {'total':>9}",
         f"{'raw remote tier':<26} {u['raw']['median_s']:>8.2f}s {u['raw']['total_s']:>8.1f}s",
