@@ -132,12 +132,20 @@ def _file_reference(d: Path) -> str | None:
     return None if ref is None else str(ref["step_dir"])
 
 
-def test_parent_chains_restore_every_step_and_keep_their_chain(tmp_path: Path) -> None:
+def test_parent_chains_restore_every_step_and_keep_their_chain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``Delta(reference="parent")``: each delta is encoded against the
     checkpoint before it, back to the keyframe; every step decodes bit-exact
-    from the tier alone (its chain decoded on the way), a checkpoint a later
-    delta needs cannot be deleted, and retention keeps the whole chain of
-    what it keeps."""
+    from the tier alone (a whole record in one pass down its chain), a
+    checkpoint a later delta needs cannot be deleted, and retention keeps
+    the whole chain of what it keeps."""
+    links: list[int] = []
+    real = _tier_codec._core.codec_decode_chain
+
+    def spy(srcs: Any, *a: Any, **kw: Any) -> bool:
+        links.append(len(srcs))
+        return real(srcs, *a, **kw)
+
+    monkeypatch.setattr(_tier_codec._core, "codec_decode_chain", spy)
     _m, states = _run(tmp_path, 5, every=4, reference="parent")
     steps = _steps(tmp_path)
     metas = [_meta(d) for d in steps]
@@ -148,8 +156,10 @@ def test_parent_chains_restore_every_step_and_keep_their_chain(tmp_path: Path) -
     for i, d in enumerate(steps):
         w = states[i]["2.weight"]
         out = {"model.2.weight": torch.zeros_like(w)}
-        tierstore.load_sharded(d, out)
+        links.clear()
+        tierstore.load_sharded(d, out, verify="full")  # every record read whole
         assert torch.equal(out["model.2.weight"], w), d.name
+        assert max(links, default=1) == [1, 2, 3, 4, 1][i], (d.name, links)  # the chain's links, in one pass
     with pytest.raises(tierstore.ReferencedCheckpointError) as e:
         tierstore.delete_checkpoint(steps[1])
     assert e.value.dependents == [str(steps[2])]

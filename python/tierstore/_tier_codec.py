@@ -554,6 +554,8 @@ class Decoder:
         at, length, _width, ref_at, slen = o.header["segments"][i]
         hi = length if hi is None else min(hi, length)
         record = f"segment {i} (bytes {at}..{at + length} of {o.header['name']})"
+        if lo <= 0 and hi >= length and not o.chunks.get(i) and self._decode_chain(o, i):
+            return
         head = o.heads.get(i)
         if head is None:
             first = self._read(o, min(_core.CODEC_HEADER, slen), o.starts[i], i, "stream header")
@@ -608,6 +610,65 @@ class Decoder:
             o.done.add(i)
             o.heads.pop(i, None)
             o.chunks.pop(i, None)
+
+    def _decode_chain(self, o: _Open, i: int) -> bool:
+        """Decodes segment ``i`` whole in one pass down its chain of
+        references, where each link is a segment of the same length at the
+        reference's offset and the chain ends in a keyframe's segment: each
+        reference chunk is decoded into scratch (``codec_decode_chain``),
+        none of the links is decoded whole on its own. False (nothing done)
+        where that does not apply or fails: then it is decoded link by link,
+        and an error names the link it comes from."""
+        import bisect
+
+        links: list[tuple[_Open, int]] = [(o, i)]
+        cur, j = o, i
+        while True:
+            _a, length, _w, ref_at, _sl = cur.header["segments"][j]
+            if ref_at < 0:
+                break
+            ref = cur.ref
+            if not isinstance(ref, _Open) or len(links) > MAX_DEPTH:
+                return False
+            k = bisect.bisect_left(ref.seg_at, ref_at)
+            if k >= len(ref.seg_at) or ref.seg_at[k] != ref_at or ref.header["segments"][k][1] != length:
+                return False
+            cur, j = ref, k
+            links.append((cur, j))
+        if len(links) < 2:
+            return False
+        length = o.header["segments"][i][1]
+        streams = []
+        for lo_, k in links:
+            slen = lo_.header["segments"][k][4]
+            streams.append(self._read(lo_, slen, lo_.starts[k], k, "stream"))
+        out = torch.empty(length, dtype=torch.uint8)
+        bufs = [
+            torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
+            for b in streams
+        ]
+        try:
+            ok = _core.codec_decode_chain(
+                [(b.data_ptr() if b.numel() else 1, b.numel()) for b in bufs],
+                out.data_ptr() if length else 0,
+                length,
+                threads=_codec.threads(),
+                path=str(o.enc),
+                record=f"segment {i} of {o.header['name']}",
+            )
+        except TierstoreError:
+            return False
+        if not ok:
+            return False
+        at = o.header["segments"][i][0]
+        mv = memoryview(out.numpy().data)
+        written = 0
+        while written < length:
+            written += os.pwrite(o.out_fd, mv[written:], at + written)
+        o.done.add(i)
+        o.heads.pop(i, None)
+        o.chunks.pop(i, None)
+        return True
 
     def close(self) -> None:
         for o in list(self._open.values()):
