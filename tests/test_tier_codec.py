@@ -152,6 +152,8 @@ def test_parent_chains_restore_every_step_and_keep_their_chain(tmp_path: Path, m
     assert [m["keyframe"] for m in metas] == [True, False, False, False, True]
     assert [m["references"] for m in metas] == [[], [steps[0].name], [steps[1].name], [steps[2].name], []]
     assert [_file_reference(d) for d in steps] == [None, steps[0].name, steps[1].name, steps[2].name, None]
+    remote = _tier_codec.run_stats([tmp_path / "remote"])["tiers"][str(tmp_path / "remote")]
+    assert (remote["keyframes"], remote["deltas"], remote["longest_chain"]) == (2, 3, 3)
     shutil.rmtree(tmp_path / "run")  # no raw copy left anywhere: only the tier's encoded files
     for i, d in enumerate(steps):
         w = states[i]["2.weight"]
@@ -393,7 +395,7 @@ def test_stats_counts_bytes_per_tier_and_class(tmp_path: Path, capsys: pytest.Ca
     got = _tier_codec.run_stats([tmp_path / "remote", tmp_path / "run"])["tiers"]
     remote = got[str(tmp_path / "remote")]
     local = got[str(tmp_path / "run" / "local")]
-    assert (remote["steps"], remote["keyframes"], remote["deltas"]) == (3, 1, 2)
+    assert (remote["steps"], remote["keyframes"], remote["deltas"], remote["longest_chain"]) == (3, 1, 2, 1)
     assert local["steps"] == 1 and local["raw"] == local["stored"]
     # Each remote step holds what the local one does; the remote stores less.
     assert remote["raw"] == 3 * local["raw"] or abs(remote["raw"] - 3 * local["raw"]) < 0.01 * remote["raw"]

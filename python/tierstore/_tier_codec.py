@@ -773,17 +773,20 @@ def run_stats(roots: list[Path]) -> dict[str, Any]:
     tier's path or one step directory). Encoded files are not decoded: their
     headers give each segment's sizes and tensor."""
     tiers: dict[str, dict[str, Any]] = {}
+    links: dict[str, dict[str, list[str]]] = {}  # per tier: step -> the steps it references
     for root in roots:
         for d in _step_dirs_below(root):
             if not (d / MANIFEST).is_file():
                 continue
             t = tiers.setdefault(
-                str(d.parent), {"steps": 0, "keyframes": 0, "deltas": 0, "raw": 0, "stored": 0, "classes": {}}
+                str(d.parent),
+                {"steps": 0, "keyframes": 0, "deltas": 0, "longest_chain": 0, "raw": 0, "stored": 0, "classes": {}},
             )
             t["steps"] += 1
             meta = tier_meta(d)
             if meta is not None:
                 t["keyframes" if meta.get("keyframe") else "deltas"] += 1
+                links.setdefault(str(d.parent), {})[d.name] = references_of(meta)
             classes: dict[str, list[int]] = t["classes"]
 
             def add(cls: str, raw: int, stored: int, classes: dict[str, list[int]] = classes) -> None:
@@ -809,6 +812,24 @@ def run_stats(roots: list[Path]) -> dict[str, Any]:
                     add("metadata", n - held, n - held)
                 else:
                     add("metadata", size, size)
+    for tier, refs in links.items():
+        # Deltas to decode for the deepest step: 0 for keyframes, else one
+        # more than the deepest of its references (a chain of parents).
+        depth: dict[str, int] = {}
+        for step in refs:
+            stack, on_path = [(step, False)], set()
+            while stack:  # post-order, without recursion (a damaged record may loop: counted as 0)
+                cur, done = stack.pop()
+                if cur in depth:
+                    continue
+                if done:
+                    on_path.discard(cur)
+                    depth[cur] = 1 + max((depth.get(r, 0) for r in refs[cur] if r in refs), default=-1)
+                    continue
+                on_path.add(cur)
+                stack.append((cur, True))
+                stack += [(r, False) for r in refs[cur] if r in refs and r not in depth and r not in on_path]
+        tiers[tier]["longest_chain"] = max(depth.values(), default=0)
     for t in tiers.values():
         t["raw"] = sum(c[0] for c in t["classes"].values())
         t["stored"] = sum(c[1] for c in t["classes"].values())

@@ -533,6 +533,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return 1
     for tier, t in got["tiers"].items():
         kinds = f", {t['keyframes']} keyframes, {t['deltas']} deltas" if t["keyframes"] or t["deltas"] else ""
+        if t.get("longest_chain", 0) > 1:
+            kinds += f" (chains of deltas: the deepest decodes {t['longest_chain']} deltas)"
         print(f"{tier}: {t['steps']} checkpoints{kinds}")
         print(f"  {'class':<22} {'held':>12} {'stored':>12} {'ratio':>7}")
         rows = sorted(t["classes"].items(), key=lambda kv: -kv[1][0])
