@@ -139,13 +139,13 @@ def test_parent_chains_restore_every_step_and_keep_their_chain(tmp_path: Path, m
     checkpoint a later delta needs cannot be deleted, and retention keeps
     the whole chain of what it keeps."""
     links: list[int] = []
-    real = _tier_codec._core.codec_decode_chain
+    real = _tier_codec._core.codec_decode_chain_span
 
-    def spy(srcs: Any, *a: Any, **kw: Any) -> bool:
-        links.append(len(srcs))
-        return real(srcs, *a, **kw)
+    def spy(heads: Any, *a: Any, **kw: Any) -> bool:
+        links.append(len(heads))
+        return real(heads, *a, **kw)
 
-    monkeypatch.setattr(_tier_codec._core, "codec_decode_chain", spy)
+    monkeypatch.setattr(_tier_codec._core, "codec_decode_chain_span", spy)
     _m, states = _run(tmp_path, 5, every=4, reference="parent")
     steps = _steps(tmp_path)
     metas = [_meta(d) for d in steps]
@@ -275,9 +275,22 @@ def test_a_row_shard_of_a_delta_reads_and_decodes_only_its_chunks(tmp_path: Path
     def rows(r: int) -> dict[str, torch.Tensor]:
         return {"w": attach(torch.zeros(1024, 1024), Layout.shard("w", (4096, 1024), 0, r, 4))}
 
-    out = rows(0)
-    tierstore.load_sharded(delta.parent, out)
+    calls: list[tuple[int, int, int]] = []
+    real = _tier_codec._core.codec_decode_chain_span
+
+    def spy(heads: Any, lens: Any, windows: Any, bases: Any, first: int, last: int, *a: Any, **kw: Any) -> bool:
+        calls.append((len(heads), first, last))
+        return real(heads, lens, windows, bases, first, last, *a, **kw)
+
+    _tier_codec._core.codec_decode_chain_span = spy  # type: ignore[assignment]
+    try:
+        out = rows(0)
+        tierstore.load_sharded(delta.parent, out)
+    finally:
+        _tier_codec._core.codec_decode_chain_span = real  # type: ignore[assignment]
     assert torch.equal(out["w"], w2[:1024])
+    # The rows' chunks of "w" (4 of 16) in one pass down delta -> keyframe.
+    assert (2, 0, 4) in calls, calls
     with pytest.raises(TierstoreError, match="segment"):
         tierstore.load_sharded(delta.parent, rows(3))
     # What the decoder reads of the delta for a quarter of the rows.

@@ -21,6 +21,7 @@ __all__ = [
     "chunk_checksums",
     "codec_decode",
     "codec_decode_chain",
+    "codec_decode_chain_span",
     "codec_decode_span",
     "codec_directory_end",
     "codec_encode",
@@ -323,6 +324,20 @@ def codec_decode(
 def codec_info(data: bytes, *, path: str | None = None, record: str | None = None) -> dict[str, Any]: ...
 def codec_decode_chain(
     srcs: list[tuple[int, int]],
+    out: int,
+    out_len: int,
+    *,
+    threads: int = 1,
+    path: str | None = None,
+    record: str | None = None,
+) -> bool: ...
+def codec_decode_chain_span(
+    heads: list[bytes],
+    payload_lens: list[int],
+    windows: list[bytes],
+    bases: list[int],
+    first: int,
+    last: int,
     out: int,
     out_len: int,
     *,

@@ -554,18 +554,9 @@ class Decoder:
         at, length, _width, ref_at, slen = o.header["segments"][i]
         hi = length if hi is None else min(hi, length)
         record = f"segment {i} (bytes {at}..{at + length} of {o.header['name']})"
-        if lo <= 0 and hi >= length and not o.chunks.get(i) and self._decode_chain(o, i):
+        if ref_at >= 0 and self._decode_chain(o, i, max(lo, 0), hi):
             return
-        head = o.heads.get(i)
-        if head is None:
-            first = self._read(o, min(_core.CODEC_HEADER, slen), o.starts[i], i, "stream header")
-            n = _core.codec_directory_end(first, path=str(o.enc), record=record)
-            if n > slen:
-                raise CorruptFileError(
-                    f"{o.enc}: {record}: a directory of {n} bytes in a stream of {slen}", path=str(o.enc)
-                )
-            head = first + self._read(o, n - len(first), o.starts[i] + len(first), i, "directory")
-            o.heads[i] = head
+        head = self._head(o, i)
         plen = slen - len(head)
         sp = _core.codec_span(head, plen, lo, hi, path=str(o.enc), record=record)
         first_chunk, end_chunk, start, end, p_lo, p_hi = sp
@@ -611,14 +602,32 @@ class Decoder:
             o.heads.pop(i, None)
             o.chunks.pop(i, None)
 
-    def _decode_chain(self, o: _Open, i: int) -> bool:
-        """Decodes segment ``i`` whole in one pass down its chain of
-        references, where each link is a segment of the same length at the
-        reference's offset and the chain ends in a keyframe's segment: each
-        reference chunk is decoded into scratch (``codec_decode_chain``),
-        none of the links is decoded whole on its own. False (nothing done)
-        where that does not apply or fails: then it is decoded link by link,
-        and an error names the link it comes from."""
+    def _head(self, o: _Open, i: int) -> bytes:
+        """Segment ``i``'s stream header and directory (read once)."""
+        head = o.heads.get(i)
+        if head is None:
+            at, length, _width, _ref_at, slen = o.header["segments"][i]
+            record = f"segment {i} (bytes {at}..{at + length} of {o.header['name']})"
+            first = self._read(o, min(_core.CODEC_HEADER, slen), o.starts[i], i, "stream header")
+            n = _core.codec_directory_end(first, path=str(o.enc), record=record)
+            if n > slen:
+                raise CorruptFileError(
+                    f"{o.enc}: {record}: a directory of {n} bytes in a stream of {slen}", path=str(o.enc)
+                )
+            head = first + self._read(o, n - len(first), o.starts[i] + len(first), i, "directory")
+            o.heads[i] = head
+        return head
+
+    def _decode_chain(self, o: _Open, i: int, lo: int, hi: int) -> bool:
+        """Decodes the chunks of segment ``i`` that its bytes ``[lo, hi)``
+        lie in, in one pass down its chain of references, where each link is
+        a segment of the same length at the reference's offset and the chain
+        ends in a keyframe's segment: each link's directory and the payloads
+        of the same chunks are read, each reference chunk is decoded into
+        scratch (``codec_decode_chain_span``) and none of the links is
+        decoded on its own. False (nothing done) where that does not apply
+        or fails: then it is decoded link by link, and an error names the
+        link it comes from."""
         import bisect
 
         links: list[tuple[_Open, int]] = [(o, i)]
@@ -637,24 +646,36 @@ class Decoder:
             links.append((cur, j))
         if len(links) < 2:
             return False
-        length = o.header["segments"][i][1]
-        streams = []
-        for lo_, k in links:
-            slen = lo_.header["segments"][k][4]
-            streams.append(self._read(lo_, slen, lo_.starts[k], k, "stream"))
-        out = torch.empty(length, dtype=torch.uint8)
-        bufs = [
-            torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
-            for b in streams
-        ]
+        heads = [self._head(lk, k) for lk, k in links]
+        plens = [lk.header["segments"][k][4] - len(h) for (lk, k), h in zip(links, heads, strict=True)]
+        name = f"segment {i} of {o.header['name']}"
+        first, last, start, end, _p_lo, _p_hi = _core.codec_span(
+            heads[0], plens[0], lo, hi, path=str(o.enc), record=name
+        )
+        done = o.chunks.setdefault(i, set())
+        if all(c in done for c in range(first, last)):
+            return True
+        windows, bases = [], []
+        for n, ((lk, k), h) in enumerate(zip(links, heads, strict=True)):
+            sp = _core.codec_span(h, plens[n], start, end, path=str(lk.enc), record=f"segment {k}")
+            if (sp[0], sp[1]) != (first, last):
+                return False  # a link copies its own chunks: decoded link by link
+            windows.append(self._read(lk, sp[5] - sp[4], lk.starts[k] + len(h) + sp[4], k, "chunk payloads"))
+            bases.append(sp[4])
+        out = torch.empty(end - start, dtype=torch.uint8)
         try:
-            ok = _core.codec_decode_chain(
-                [(b.data_ptr() if b.numel() else 1, b.numel()) for b in bufs],
-                out.data_ptr() if length else 0,
-                length,
+            ok = _core.codec_decode_chain_span(
+                heads,
+                plens,
+                windows,
+                bases,
+                first,
+                last,
+                out.data_ptr() if end > start else 0,
+                end - start,
                 threads=_codec.threads(),
                 path=str(o.enc),
-                record=f"segment {i} of {o.header['name']}",
+                record=name,
             )
         except TierstoreError:
             return False
@@ -663,11 +684,13 @@ class Decoder:
         at = o.header["segments"][i][0]
         mv = memoryview(out.numpy().data)
         written = 0
-        while written < length:
-            written += os.pwrite(o.out_fd, mv[written:], at + written)
-        o.done.add(i)
-        o.heads.pop(i, None)
-        o.chunks.pop(i, None)
+        while written < end - start:
+            written += os.pwrite(o.out_fd, mv[written:], at + start + written)
+        done.update(range(first, last))
+        if len(done) == (len(heads[0]) - _core.CODEC_HEADER) // _core.CODEC_ENTRY:
+            o.done.add(i)
+            o.heads.pop(i, None)
+            o.chunks.pop(i, None)
         return True
 
     def close(self) -> None:

@@ -518,7 +518,9 @@ pub fn decode(enc: &[u8], reference: Option<&[u8]>, out: &mut [u8], threads: usi
 struct Levels<'a> {
     heads: &'a [Header],
     entries: &'a [Vec<Entry>],
+    /// Each level's payload bytes from `bases[k]` on (a window of it).
     payloads: &'a [&'a [u8]],
+    bases: &'a [u64],
 }
 
 impl Levels<'_> {
@@ -547,7 +549,8 @@ impl Levels<'_> {
         }
         for k in (0..=depth).rev() {
             let e = &self.entries[k][i];
-            let p = &self.payloads[k][e.offset as usize..(e.offset + e.len) as usize];
+            let from = (e.offset - self.bases[k]) as usize;
+            let p = &self.payloads[k][from..from + e.len as usize];
             let h = &self.heads[k];
             let transform = if h.predicted {
                 h.transform
@@ -600,58 +603,131 @@ impl Levels<'_> {
 /// chunks, or streams of other lengths or chunk sizes): decode the
 /// references whole instead.
 pub fn decode_chain(encs: &[&[u8]], out: &mut [u8], threads: usize) -> Result<bool> {
-    if encs.is_empty() {
-        return Err(CodecError::Invalid("an empty chain".into()));
+    let mut heads: Vec<&[u8]> = Vec::with_capacity(encs.len());
+    let mut windows: Vec<&[u8]> = Vec::with_capacity(encs.len());
+    for e in encs {
+        let h = header(e)?;
+        let (head, payload) = e.split_at(HEADER + h.count * ENTRY);
+        heads.push(head);
+        windows.push(payload);
     }
-    let heads: Vec<Header> = encs.iter().map(|e| header(e)).collect::<Result<_>>()?;
-    let h0 = &heads[0];
-    if out.len() as u64 != h0.decoded_len {
+    let lens: Vec<u64> = windows.iter().map(|w| w.len() as u64).collect();
+    let bases = vec![0u64; encs.len()];
+    let count = match heads.first() {
+        Some(h) => header(h)?.count,
+        None => return Err(CodecError::Invalid("an empty chain".into())),
+    };
+    decode_chain_span(&heads, &lens, &windows, &bases, 0, count, out, threads)
+}
+
+/// [`decode_chain`] of chunks `first..last` only (decoded bytes `[first *
+/// chunk, min(last * chunk, length))` into `out`), from each level's header
+/// and directory `heads[k]` (its payload `payload_lens[k]` bytes long) and
+/// a window of its payload, `windows[k]`, which starts at payload offset
+/// `bases[k]` and must hold every one of those chunks' payloads. A copy of
+/// a chunk before `first` at the top is refused (widen the span first).
+#[allow(clippy::too_many_arguments, clippy::too_many_lines)]
+pub fn decode_chain_span(
+    heads: &[&[u8]],
+    payload_lens: &[u64],
+    windows: &[&[u8]],
+    bases: &[u64],
+    first: usize,
+    last: usize,
+    out: &mut [u8],
+    threads: usize,
+) -> Result<bool> {
+    let n = heads.len();
+    if n == 0 || payload_lens.len() != n || windows.len() != n || bases.len() != n {
+        return Err(CodecError::Invalid("a chain's levels do not match".into()));
+    }
+    let hs: Vec<Header> = heads.iter().map(|e| header(e)).collect::<Result<_>>()?;
+    let h0 = &hs[0];
+    let chunk = h0.chunk;
+    let total = usize::try_from(h0.decoded_len)
+        .map_err(|_| CodecError::Invalid("a stream longer than memory".into()))?;
+    if first > last || last > h0.count {
+        return Err(CodecError::Invalid(format!(
+            "chunks {first}..{last} of a stream of {}",
+            h0.count
+        )));
+    }
+    let start = first * chunk;
+    let end = (last * chunk).min(total).max(start);
+    if out.len() != end - start {
         return Err(CodecError::Malformed(format!(
-            "the stream decodes to {} bytes, {} expected",
-            h0.decoded_len,
+            "chunks {first}..{last} decode to {} bytes, {} expected",
+            end - start,
             out.len()
         )));
     }
-    let mut entries: Vec<Vec<Entry>> = Vec::with_capacity(encs.len());
-    let mut payloads: Vec<&[u8]> = Vec::with_capacity(encs.len());
-    for (k, (e, h)) in encs.iter().zip(&heads).enumerate() {
+    let mut entries: Vec<Vec<Entry>> = Vec::with_capacity(n);
+    for (k, (e, h)) in heads.iter().zip(&hs).enumerate() {
         let dir: Vec<Entry> = (0..h.count).map(|i| entry(e, i)).collect();
-        let payload = &e[HEADER + h.count * ENTRY..];
-        check_entries(&dir, h, payload.len() as u64, h.decoded_len)?;
+        check_entries(&dir, h, payload_lens[k], h.decoded_len)?;
         if h.decoded_len != h0.decoded_len
             || h.chunk != h0.chunk
             || (k > 0 && dir.iter().any(|x| x.kind == KIND_DUP))
         {
             return Ok(false);
         }
+        for x in &dir[first..last] {
+            if x.len > 0
+                && (x.offset < bases[k] || x.offset + x.len > bases[k] + windows[k].len() as u64)
+            {
+                return Err(CodecError::Invalid(format!(
+                    "level {k}: a chunk's payload [{}, +{}) lies outside the window read [{}, +{})",
+                    x.offset,
+                    x.len,
+                    bases[k],
+                    windows[k].len()
+                )));
+            }
+        }
+        if k == 0
+            && dir[first..last]
+                .iter()
+                .any(|x| x.kind == KIND_DUP && (x.arg as usize) < first)
+        {
+            return Err(CodecError::Invalid(
+                "a copied chunk's source lies before the span".into(),
+            ));
+        }
         entries.push(dir);
-        payloads.push(payload);
     }
-    let last = encs.len() - 1;
+    let bottom = n - 1;
     let needs_ref =
-        |k: usize, e: &Entry| e.kind == KIND_SAME || (e.kind == KIND_CODED && heads[k].predicted);
-    if entries[last].iter().any(|e| needs_ref(last, e)) {
+        |k: usize, e: &Entry| e.kind == KIND_SAME || (e.kind == KIND_CODED && hs[k].predicted);
+    if entries[bottom][first..last]
+        .iter()
+        .any(|e| needs_ref(bottom, e))
+    {
         return Err(CodecError::Reference(
             "the last stream of a chain is a difference against a reference, and none was given"
                 .into(),
         ));
     }
-    let chunk = h0.chunk;
-    let total = out.len();
+    // Chunk i's decoded bytes, absolute.
     let span = |i: usize| (i * chunk, ((i + 1) * chunk).min(total));
     let first_err: Mutex<Option<(usize, CodecError)>> = Mutex::new(None);
     let base = SendPtr(out.as_mut_ptr());
-    let next = AtomicUsize::new(0);
-    let nthreads = threads.clamp(1, h0.count.max(1));
+    let next = AtomicUsize::new(first);
+    let nthreads = threads.clamp(1, (last - first).max(1));
+    let levels = Levels {
+        heads: &hs,
+        entries: &entries,
+        payloads: windows,
+        bases,
+    };
     std::thread::scope(|sc| {
         for _ in 0..nthreads {
             sc.spawn(|| {
                 let mut planes: Vec<u8> = Vec::new();
-                let mut scratch: Vec<Vec<u8>> = vec![Vec::new(); encs.len()];
+                let mut scratch: Vec<Vec<u8>> = vec![Vec::new(); n];
                 let mut dctx = zstd::bulk::Decompressor::new().ok();
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= h0.count {
+                    if i >= last {
                         break;
                     }
                     if entries[0][i].kind == KIND_DUP {
@@ -660,11 +736,8 @@ pub fn decode_chain(encs: &[&[u8]], out: &mut [u8], threads: usize) -> Result<bo
                     let (s, en) = span(i);
                     // SAFETY: chunks are disjoint ranges of `out`, each
                     // written by one thread only; `out` outlives the scope.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(base.get().add(s), en - s) };
-                    let levels = Levels {
-                        heads: &heads,
-                        entries: &entries,
-                        payloads: &payloads,
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(base.get().add(s - start), en - s)
                     };
                     let r = levels.chunk(i, s, dst, &mut scratch, &mut planes, dctx.as_mut());
                     if let Err(err) = r {
@@ -680,7 +753,8 @@ pub fn decode_chain(encs: &[&[u8]], out: &mut [u8], threads: usize) -> Result<bo
     if let Some((_, e)) = first_err.into_inner().expect("lock") {
         return Err(e);
     }
-    for (i, e) in entries[0].iter().enumerate() {
+    for (k, e) in entries[0][first..last].iter().enumerate() {
+        let i = first + k;
         if e.kind == KIND_DUP {
             let (s, en) = span(i);
             let (js, je) = span(e.arg as usize);
@@ -690,8 +764,8 @@ pub fn decode_chain(encs: &[&[u8]], out: &mut [u8], threads: usize) -> Result<bo
                     e.arg
                 )));
             }
-            out.copy_within(js..je, s);
-            check(i, s, en, e.hash, &out[s..en])?;
+            out.copy_within(js - start..je - start, s - start);
+            check(i, s, en, e.hash, &out[s - start..en - start])?;
         }
     }
     Ok(true)
@@ -1520,6 +1594,64 @@ mod tests {
         bad[at] ^= 0x40;
         let e = decode_chain(&[&et.bytes, &bad, &ek], &mut out, 2).unwrap_err();
         assert!(e.to_string().contains("reference stream 1"), "{e}");
+    }
+
+    #[test]
+    fn a_chain_decodes_a_span_from_payload_windows() {
+        let chunk = 4096;
+        let n = 6 * 1024 + 3;
+        let k = floats(n, 5);
+        let mid: Vec<u8> = k
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| if i % 9 == 0 { b ^ 1 } else { b })
+            .collect();
+        let top: Vec<u8> = mid
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| if i % 11 == 0 { b ^ 2 } else { b })
+            .collect();
+        let o = opts(chunk, Some(Transform::Isub));
+        let ek = encode(&k, 4, None, &opts(chunk, None)).unwrap().bytes;
+        let em = encode(&mid, 4, Some(&k), &o).unwrap().bytes;
+        let et = encode(&top, 4, Some(&mid), &o).unwrap().bytes;
+        let encs = [&et[..], &em[..], &ek[..]];
+        // Each level: its directory, and only the payload of chunks 2..5.
+        let (first, last) = (2usize, 5usize);
+        let mut heads = Vec::new();
+        let mut lens = Vec::new();
+        let mut windows = Vec::new();
+        let mut bases = Vec::new();
+        for e in encs {
+            let hl = directory_end(e).unwrap();
+            let (head, payload) = e.split_at(hl);
+            let sp = span(
+                head,
+                payload.len() as u64,
+                (first * chunk) as u64,
+                (last * chunk) as u64,
+            )
+            .unwrap();
+            assert_eq!((sp.first, sp.last), (first, last));
+            heads.push(head);
+            lens.push(payload.len() as u64);
+            windows.push(&payload[sp.payload_lo as usize..sp.payload_hi as usize]);
+            bases.push(sp.payload_lo);
+        }
+        let mut out = vec![0u8; 3 * chunk];
+        assert!(
+            decode_chain_span(&heads, &lens, &windows, &bases, first, last, &mut out, 2).unwrap()
+        );
+        assert_eq!(out, top[2 * chunk..5 * chunk]);
+        // A window that misses a chunk's payload is refused, not read past.
+        let short = [windows[0], &windows[1][..windows[1].len() - 1], windows[2]];
+        assert!(
+            decode_chain_span(&heads, &lens, &short, &bases, first, last, &mut out, 2).is_err()
+        );
+        let mut small = vec![0u8; 2 * chunk];
+        assert!(
+            decode_chain_span(&heads, &lens, &windows, &bases, first, last, &mut small, 2).is_err()
+        );
     }
 
     #[test]

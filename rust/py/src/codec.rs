@@ -180,6 +180,48 @@ fn codec_decode_chain(
         .map_err(|e| to_pyerr(py, e, path, record))
 }
 
+/// Decodes chunks `first..last` of a chain (`codec::decode_chain_span`):
+/// per level, its header and directory, its payload's length, a window of
+/// its payload and where that window starts; into the `out_len` bytes at
+/// `out`. False, with nothing written, where the chain cannot be decoded
+/// that way.
+#[pyfunction]
+#[pyo3(signature = (heads, payload_lens, windows, bases, first, last, out, out_len, *, threads = 1, path = None, record = None))]
+#[allow(clippy::too_many_arguments)]
+fn codec_decode_chain_span(
+    py: Python<'_>,
+    heads: Vec<Bound<'_, PyBytes>>,
+    payload_lens: Vec<u64>,
+    windows: Vec<Bound<'_, PyBytes>>,
+    bases: Vec<u64>,
+    first: usize,
+    last: usize,
+    out: usize,
+    out_len: usize,
+    threads: usize,
+    path: Option<&str>,
+    record: Option<&str>,
+) -> PyResult<bool> {
+    let hs: Vec<&[u8]> = heads.iter().map(PyBytesMethods::as_bytes).collect();
+    let ws: Vec<&[u8]> = windows.iter().map(PyBytesMethods::as_bytes).collect();
+    let dst: &mut [u8] = if out_len == 0 {
+        &mut []
+    } else {
+        if out == 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "null output address",
+            ));
+        }
+        // SAFETY: the caller keeps `out` alive for the call; it is written
+        // only through this slice.
+        unsafe { std::slice::from_raw_parts_mut(out as *mut u8, out_len) }
+    };
+    py.detach(|| {
+        codec::decode_chain_span(&hs, &payload_lens, &ws, &bases, first, last, dst, threads)
+    })
+    .map_err(|e| to_pyerr(py, e, path, record))
+}
+
 /// The length of an encoded stream's header and directory, from its first
 /// `CODEC_HEADER` bytes.
 #[pyfunction]
@@ -291,6 +333,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(codec_directory_end, m)?)?;
     m.add_function(wrap_pyfunction!(codec_span, m)?)?;
     m.add_function(wrap_pyfunction!(codec_decode_chain, m)?)?;
+    m.add_function(wrap_pyfunction!(codec_decode_chain_span, m)?)?;
     m.add_function(wrap_pyfunction!(codec_decode_span, m)?)?;
     m.add("CODEC_HEADER", codec::HEADER)?;
     m.add("CODEC_ENTRY", codec::ENTRY)?;
