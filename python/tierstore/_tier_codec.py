@@ -592,15 +592,7 @@ class Decoder:
             path=str(o.enc),
             record=record,
         )
-        mv = memoryview(out.numpy().data)
-        written = 0
-        while written < end - start:
-            written += os.pwrite(o.out_fd, mv[written:], at + start + written)
-        done.update(range(first_chunk, end_chunk))
-        if len(done) == (len(head) - _core.CODEC_HEADER) // _core.CODEC_ENTRY:  # every chunk of the segment
-            o.done.add(i)
-            o.heads.pop(i, None)
-            o.chunks.pop(i, None)
+        self._store(o, i, at + start, out, range(first_chunk, end_chunk))
 
     def _head(self, o: _Open, i: int) -> bytes:
         """Segment ``i``'s stream header and directory (read once)."""
@@ -681,17 +673,23 @@ class Decoder:
             return False
         if not ok:
             return False
-        at = o.header["segments"][i][0]
+        self._store(o, i, o.header["segments"][i][0] + start, out, range(first, last))
+        return True
+
+    def _store(self, o: _Open, i: int, at: int, out: torch.Tensor, chunks: range) -> None:
+        """Writes decoded bytes ``out`` of segment ``i`` at file offset ``at``
+        of its decoded file and marks its ``chunks`` decoded (the segment
+        done once all of them are)."""
         mv = memoryview(out.numpy().data)
         written = 0
-        while written < end - start:
-            written += os.pwrite(o.out_fd, mv[written:], at + start + written)
-        done.update(range(first, last))
-        if len(done) == (len(heads[0]) - _core.CODEC_HEADER) // _core.CODEC_ENTRY:
+        while written < len(mv):
+            written += os.pwrite(o.out_fd, mv[written:], at + written)
+        done = o.chunks.setdefault(i, set())
+        done.update(chunks)
+        if len(done) == (len(o.heads[i]) - _core.CODEC_HEADER) // _core.CODEC_ENTRY:  # every chunk of the segment
             o.done.add(i)
             o.heads.pop(i, None)
             o.chunks.pop(i, None)
-        return True
 
     def close(self) -> None:
         for o in list(self._open.values()):

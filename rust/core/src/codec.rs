@@ -753,12 +753,29 @@ pub fn decode_chain_span(
     if let Some((_, e)) = first_err.into_inner().expect("lock") {
         return Err(e);
     }
-    for (k, e) in entries[0][first..last].iter().enumerate() {
+    copy_dups(&entries[0], first, last, chunk, total, start, out)?;
+    Ok(true)
+}
+
+/// The copies among chunks `first..last` (of `chunk` bytes; the stream
+/// decodes to `total`), made after every other chunk: each from its source
+/// in `out`, which holds decoded bytes from `start` on, then checked.
+fn copy_dups(
+    entries: &[Entry],
+    first: usize,
+    last: usize,
+    chunk: usize,
+    total: usize,
+    start: usize,
+    out: &mut [u8],
+) -> Result<()> {
+    let span = |i: usize| (i * chunk, ((i + 1) * chunk).min(total));
+    for (k, e) in entries[first..last].iter().enumerate() {
         let i = first + k;
         if e.kind == KIND_DUP {
             let (s, en) = span(i);
             let (js, je) = span(e.arg as usize);
-            if je - js != en - s {
+            if je - js != en - s || js < start {
                 return Err(CodecError::Malformed(format!(
                     "chunk {i}: a copy of chunk {} of another length",
                     e.arg
@@ -768,7 +785,7 @@ pub fn decode_chain_span(
             check(i, s, en, e.hash, &out[s - start..en - start])?;
         }
     }
-    Ok(true)
+    Ok(())
 }
 
 /// The length of a stream's header and directory, from its first
@@ -930,23 +947,15 @@ pub fn decode_span(
     if let Some((_, e)) = first_err.into_inner().expect("lock") {
         return Err(e);
     }
-    for (k, e) in entries[sp.first..sp.last].iter().enumerate() {
-        let i = sp.first + k;
-        if e.kind == KIND_DUP {
-            let (s, en) = span_of(i);
-            let (js, je) = span_of(e.arg as usize);
-            if je - js != en - s {
-                return Err(CodecError::Malformed(format!(
-                    "chunk {i}: a copy of chunk {} of another length",
-                    e.arg
-                )));
-            }
-            out.copy_within(js..je, s);
-            let at = (s as u64 + sp.start) as usize;
-            check(i, at, at + en - s, e.hash, &out[s..en])?;
-        }
-    }
-    Ok(())
+    copy_dups(
+        &entries,
+        sp.first,
+        sp.last,
+        h.chunk,
+        h.decoded_len as usize,
+        sp.start as usize,
+        out,
+    )
 }
 
 /// The reference a span is decoded with: refused where it is missing and

@@ -29,6 +29,25 @@ unsafe fn slice<'a>(addr: usize, len: usize) -> PyResult<&'a [u8]> {
     Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
 }
 
+/// A writable slice of `len` bytes at `addr` (empty when `len` is 0).
+///
+/// # Safety
+///
+/// The caller keeps `len` bytes at `addr` alive for the call and writes
+/// them only through the slice returned.
+unsafe fn slice_mut<'a>(addr: usize, len: usize) -> PyResult<&'a mut [u8]> {
+    if len == 0 {
+        return Ok(&mut []);
+    }
+    if addr == 0 {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "null output address",
+        ));
+    }
+    // SAFETY: per the function's contract.
+    Ok(unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) })
+}
+
 fn to_pyerr(py: Python<'_>, e: CodecError, path: Option<&str>, record: Option<&str>) -> PyErr {
     let kind = match e {
         CodecError::Mismatch { .. } => "checksum",
@@ -130,17 +149,9 @@ fn codec_decode(
     // written only through the slice made here.
     let (enc, reference) = unsafe { (slice(src, n)?, slice(ref_addr, ref_len)?) };
     let reference = (ref_addr != 0).then_some(reference);
-    let dst: &mut [u8] = if out_len == 0 {
-        &mut []
-    } else {
-        if out == 0 {
-            return Err(pyo3::exceptions::PyValueError::new_err(
-                "null output address",
-            ));
-        }
-        // SAFETY: as above.
-        unsafe { std::slice::from_raw_parts_mut(out as *mut u8, out_len) }
-    };
+    // SAFETY: the caller keeps `out_len` bytes at `out` alive for the call,
+    // written only through this slice.
+    let dst = unsafe { slice_mut(out, out_len)? };
     py.detach(|| codec::decode(enc, reference, dst, threads))
         .map_err(|e| to_pyerr(py, e, path, record))
 }
@@ -165,17 +176,9 @@ fn codec_decode_chain(
         // SAFETY: the caller keeps every stream alive and unchanged for the call.
         encs.push(unsafe { slice(addr, n)? });
     }
-    let dst: &mut [u8] = if out_len == 0 {
-        &mut []
-    } else {
-        if out == 0 {
-            return Err(pyo3::exceptions::PyValueError::new_err(
-                "null output address",
-            ));
-        }
-        // SAFETY: as above; `out` is written only through this slice.
-        unsafe { std::slice::from_raw_parts_mut(out as *mut u8, out_len) }
-    };
+    // SAFETY: the caller keeps `out_len` bytes at `out` alive for the call,
+    // written only through this slice.
+    let dst = unsafe { slice_mut(out, out_len)? };
     py.detach(|| codec::decode_chain(&encs, dst, threads))
         .map_err(|e| to_pyerr(py, e, path, record))
 }
@@ -204,18 +207,9 @@ fn codec_decode_chain_span(
 ) -> PyResult<bool> {
     let hs: Vec<&[u8]> = heads.iter().map(PyBytesMethods::as_bytes).collect();
     let ws: Vec<&[u8]> = windows.iter().map(PyBytesMethods::as_bytes).collect();
-    let dst: &mut [u8] = if out_len == 0 {
-        &mut []
-    } else {
-        if out == 0 {
-            return Err(pyo3::exceptions::PyValueError::new_err(
-                "null output address",
-            ));
-        }
-        // SAFETY: the caller keeps `out` alive for the call; it is written
-        // only through this slice.
-        unsafe { std::slice::from_raw_parts_mut(out as *mut u8, out_len) }
-    };
+    // SAFETY: the caller keeps `out_len` bytes at `out` alive for the call,
+    // written only through this slice.
+    let dst = unsafe { slice_mut(out, out_len)? };
     py.detach(|| {
         codec::decode_chain_span(&hs, &payload_lens, &ws, &bases, first, last, dst, threads)
     })
@@ -286,17 +280,9 @@ fn codec_decode_span(
     // written only through the slice made here.
     let reference = unsafe { slice(ref_addr, ref_len)? };
     let reference = (ref_addr != 0).then_some(reference);
-    let dst: &mut [u8] = if out_len == 0 {
-        &mut []
-    } else {
-        if out == 0 {
-            return Err(pyo3::exceptions::PyValueError::new_err(
-                "null output address",
-            ));
-        }
-        // SAFETY: as above.
-        unsafe { std::slice::from_raw_parts_mut(out as *mut u8, out_len) }
-    };
+    // SAFETY: the caller keeps `out_len` bytes at `out` alive for the call,
+    // written only through this slice.
+    let dst = unsafe { slice_mut(out, out_len)? };
     py.detach(|| codec::decode_span(head, payload_len, &span, window, reference, dst, threads))
         .map_err(|e| to_pyerr(py, e, path, record))
 }
