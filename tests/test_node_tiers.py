@@ -258,3 +258,160 @@ def test_a_damaged_peer_replica_is_named_and_the_next_copy_used(tmp_path: Path) 
 def test_replicas_need_node_scope() -> None:
     with pytest.raises(InvalidArgumentError, match="replicas"):
         DiskTier("x", replicas=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# replicas in pieces, repair of the step actually restored, replicas on a farther tier
+
+
+def _train_small_pieces(rank: int, world: int, root: str) -> list[str]:
+    from tierstore import _ckpt_peers
+
+    _ckpt_peers.PIECE = 3000  # every file moves in several pieces, the ranks' counts differ
+    return _train_r(rank, world, root)
+
+
+def test_replicas_move_in_pieces_bit_exact(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    assert run_world(4, _train_small_pieces, root) == [["durable-remote"] * 3] * 4
+    for node, peer, others in (("n0", "n1", (2, 3)), ("n1", "n0", (0, 1))):
+        d = tmp_path / "job" / f"nvme-{node}" / "step-000000000002"
+        src = tmp_path / "job" / f"nvme-{peer}" / "step-000000000002"
+        for r in others:
+            for p in src.glob(f"*-{r:05d}.*"):
+                assert p.stat().st_size > 3000 or p.name.startswith("objects"), p
+                assert (d / p.name).read_bytes() == p.read_bytes(), (node, p.name)
+        assert not [p.name for p in d.iterdir() if ".replica." in p.name]
+    # And a lost node gets its files back in pieces too.
+    shutil.rmtree(tmp_path / "job" / "nvme-n1")
+    shutil.rmtree(tmp_path / "remote")
+    got = run_world(4, _restore_small_pieces, root)
+    assert [r["bytes_from_peers"] > 0 for r in got] == [False, False, True, True], got
+
+
+def _restore_small_pieces(rank: int, world: int, root: str) -> dict[str, Any]:
+    from tierstore import _ckpt_peers
+
+    _ckpt_peers.PIECE = 3000
+    return _restore_r(rank, world, root)
+
+
+def test_rank_zeros_node_lost_with_the_remote_tier_gone(tmp_path: Path) -> None:
+    """Rank 0's own node is the replaced one: the ranks still agree on the
+    newest step (the candidates any rank sees), and n0 gets its part back."""
+    root = _job_r(tmp_path)
+    shutil.rmtree(tmp_path / "job" / "nvme-n0")
+    shutil.rmtree(tmp_path / "remote")
+    got = run_world(4, _restore_r, root)
+    for rank, r in enumerate(got):
+        assert r["step"] == 2 and r["bytes_by_tier"].get("remote", 0) == 0, (rank, r)
+        assert (r["bytes_from_peers"] > 0) == (rank < 2), (rank, r)
+
+
+def test_an_older_step_is_repaired_when_the_newest_cannot_be_used(tmp_path: Path) -> None:
+    """Node n1 is replaced and rank 0's file of step 2 is damaged with no
+    other copy: the restore falls back to step 1, and n1 gets step 1's files
+    from its peer before it is tried (not only the newest step's)."""
+    root = _job_r(tmp_path)
+    shutil.rmtree(tmp_path / "job" / "nvme-n1")
+    shutil.rmtree(tmp_path / "remote")
+    victim = next((tmp_path / "job" / "nvme-n0" / "step-000000000002").glob("rank-00000.*.pt"))
+    data = bytearray(victim.read_bytes())
+    at = bytes(data).find(_full(2)[0:16].numpy().tobytes()[:64])
+    assert at > 0
+    data[at + 100] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    got = run_world(4, _restore_step1_r, root)
+    for rank, r in enumerate(got):
+        assert r["step"] == 1 and r["bytes_by_tier"].get("remote", 0) == 0, (rank, r)
+        assert (r["bytes_from_peers"] > 0) == (rank >= 2), (rank, r)
+    assert (tmp_path / "job" / "nvme-n1" / "step-000000000001" / "manifest.json").is_file()
+
+
+def _restore_step1_r(rank: int, world: int, root: str) -> dict[str, Any]:
+    import warnings
+
+    _node_env(rank)
+    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers_r(root))
+    into = _target(rank, world)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ck.load_latest(into=into)
+    per = ROWS // world
+    assert torch.equal(into["w"], _full(1)[rank * per : (rank + 1) * per]), rank
+    got = dict(ck.restored or {})
+    ck.close()
+    return got
+
+
+def _tiers_far(root: str) -> list[Any]:
+    return [
+        HostTier("64MiB"),
+        DiskTier("ram-{node}", scope="node", name="ram"),
+        DiskTier("nvme-{node}", scope="node", replicas=1, name="nvme"),
+        RemoteTier(os.path.join(root, "remote")),
+    ]
+
+
+def _train_far(rank: int, world: int, root: str) -> list[str]:
+    _node_env(rank)
+    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers_far(root))
+    hs = []
+    for step in range(3):
+        hs.append(ck.save(step, _state(rank, world, step)))
+        ck.wait_capture()
+    ck.wait()
+    ck.close()
+    return [h.state for h in hs]
+
+
+def _restore_far(rank: int, world: int, root: str) -> dict[str, Any]:
+    return _restore(rank, world, root, _tiers_far)
+
+
+def test_replicas_on_a_farther_node_tier(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    assert run_world(4, _train_far, root) == [["durable-remote"] * 3] * 4
+    for node, others in (("n0", (2, 3)), ("n1", (0, 1))):
+        names = {p.name.split(".")[0] for p in (tmp_path / "job" / f"nvme-{node}" / "step-000000000002").glob("rank-*")}
+        assert {f"rank-{r:05d}" for r in others} <= names, (node, names)
+        ram = {p.name.split(".")[0] for p in (tmp_path / "job" / f"ram-{node}" / "step-000000000002").glob("rank-*")}
+        assert not {f"rank-{r:05d}" for r in others} & ram, (node, ram)  # no replicas asked there
+    # n1 replaced (both its tiers empty), the remote tier gone: n1's part comes from n0's nvme copy.
+    for d in ("ram-n1", "nvme-n1"):
+        shutil.rmtree(tmp_path / "job" / d)
+    shutil.rmtree(tmp_path / "remote")
+    got = run_world(4, _restore_far, root)
+    for rank, r in enumerate(got):
+        assert r["bytes_by_tier"].get("remote", 0) == 0, (rank, r)
+        assert (r["bytes_from_peers"] > 0) == (rank >= 2), (rank, r)
+
+
+def _train_big(rank: int, world: int, root: str) -> tuple[int, int]:
+    """8 MiB per rank, replicas in pieces of 1 MiB: the Python memory
+    traced while the replicas move (the exchange's buffers are Python
+    bytearrays; torch's tensors are not traced) stays a few pieces."""
+    import tracemalloc
+
+    from tierstore import _ckpt_peers
+
+    _ckpt_peers.PIECE = 1 << 20
+    _node_env(rank)
+    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers_r(root))
+    big = torch.arange(2 << 20, dtype=torch.float32) + rank
+    lay = Layout.block("big", (4 * big.numel(),), (rank * big.numel(),), (big.numel(),))
+    tracemalloc.start()
+    ck.save(1, {"big": attach(big, lay)})
+    ck.wait()
+    _cur, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    ck.close()
+    return peak, big.numel() * 4
+
+
+def test_replicas_never_hold_a_whole_file_in_memory(tmp_path: Path) -> None:
+    got = run_world(4, _train_big, str(tmp_path))
+    for rank, (peak, nbytes) in enumerate(got):
+        assert peak < nbytes // 2, (rank, peak, nbytes)
+    d = tmp_path / "job" / "nvme-n0" / "step-000000000001"
+    assert {p.name.split(".")[0] for p in d.glob("rank-*")} == {f"rank-{r:05d}" for r in range(4)}

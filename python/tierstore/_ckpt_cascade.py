@@ -226,13 +226,8 @@ class Cascade:
         h = snap.handle
         try:
             local = self.disks[0]
-            if local.replicas and self.ring is not None and snap.local_dir is not None:
-                t0 = time.perf_counter()
-                try:
-                    self.replicate(snap.local_dir)
-                    h.timings["replicate"] = time.perf_counter() - t0
-                except (OSError, TierstoreError) as e:
-                    warnings.warn(f"tierstore: step {snap.step}: peer replicas not made ({e})", stacklevel=1)
+            if snap.local_dir is not None:
+                self.replicate_on(local, snap, snap.local_dir)
             for t in self.disks[1:]:
                 if not self.selected(t, snap) and snap.local_dir is not None:
                     h._set(t.name, "skipped")
@@ -245,6 +240,7 @@ class Cascade:
                     if snap.local_dir is not None:
                         self.copy_dir(snap.local_dir, d, t)
                         self.spread_commit(d, t, self._pg_promote)
+                        self.replicate_on(t, snap, d)
                     else:  # the local tier failed: write from host memory
                         snap.captured.wait()
                         if snap.error is not None:
@@ -298,19 +294,34 @@ class Cascade:
         names = [n for n in (m.get("index", {}).get("name"), META, *shared) if n and (d / n).exists()]
         return [*names, MANIFEST]
 
-    def replicate(self, d: Path) -> None:
+    def replicate_on(self, t: DiskTier, snap: Snapshot, d: Path) -> None:
+        """Peer replicas of this node's copy ``d`` of a checkpoint on tier
+        ``t`` (when ``t`` is node-scoped with ``replicas``); a failure is
+        reported with a warning (the node's own copy and farther tiers
+        still hold the checkpoint)."""
+        if not (t.scope == "node" and t.replicas and self.ring is not None):
+            return
+        t0 = time.perf_counter()
+        try:
+            self.replicate(d, t.replicas)
+            key = "replicate" if t is self.disks[0] else f"replicate_{t.name}"
+            snap.handle.timings[key] = time.perf_counter() - t0
+        except (OSError, TierstoreError) as e:
+            warnings.warn(f"tierstore: step {snap.step}: peer replicas on tier {t.name!r} not made ({e})", stacklevel=1)
+
+    def replicate(self, d: Path, k: int) -> None:
         """Copies this rank's files of the node-local checkpoint ``d`` to its
-        ring peers' copies of the same step, and keeps there the files of
-        the ranks whose peer it is (node leaders send the commit too)."""
+        ``k`` nearest ring peers' copies of the same step, and keeps there
+        the files of the ranks whose peer it is (node leaders send the
+        commit too)."""
         assert self.ring is not None
         m = read_manifest(d)
         files = [(f, d / f) for f in own_files(d, self.rank, m["save_id"])]
         if self.node.leader:
             files += [(n, d / n) for n in self.commit_files(d, m) if n not in {f for f, _p in files}]
-        sends = [(dst, files) for dst in self.ring.send_to]
-        recvs = [src for srcs in self.ring.recv_from for src in srcs]
-        got = exchange(sends, recvs, self._pg_promote)
-        self.keep_received(d, got)
+        sends = [(dst, files) for dst in self.ring.send_to[:k]]
+        recvs = [src for srcs in self.ring.recv_from[:k] for src in srcs]
+        exchange(sends, recvs, self._pg_promote, d)
         barrier(self.world, self._pg_promote)
 
     def keep_received(self, d: Path, got: list[tuple[int, list[tuple[str, bytes]]]]) -> int:
@@ -351,13 +362,12 @@ class Cascade:
         names += [o["name"] for o in m.get("object_files", ()) if o["name"].startswith(f"objects-{self.rank:05d}.")]
         return all((d / n).is_file() for n in names) and bool(own_files(d, self.rank, m["save_id"]) or not names)
 
-    def repair(self, step: int, pg: Any) -> int:
-        """Before a restore of ``step`` from a node-scoped tier with peer
+    def repair(self, t: DiskTier, step: int, pg: Any) -> int:
+        """Before a restore of ``step`` from node-scoped tier ``t`` with peer
         replicas: each rank whose node lost its copy of the rank's files (a
         replaced node) gets them, and the commit, back from the peer that
         keeps their replica, into its node's copy. Returns the bytes this
         rank received."""
-        t = self.disks[0]
         if not (t.scope == "node" and t.replicas and self.ring is not None and self.world > 1):
             return 0
         d = self.step_dir(t, step)
@@ -369,7 +379,7 @@ class Cascade:
             froms: list[int | None] = [None] * self.world
             leaders = set(self.node.leader_ranks)
             for r in sorted(missing):
-                holder = next((h for h in self.ring.table[r] if h not in missing), None)
+                holder = next((h for h in self.ring.table[r][: t.replicas] if h not in missing), None)
                 if holder is not None:
                     sends[holder].append((r, r in leaders))  # a node's leader gets the commit too
                     froms[r] = holder
@@ -381,8 +391,7 @@ class Cascade:
             commit = [(n, d / n) for n in self.commit_files(d, m)]
             for r, lead in mine_sends:
                 out.append((r, [(f, d / f) for f in own_files(d, r, m["save_id"])] + (commit if lead else [])))
-        got = exchange(out, [holder] if holder is not None else [], pg)
-        n = self.keep_received(d, got) if got else 0
+        n = exchange(out, [holder] if holder is not None else [], pg, d)
         barrier(self.world, pg)
         return n
 

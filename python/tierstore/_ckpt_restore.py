@@ -9,7 +9,7 @@ import copy
 import re
 import stat
 import warnings
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -321,7 +321,13 @@ def list_checkpoints(
 
 
 def load_first_usable(
-    cands: list[dict[str, Any]], into: Any, weights_only: bool, per_rank_policy: Any, world: int, pg: Any
+    cands: list[dict[str, Any]],
+    into: Any,
+    weights_only: bool,
+    per_rank_policy: Any,
+    world: int,
+    pg: Any,
+    resolve: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> tuple[Any, dict[str, Any] | None]:
     """Loads the first candidate every rank can read (a damaged copy is
     reported with a warning and the next one tried); returns the state and
@@ -331,6 +337,8 @@ def load_first_usable(
     pass for "no checkpoint" (the caller would train on from those tensors)."""
     failures: list[str] = []
     for c in cands:
+        if resolve is not None:
+            c = resolve(c)  # this rank's copies of the candidate (a collective repair first, where one is due)
         err: BaseException | None = None
         result: Any = None
         try:

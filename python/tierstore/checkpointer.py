@@ -53,7 +53,7 @@ from tierstore._ckpt_restore import (
     step_dirs,
 )
 from tierstore._ckpt_snapshot import CheckpointHandle, Residency, Snapshot
-from tierstore._dist import all_true, broadcast, group_info
+from tierstore._dist import all_true, broadcast, gather, group_info
 from tierstore._engine import get_engine
 from tierstore._nodes import Node, find_node, node_name
 from tierstore._offload_entry import OFFLOAD_KEY
@@ -176,12 +176,11 @@ class Checkpointer:
             if self.world > 1 and any(t.scope == "node" for t in self.disks)
             else Node(node_name(), 0, True, 1, (0,), ((node_name(), ((0, self.world - 1),)),))
         )
-        if any(t.replicas for t in self.disks[1:]):
-            raise InvalidArgumentError("peer replicas are made of the first disk tier (the node-local one) only")
+        # One ring for every node-scoped tier with peer replicas (each uses
+        # its first ``replicas`` distances).
+        most = max((t.replicas for t in self.disks), default=0)
         self.ring = (
-            ring(self.node, self.disks[0].replicas, self.world, self._pg_ctl)
-            if self.world > 1 and self.disks[0].replicas and self.node.count > 1
-            else None
+            ring(self.node, most, self.world, self._pg_ctl) if self.world > 1 and most and self.node.count > 1 else None
         )
         self._ordinal = 0
         self._last_step: int | None = None
@@ -491,19 +490,25 @@ class Checkpointer:
         mine = [c for c in cands if c["path"] is not None]
         peer_bytes = 0
         if self.world > 1:
-            # Every rank must take the same step: agree on the candidates of rank 0.
-            disk = [{k: v for k, v in c.items() if k != "_snap"} for c in mine]
-            cands = broadcast(disk, self.world, self._pg_ctl)
-            if cands and self.ring is not None:
-                # A node that lost its copy of the newest step gets its ranks'
-                # files back from the peers that keep their replicas.
-                peer_bytes = self.cascade.repair(cands[0]["step"], self._pg_ctl)
-                if peer_bytes:
-                    mine = [c for c in self.checkpoints() if c["path"] is not None]
-        # Each rank reads each file from the nearest intact copy it sees of the
-        # candidate's step (its node's copy of a node-scoped tier, then the
-        # farther tiers'), not only from the candidate's own directory.
-        cands = [self._with_copies(c, mine) for c in cands]
+            # Every rank must take the same step: agree on the candidates any
+            # rank sees (a node that lost its copy sees fewer than its peers).
+            cands = self._agreed_candidates(mine)
+        repaired: dict[int, int] = {}
+
+        def resolve(c: dict[str, Any]) -> dict[str, Any]:
+            # Before a step is tried: a node that lost its copy of it gets its
+            # ranks' files back from the peers that keep their replicas; then
+            # each rank reads each file from the nearest intact copy it sees
+            # of the step (its node's copy of a node-scoped tier, then the
+            # farther tiers'), not only from the candidate's own directory.
+            nonlocal mine
+            step = c["step"]
+            if self.ring is not None and step not in repaired:
+                repaired[step] = self._repair(step, cands)
+                if repaired[step]:
+                    mine = [x for x in self.checkpoints() if x["path"] is not None]
+            return self._with_copies(c, mine)
+
         self.restored = None
         # Encoded copies (a codec tier's) are decoded under the first disk tier, not the system's temporary folder.
         decode_root = self.cascade.tier_paths(self.disks[0])[0]
@@ -514,8 +519,9 @@ class Checkpointer:
                 token = DECODE_ROOT.set(decode_root)
         try:
             result, self.restored = load_first_usable(
-                cands, into, weights_only, per_rank_policy, self.world, self._pg_ctl
+                cands, into, weights_only, per_rank_policy, self.world, self._pg_ctl, resolve
             )
+            peer_bytes = sum(repaired.values())
         finally:
             if token is not None:
                 DECODE_ROOT.reset(token)
@@ -535,6 +541,33 @@ class Checkpointer:
                 d = max(by_copy, key=lambda k: by_copy[k])
                 self.restored.update(tier=dirs.get(d, self.restored["tier"]), path=d)
         return result
+
+    def _agreed_candidates(self, mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The candidates every rank tries, in the same order: each (step,
+        tier) that some rank sees complete, newest first, nearest tier first
+        (one gather of the small lists to rank 0, one broadcast)."""
+        seen = gather([(c["step"], c["tier"], c["path"]) for c in mine], self.world, self._pg_ctl)
+        merged: list[dict[str, Any]] | None = None
+        if seen is not None:
+            order = {name: i for i, name in enumerate(self.tier_names)}
+            first: dict[tuple[int, str], str] = {}
+            for lst in seen:
+                for step, tier, path in lst:
+                    first.setdefault((int(step), str(tier)), str(path))
+            keys = sorted(first, key=lambda k: (-k[0], order.get(k[1], len(order))))
+            merged = [{"step": k[0], "tier": k[1], "path": first[k]} for k in keys]
+        got: list[dict[str, Any]] = broadcast(merged, self.world, self._pg_ctl)
+        return got
+
+    def _repair(self, step: int, cands: list[dict[str, Any]]) -> int:
+        """Peer repair of ``step`` on the nearest node-scoped tier with
+        replicas that holds it (a collective: every rank calls it for the
+        same steps). Returns the bytes this rank received."""
+        held = {c["tier"] for c in cands if c["step"] == step}
+        for t in self.disks:
+            if t.scope == "node" and t.replicas and t.name in held:
+                return self.cascade.repair(t, step, self._pg_ctl)
+        return 0
 
     def _with_copies(self, c: dict[str, Any], mine: list[dict[str, Any]]) -> dict[str, Any]:
         """Candidate ``c`` (rank 0's view) as this rank reads it: its own copy

@@ -74,8 +74,11 @@ class DiskTier:
     ``GROUP_RANK``, else the host name. ``replicas=k`` (node scope): each
     node's part is also copied, in the background after the node's own
     copy, to the next ``k`` nodes' copies (a ring: any ``k`` lost nodes
-    leave a copy of every part), over the job's process group; a node that
-    lost its copy gets its ranks' files back from a peer before a restore.
+    leave a copy of every part), over the job's process group, in pieces
+    (never a whole file in memory); any node-scoped tier may have replicas.
+    A node that lost its copy of a step gets its ranks' files back from a
+    peer before that step is restored (the newest, or an older one the
+    restore falls back to).
 
     ``codec``: how checkpoints are stored on this tier (None: raw, the
     default; ``"zstd"``; ``tierstore.Delta(keyframe_every=K)``). With a
