@@ -415,3 +415,86 @@ def test_replicas_never_hold_a_whole_file_in_memory(tmp_path: Path) -> None:
         assert peak < nbytes // 2, (rank, peak, nbytes)
     d = tmp_path / "job" / "nvme-n0" / "step-000000000001"
     assert {p.name.split(".")[0] for p in d.glob("rank-*")} == {f"rank-{r:05d}" for r in range(4)}
+
+
+# ----------------------------------------------------------------------------------------------
+# host-memory copies and peer replicas (HostTier(shm=..., replicas=k))
+
+
+def _tiers_shm(root: str) -> list[Any]:
+    return [
+        HostTier("64MiB", shm=os.path.join(root, "shm-{node}"), replicas=1),  # a RAM folder per simulated node
+        DiskTier("nvme-{node}", scope="node"),
+        RemoteTier(os.path.join(root, "remote")),
+    ]
+
+
+def _train_shm(rank: int, world: int, root: str, clean: bool = False) -> list[str]:
+    _node_env(rank)
+    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers_shm(root))
+    hs = []
+    for step in range(3):
+        hs.append(ck.save(step, _state(rank, world, step)))
+        ck.wait_capture()
+    ck.wait()
+    ck.close(wait=clean)  # not clean: as if the processes died once the checkpoints were durable
+    return [h.state for h in hs]
+
+
+def _restore_shm(rank: int, world: int, root: str) -> dict[str, Any]:
+    return _restore(rank, world, root, _tiers_shm)
+
+
+def test_host_copies_in_shared_memory_restore_without_disk_reads(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    assert run_world(4, _train_shm, root) == [["durable-remote"] * 3] * 4
+    for node, own, others in (("n0", (0, 1), (2, 3)), ("n1", (2, 3), (0, 1))):
+        d = tmp_path / f"shm-{node}" / "step-000000000002"
+        names = {p.name.split(".")[0] for p in d.glob("rank-*")}
+        assert names == {f"rank-{r:05d}" for r in (*own, *others)}, (node, names)  # its own part and its peer's
+        assert not (tmp_path / f"shm-{node}" / "step-000000000001").exists()  # keep_last=1 there
+    got = run_world(4, _restore_shm, root)
+    for rank, r in enumerate(got):
+        assert r["tier"] == "host-shm", (rank, r)
+        by = r["bytes_by_tier"]
+        assert by["host-shm"] > 0 and by.get("nvme", 0) == 0 and by.get("remote", 0) == 0, (rank, r)
+    # Node n1 replaced: its ranks' part comes back from n0's memory; no disk is read.
+    shutil.rmtree(tmp_path / "shm-n1")
+    got = run_world(4, _restore_shm, root)
+    for rank, r in enumerate(got):
+        assert r["tier"] == "host-shm" and set(r["bytes_by_tier"]) == {"host-shm"}, (rank, r)
+        assert (r["bytes_from_peers"] > 0) == (rank >= 2), (rank, r)
+
+
+def test_a_clean_close_frees_the_shared_memory_copies(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    assert run_world(4, _train_shm, root, True) == [["durable-remote"] * 3] * 4
+    assert not (tmp_path / "shm-n0").exists() and not (tmp_path / "shm-n1").exists()
+    got = run_world(4, _restore_shm, root)  # the disk copies are whole
+    assert all(r["tier"] == "local" for r in got), got
+
+
+def test_host_shm_default_folder_single_process(tmp_path: Path) -> None:
+    ck = Checkpointer(tmp_path / "job", tiers=[HostTier("16MiB", shm=True), DiskTier("local")])
+    shm = ck.cascade.tier_paths(ck.disks[0])[0]
+    try:
+        assert str(shm).startswith(f"/dev/shm/tierstore-{os.getuid()}-") and ck.disks[0].name == "host-shm"
+        ck.save(1, {"w": _full(1)})
+        ck.wait()
+        assert (shm / "step-000000000001" / "manifest.json").is_file()
+        ck.close()
+        assert not shm.exists() and not shm.parent.exists()  # freed: the local tier holds step 1
+        ck2 = Checkpointer(tmp_path / "job", tiers=[HostTier("16MiB", shm=True), DiskTier("local")])
+        got = ck2.load_latest()
+        assert torch.equal(got["w"], _full(1)) and ck2.restored is not None and ck2.restored["tier"] == "local"
+        ck2.close()
+    finally:
+        shutil.rmtree(shm.parent, ignore_errors=True)
+
+
+def test_host_replicas_are_checked() -> None:
+    with pytest.raises(InvalidArgumentError, match="replicas"):
+        HostTier(replicas=-1)
+    assert HostTier(replicas=2).shm is True
+    with pytest.raises(InvalidArgumentError, match="differ"):
+        Checkpointer("/tmp/unused-ts-job", tiers=[HostTier(shm=True), DiskTier("x", name="host-shm")])

@@ -274,6 +274,10 @@ class Cascade:
             if self.disks[0].name in h.paths:
                 with self._lock:
                     self._busy_dirs.discard(Path(h.paths[self.disks[0].name]))
+                # Retention on the first tier again: a step promoted while the
+                # next one was flushed was in use when that flush's retention ran.
+                with contextlib.suppress(OSError):
+                    self.gc(self.disks[0])
             snap.captured.wait()  # the capture no longer writes into the buffers
             snap.release_host(Residency.EVICTABLE)
             if h.state in ("failed", "skipped", "captured"):

@@ -31,6 +31,7 @@ import gc
 import math
 import os
 import queue
+import shutil
 import threading
 import time
 import warnings
@@ -143,10 +144,16 @@ class Checkpointer:
                 f"tier {self.disks[0].name!r}: the first disk tier is written raw (restores at disk speed); "
                 "give the codec to a tier checkpoints are promoted to (RemoteTier(..., codec=...))"
             )
-        names = [t.name for t in tiers]
+        self.host = hosts[0] if hosts else HostTier()
+        # The host tier's copies in shared memory (HostTier(shm=..., replicas=k)):
+        # the nearest disk-like tier, node-scoped, written first by the flush.
+        shm = self.host.shm_tier(self.path)
+        self.shm_tier = shm
+        if shm is not None:
+            self.disks.insert(0, shm)
+        names = [t.name for t in tiers] + ([shm.name] if shm is not None else [])
         if len(set(names)) != len(names):
             raise InvalidArgumentError(f"tier names must differ: {names}")
-        self.host = hosts[0] if hosts else HostTier()
         pinned = self.host.pinned if self.host.pinned is not None else torch.cuda.is_available()
         self.pool = HostPool(int(self.host.budget), pinned)
         self.tier_names = [self.host.name] + [t.name for t in self.disks]
@@ -511,7 +518,7 @@ class Checkpointer:
 
         self.restored = None
         # Encoded copies (a codec tier's) are decoded under the first disk tier, not the system's temporary folder.
-        decode_root = self.cascade.tier_paths(self.disks[0])[0]
+        decode_root = self.cascade.tier_paths(self.disks[1 if self.shm_tier is not None else 0])[0]
         token = None
         if os.environ.get("TIERSTORE_DECODE_DIR") is None:
             with contextlib.suppress(OSError):
@@ -586,12 +593,17 @@ class Checkpointer:
 
     def close(self, wait: bool = True) -> None:
         """Waits for everything in flight (unless ``wait=False``), stops the
-        threads and removes the optimizer hooks."""
+        threads and removes the optimizer hooks. After a clean wait, a
+        Checkpointer that saved frees this node's shared-memory copies
+        (``HostTier(shm=..., replicas=...)``) once a farther tier holds the
+        newest checkpoint."""
         if self._closed:
             return
+        clean = False
         try:
             if wait:
                 self.wait()
+                clean = True
         finally:
             self._closed = True
             for q in (self._capture_q, self._flush_q, self._promote_q):
@@ -601,6 +613,26 @@ class Checkpointer:
             self._hooks.clear()
             for th in self._threads:
                 th.join(timeout=None if wait else 5)
+        if clean:
+            self._free_shm()
+
+    def _free_shm(self) -> None:
+        """Removes this node's shared-memory copies (its leader does) when a
+        farther tier holds their newest step: the copies exist to survive a
+        crash, and a clean close is not one. Only a Checkpointer that saved
+        (the training job) frees them; one that only restored leaves them."""
+        shm = self.shm_tier
+        if shm is None or not self.node.leader or len(self.disks) < 2 or self._ordinal == 0:
+            return
+        cands = self.checkpoints()
+        newest = max((c["step"] for c in cands if c["tier"] == shm.name), default=None)
+        if newest is None or not any(c["step"] >= newest for c in cands if c["tier"] not in (shm.name, self.host.name)):
+            return  # the shared-memory copy is the only one of the newest step: kept
+        for d in self.cascade.tier_paths(shm):
+            shutil.rmtree(d, ignore_errors=True)
+            if d.parent.name.startswith("tierstore-") and str(d.parent).startswith("/dev/shm/"):
+                with contextlib.suppress(OSError):
+                    d.parent.rmdir()  # the default folder, once no node's copy is left in it
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -43,15 +43,53 @@ class HostTier:
     device-to-host copies asynchronous. ``keep_last`` durable snapshots stay
     in memory as restore points; older ones give their buffer back for reuse.
     The default budget comes from ``TIERSTORE_HOST_BUDGET`` (else 2 GiB).
+
+    ``shm=True`` (or a directory): each node also keeps its ranks'
+    checkpoints, as files, in its shared memory (default
+    ``/dev/shm/tierstore-<uid>-<job>/{node}``), where they outlive the
+    training processes: a restart after a process failure restores from
+    memory, not from disk. ``replicas=k`` (implies ``shm``): each node's
+    part is also copied into the shared memory of the next ``k`` nodes
+    (Gemini-style in-memory replicas, over the job's process group), so
+    that a replaced node gets its part back from a peer's memory. The copies
+    form the nearest disk-like tier, named ``"<name>-shm"``: node-scoped,
+    ``keep_last`` steps kept, written by the flush before the disk tiers
+    get theirs. A clean :meth:`Checkpointer.close` of a Checkpointer that
+    saved frees this node's copies once a farther tier holds the newest
+    checkpoint; a crash leaves them for the restart. They take memory beyond ``budget``: about
+    ``keep_last x (1 + replicas)`` times a node's part of a checkpoint.
     """
 
     budget: int | str = field(default_factory=lambda: os.environ.get("TIERSTORE_HOST_BUDGET", "2GiB"))
     pinned: bool | None = None
     keep_last: int = 1
     name: str = "host"
+    shm: bool | str | os.PathLike[str] = False
+    replicas: int = 0
 
     def __post_init__(self) -> None:
         self.budget = parse_size(self.budget)
+        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 0:
+            raise InvalidArgumentError(f"tier {self.name!r}: replicas must be a count >= 0, got {self.replicas!r}")
+        if self.replicas and self.shm is False:
+            self.shm = True  # replicas are kept where they outlive the processes
+
+    def shm_tier(self, job: str | os.PathLike[str]) -> DiskTier | None:
+        """The node-scoped tier of this host tier's shared-memory copies (None
+        without ``shm``); ``job``: the Checkpointer's path, which names the
+        default directory so that two jobs on a node keep theirs apart."""
+        if self.shm is False:
+            return None
+        if self.shm is True:
+            import hashlib
+
+            tag = hashlib.sha1(os.path.abspath(os.fspath(job)).encode()).hexdigest()[:12]
+            path = f"/dev/shm/tierstore-{os.getuid()}-{tag}/{{node}}"
+        else:
+            path = os.fspath(self.shm)
+        return DiskTier(
+            path, keep_last=max(1, self.keep_last), name=f"{self.name}-shm", scope="node", replicas=self.replicas
+        )
 
 
 @dataclass
