@@ -498,3 +498,70 @@ def test_host_replicas_are_checked() -> None:
     assert HostTier(replicas=2).shm is True
     with pytest.raises(InvalidArgumentError, match="differ"):
         Checkpointer("/tmp/unused-ts-job", tiers=[HostTier(shm=True), DiskTier("x", name="host-shm")])
+
+
+# ----------------------------------------------------------------------------------------------
+# resharding restores read other nodes' files from those nodes
+
+
+def _restore_cols(rank: int, world: int, root: str) -> dict[str, Any]:
+    """2 ranks, one per node (n0, n1), each restoring a column half: every
+    old rank's file holds rows of both halves, so each node needs the other
+    node's files too."""
+    import warnings
+
+    os.environ["TIERSTORE_NODE"] = f"n{rank}"
+    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers(root))
+    half = COLS // 2
+    lay = Layout.block("w", (ROWS, COLS), (0, rank * half), (ROWS, half))
+    into = {"w": attach(torch.full((ROWS, half), float("nan")), lay), "step": None}
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        ck.load_latest(into=into)
+    assert torch.equal(into["w"], _full(2)[:, rank * half : (rank + 1) * half]), rank
+    assert into["step"] == 2
+    got = dict(ck.restored or {})
+    got["warnings"] = [str(x.message) for x in w]
+    ck.close()
+    return got
+
+
+def test_a_resharding_restore_reads_other_nodes_files_from_them(tmp_path: Path) -> None:
+    root = _job(tmp_path)  # 4 ranks as 2 nodes, no replicas
+    shutil.rmtree(tmp_path / "remote")  # the remote tier is gone: only the nodes' copies are left
+    got = run_world(2, _restore_cols, root)
+    for rank, r in enumerate(got):
+        assert r["step"] == 2 and r["tier"] == "local" and r["bytes_from_peers"] > 0, (rank, r)
+        assert set(r["bytes_by_tier"]) == {"local"}, (rank, r)
+    # Each node's copy now holds the other node's files it read; a second restore moves nothing.
+    for node, other in (("n0", (2, 3)), ("n1", (0, 1))):
+        names = {p.name.split(".")[0] for p in (tmp_path / "job" / f"nvme-{node}" / "step-000000000002").glob("rank-*")}
+        assert {f"rank-{r:05d}" for r in other} <= names, (node, names)
+    got = run_world(2, _restore_cols, root)
+    assert all(r["bytes_from_peers"] == 0 for r in got), got
+
+
+def _restore_rows_new_node(rank: int, world: int, root: str) -> dict[str, Any]:
+    """4 ranks on 3 nodes: n0 (ranks 0, 1) as before, n1 (rank 2) and a new
+    node n2 (rank 3) with no copy at all: n2 gets the commit, then rank 3's
+    rows from n1."""
+    os.environ["TIERSTORE_NODE"] = ["n0", "n0", "n1", "n2"][rank]
+    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers(root))
+    into = _target(rank, world)
+    ck.load_latest(into=into)
+    per = ROWS // world
+    assert torch.equal(into["w"], _full(2)[rank * per : (rank + 1) * per]), rank
+    got = dict(ck.restored or {})
+    ck.close()
+    return got
+
+
+def test_a_new_node_gets_the_commit_and_its_files_from_peers(tmp_path: Path) -> None:
+    root = _job(tmp_path)
+    shutil.rmtree(tmp_path / "remote")
+    got = run_world(4, _restore_rows_new_node, root)
+    assert [r["bytes_from_peers"] > 0 for r in got] == [False, False, False, True], got
+    assert all(r["bytes_by_tier"].get("remote", 0) == 0 for r in got), got
+    d = tmp_path / "job" / "nvme-n2" / "step-000000000002"
+    assert (d / "manifest.json").is_file() and len(list(d.glob("rank-00003.*"))) == 1
+    assert not list(d.glob("rank-00002.*"))  # only what its rank needs

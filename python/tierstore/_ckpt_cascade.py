@@ -399,6 +399,100 @@ class Cascade:
         barrier(self.world, pg)
         return n
 
+    def fetch(
+        self, t: DiskTier, step: int, needed: Callable[[Path], set[str] | None], sees_other: bool, pg: Any
+    ) -> int:
+        """Before a restore of ``step`` from node-scoped tier ``t``: the files
+        this node's ranks need (``needed(d)`` on the node's copy ``d``; None:
+        all) and its copy lacks are copied from the nodes whose copies hold
+        them, over the job's process group (a resharding restore reads
+        other nodes' files from those nodes, not from a farther tier). A
+        node with no copy of the step (or another save's) whose ranks see no
+        other copy of it (``sees_other``: a farther tier's) first gets the
+        commit from a peer. Collective: every rank calls it for the same
+        steps. Returns the bytes this rank received."""
+        if not (t.scope == "node" and self.world > 1 and self.node.count > 1):
+            return 0
+        d = self.step_dir(t, step)
+
+        def manifest() -> dict[str, Any] | None:
+            try:
+                return read_manifest(d)
+            except (OSError, TierstoreError):
+                return None
+
+        # Phase 1: every node's copy gets the commit of the save most ranks hold.
+        m = manifest()
+        told = gather((self.node.index, self.node.leader, m["save_id"] if m else None, sees_other), self.world, pg)
+        plan: list[Any] | None = None
+        if told is not None:
+            counts: dict[str, int] = {}
+            for _ni, _lead, sid, _o in told:
+                if sid:
+                    counts[sid] = counts.get(sid, 0) + 1
+            agreed = max(counts, key=lambda k: counts[k]) if counts else None
+            holder = next((r for r, (_ni, lead, sid, _o) in enumerate(told) if lead and sid == agreed), None)
+            sends: list[list[int]] = [[] for _ in range(self.world)]
+            froms: list[int | None] = [None] * self.world
+            seen = {ni for ni, _lead, _sid, other in told if other}  # nodes with a rank that sees a farther copy
+            if agreed is not None and holder is not None:
+                for r, (ni, lead, sid, _o) in enumerate(told):
+                    if lead and sid != agreed and ni not in seen:
+                        sends[holder].append(r)
+                        froms[r] = holder
+            plan = [(sends[r], froms[r], agreed) for r in range(self.world)]
+        to, src, agreed = scatter(plan, self.world, pg)
+        got = 0
+        if agreed is None:
+            return 0
+        out = []
+        if to and m is not None:
+            commit = [(n, d / n) for n in self.commit_files(d, m)]
+            out = [(r, commit) for r in to]
+        got += exchange(out, [src] if src is not None else [], pg, d)
+        barrier(self.world, pg)
+
+        # Phase 2: each node's missing files, from the nodes that hold them.
+        m = manifest()
+        want: list[str] = []
+        have: list[str] = []
+        if m is not None and m["save_id"] == agreed:
+            names = {f["name"] for f in m["files"]} | {o["name"] for o in m.get("object_files", ())}
+            need = needed(d)
+            want = sorted(n for n in (names if need is None else need & names) if not (d / n).is_file())
+            if self.node.leader:
+                have = sorted(n for n in names if (d / n).is_file())
+        told = gather((self.node.index, want, have), self.world, pg)
+        plan = None
+        if told is not None:
+            held: dict[str, list[int]] = {}  # file -> nodes whose copy holds it
+            for _ni, _w, hv in told:
+                for n in hv:
+                    held.setdefault(n, []).append(_ni)
+            node_ranks = [[r for a, b in runs for r in range(a, b + 1)] for _name, runs in self.node.ranks]
+            asked: set[tuple[int, str]] = set()
+            sends2: dict[int, dict[int, list[str]]] = {}
+            recvs: list[set[int]] = [set() for _ in range(self.world)]
+            turn = 0
+            for r, (ni, wants, _hv) in enumerate(told):
+                for n in wants:
+                    if (ni, n) in asked or not held.get(n):
+                        continue  # another rank of the node asked for it, or no node holds it
+                    asked.add((ni, n))
+                    hn = held[n][turn % len(held[n])]
+                    hr = node_ranks[hn][turn % len(node_ranks[hn])]  # the reads spread over the holder's ranks
+                    turn += 1
+                    sends2.setdefault(hr, {}).setdefault(r, []).append(n)
+                    recvs[r].add(hr)
+            plan = [(sorted(sends2.get(r, {}).items()), sorted(recvs[r])) for r in range(self.world)]
+        mine, srcs = scatter(plan, self.world, pg)
+        out = []
+        for r, names_ in mine:
+            out.append((r, [(n, _paths.member(d, n, source=str(d / MANIFEST), field="files")) for n in names_]))
+        got += exchange(out, list(srcs), pg, d)
+        barrier(self.world, pg)
+        return got
+
     def copy_dir(self, src: Path, dst: Path, t: DiskTier | None = None) -> None:
         """Copies this rank's files of the committed checkpoint ``src`` to
         ``dst`` (encoded where tier ``t`` has a codec); rank 0 commits

@@ -21,7 +21,14 @@ import torch
 from tierstore import _core, _dist, _limits, _paths, _tier_codec, _tree, gpu
 from tierstore._engine import get_engine
 from tierstore._leaves import flatten, is_dtensor, tensor_and_layout
-from tierstore.errors import FormatError, InvalidArgumentError, LayoutError, MissingRecordError, NotFoundError
+from tierstore.errors import (
+    FormatError,
+    InvalidArgumentError,
+    LayoutError,
+    MissingRecordError,
+    NotFoundError,
+    TierstoreError,
+)
 from tierstore.layout import Box, Layout, Piece, layout_of
 from tierstore.reshard import CoverageError, Source, block_for, prove_coverage
 from tierstore.shardmeta import (
@@ -344,6 +351,42 @@ def read_sharded(
         stats["manifest_bytes"] = (ck.dir / MANIFEST).stat().st_size
         stats["plan_seconds"] = plan_seconds
     return state_dict
+
+
+def needed_files(ck: Checkpoint, state_dict: Any, rank: int, world: int) -> set[str] | None:
+    """The data files a load of ``state_dict`` (as :func:`read_sharded`
+    would plan it) reads from, plus the checkpoint's objects files; None
+    when that cannot be told from the metadata alone (then: all of them).
+    Nothing is allocated for the targets and ``state_dict`` is not changed:
+    a Checkpointer asks this before a restore, to fetch from peers what this
+    node's copy lacks."""
+    m = ck.manifest
+    try:
+        targets: list[Target] = []
+        for leaf in flatten(state_dict, "needed files"):
+            v = leaf.value
+            if not isinstance(v, torch.Tensor):
+                if leaf.key not in m["objects"] and leaf.key not in m["per_rank_objects"]:
+                    return None  # a subtree placeholder: its tensors are found at load time
+                continue
+            if not is_dtensor(v) and layout_of(v) is None and leaf.key not in m["tensors"]:
+                return None
+            local, lay = tensor_and_layout(leaf.key, v, world if is_dtensor(v) or layout_of(v) else 1)
+            dtype = next((ck.dtype_of(pc.tensor) for pc in lay.pieces if pc.tensor in m["tensors"]), local.dtype)
+            meta = torch.empty(tuple(local.shape), dtype=dtype, device="meta")
+            targets.append(Target(leaf.key, meta, meta, lay))
+        plan = make_plan(ck, targets)
+    except (TierstoreError, ValueError, KeyError, TypeError):
+        return None
+    files = {src.file for _ti, _p, hits in plan.steps for src, _b in hits}
+    names = {ck.manifest["files"][f]["name"] for f in files}
+    # The job-wide objects; of the per-rank ones, this rank's own where the
+    # world is the saved one, else every rank's (a per-rank policy chooses).
+    names |= {str(f) for f in m["objects"].values()}
+    same = int(m["world_size"]) == world
+    for holders in m["per_rank_objects"].values():
+        names |= {str(f) for r, f in holders.items() if not same or int(r) == rank}
+    return names
 
 
 def read_plan(ck: Checkpoint, plan: dict[int, FileBlocks], verify: str | bool) -> tuple[int, int, int]:

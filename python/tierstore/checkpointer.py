@@ -58,11 +58,13 @@ from tierstore._dist import all_true, broadcast, gather, group_info
 from tierstore._engine import get_engine
 from tierstore._nodes import Node, find_node, node_name
 from tierstore._offload_entry import OFFLOAD_KEY
+from tierstore._sharded_read import needed_files
 from tierstore._tier_codec import DECODE_ROOT
 from tierstore.errors import InvalidArgumentError, TierstoreError, TornSnapshotError, UsageError
 from tierstore.sharded import (
     PerRank,
 )
+from tierstore.shardmeta import Checkpoint
 
 # The tiers live in tierstore.tiers; re-exported here, where users import them from.
 from tierstore.tiers import DiskTier, HostTier, RemoteTier, parse_size
@@ -510,8 +512,11 @@ class Checkpointer:
             # farther tiers'), not only from the candidate's own directory.
             nonlocal mine
             step = c["step"]
-            if self.ring is not None and step not in repaired:
-                repaired[step] = self._repair(step, cands)
+            if self.world > 1 and step not in repaired:
+                got = self._repair(step, cands)
+                if got:
+                    mine = [x for x in self.checkpoints() if x["path"] is not None]
+                repaired[step] = got + self._fetch(step, cands, into, mine)
                 if repaired[step]:
                     mine = [x for x in self.checkpoints() if x["path"] is not None]
             return self._with_copies(c, mine)
@@ -566,11 +571,36 @@ class Checkpointer:
         got: list[dict[str, Any]] = broadcast(merged, self.world, self._pg_ctl)
         return got
 
+    def _fetch(self, step: int, cands: list[dict[str, Any]], into: Any, mine: list[dict[str, Any]]) -> int:
+        """The files of ``step`` this node's ranks need for ``into`` (all of
+        them without ``into``) and its copy on the nearest node-scoped tier
+        holding the step lacks, fetched from the nodes that hold them (a
+        collective). Returns the bytes this rank received."""
+        if self.node.count < 2:
+            return 0
+        held = {c["tier"] for c in cands if c["step"] == step}
+        t = next((t for t in self.disks if t.scope == "node" and t.name in held), None)
+        if t is None:
+            return 0
+
+        def needed(d: Path) -> set[str] | None:
+            if into is None:
+                return None
+            try:
+                return needed_files(Checkpoint(d), into, self.rank, self.world)
+            except (OSError, TierstoreError):
+                return None
+
+        other = any(m["step"] == step and m["tier"] != t.name for m in mine)
+        return self.cascade.fetch(t, step, needed, other, self._pg_ctl)
+
     def _repair(self, step: int, cands: list[dict[str, Any]]) -> int:
         """Peer repair of ``step`` on the nearest node-scoped tier with
         replicas that holds it (a collective: every rank calls it for the
         same steps). Returns the bytes this rank received."""
         held = {c["tier"] for c in cands if c["step"] == step}
+        if self.ring is None:
+            return 0
         for t in self.disks:
             if t.scope == "node" and t.replicas and t.name in held:
                 return self.cascade.repair(t, step, self._pg_ctl)

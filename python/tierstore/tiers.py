@@ -116,7 +116,9 @@ class DiskTier:
     (never a whole file in memory); any node-scoped tier may have replicas.
     A node that lost its copy of a step gets its ranks' files back from a
     peer before that step is restored (the newest, or an older one the
-    restore falls back to).
+    restore falls back to). With or without replicas, a resharding restore
+    fetches the files its node's ranks need from the nodes whose copies
+    hold them before it reads a farther tier.
 
     ``codec``: how checkpoints are stored on this tier (None: raw, the
     default; ``"zstd"``; ``tierstore.Delta(keyframe_every=K)``). With a
