@@ -25,7 +25,8 @@ def test_peak_rss_during_save(tmp_path: pathlib.Path) -> None:
 
 
 HOST_BUFFER = r"""
-import gc, torch
+import gc, os, torch
+os.environ["TIERSTORE_HUGE_PAGES"] = "0"  # the engine's choice: plain pages for buffers that do not ask
 from tierstore._engine import host_buffer
 
 def rss_kib():
@@ -43,7 +44,7 @@ def huge_kib(addr):
             return int(line.split()[1])
     return 0
 
-b = host_buffer(64 << 20)
+b = host_buffer(64 << 20, huge=True)
 assert b.dtype == torch.uint8 and b.numel() == 64 << 20 and b.is_contiguous()
 assert b.data_ptr() % (2 << 20) == 0, hex(b.data_ptr())
 b.fill_(7)
@@ -51,6 +52,11 @@ assert int(b[::4096].sum()) == 7 * (16 << 10)
 thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
 if "[never]" not in thp:
     print("huge", huge_kib(b.data_ptr()))
+c = host_buffer(64 << 20)  # follows the engine: no advice
+c.fill_(1)
+if "[madvise]" in thp:
+    print("plain", huge_kib(c.data_ptr()))
+del c
 v = b[100:200]
 del b
 gc.collect()
@@ -79,3 +85,5 @@ def test_host_buffer_is_aligned_huge_and_returned(tmp_path: pathlib.Path) -> Non
     assert int(out["grew"]) < 128, f"RSS grew {out['grew']} MiB over 8 dropped 256 MiB buffers"
     if "huge" in out:
         assert int(out["huge"]) >= 16 << 10, f"only {out['huge']} KiB of 64 MiB on huge pages"
+    if "plain" in out:  # a buffer that does not ask follows the engine's choice (here: no huge pages)
+        assert int(out["plain"]) == 0, f"{out['plain']} KiB on huge pages against the engine's choice"

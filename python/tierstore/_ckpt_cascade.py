@@ -410,88 +410,93 @@ class Cascade:
         node with no copy of the step (or another save's) whose ranks see no
         other copy of it (``sees_other``: a farther tier's) first gets the
         commit from a peer. Collective: every rank calls it for the same
-        steps. Returns the bytes this rank received."""
+        steps; where no rank misses anything it costs one all-reduce of a
+        flag. Returns the bytes this rank received."""
         if not (t.scope == "node" and self.world > 1 and self.node.count > 1):
             return 0
         d = self.step_dir(t, step)
-
-        def manifest() -> dict[str, Any] | None:
-            try:
-                return read_manifest(d)
-            except (OSError, TierstoreError):
-                return None
-
-        # Phase 1: every node's copy gets the commit of the save most ranks hold.
-        m = manifest()
-        told = gather((self.node.index, self.node.leader, m["save_id"] if m else None, sees_other), self.world, pg)
-        plan: list[Any] | None = None
-        if told is not None:
-            counts: dict[str, int] = {}
-            for _ni, _lead, sid, _o in told:
-                if sid:
-                    counts[sid] = counts.get(sid, 0) + 1
-            agreed = max(counts, key=lambda k: counts[k]) if counts else None
-            holder = next((r for r, (_ni, lead, sid, _o) in enumerate(told) if lead and sid == agreed), None)
-            sends: list[list[int]] = [[] for _ in range(self.world)]
-            froms: list[int | None] = [None] * self.world
-            seen = {ni for ni, _lead, _sid, other in told if other}  # nodes with a rank that sees a farther copy
-            if agreed is not None and holder is not None:
-                for r, (ni, lead, sid, _o) in enumerate(told):
-                    if lead and sid != agreed and ni not in seen:
-                        sends[holder].append(r)
-                        froms[r] = holder
-            plan = [(sends[r], froms[r], agreed) for r in range(self.world)]
-        to, src, agreed = scatter(plan, self.world, pg)
         got = 0
-        if agreed is None:
-            return 0
-        out = []
-        if to and m is not None:
-            commit = [(n, d / n) for n in self.commit_files(d, m)]
-            out = [(r, commit) for r in to]
-        got += exchange(out, [src] if src is not None else [], pg, d)
-        barrier(self.world, pg)
-
-        # Phase 2: each node's missing files, from the nodes that hold them.
-        m = manifest()
-        want: list[str] = []
-        have: list[str] = []
-        if m is not None and m["save_id"] == agreed:
-            names = {f["name"] for f in m["files"]} | {o["name"] for o in m.get("object_files", ())}
-            need = needed(d)
-            want = sorted(n for n in (names if need is None else need & names) if not (d / n).is_file())
-            if self.node.leader:
-                have = sorted(n for n in names if (d / n).is_file())
-        told = gather((self.node.index, want, have), self.world, pg)
-        plan = None
-        if told is not None:
-            held: dict[str, list[int]] = {}  # file -> nodes whose copy holds it
-            for _ni, _w, hv in told:
-                for n in hv:
-                    held.setdefault(n, []).append(_ni)
-            node_ranks = [[r for a, b in runs for r in range(a, b + 1)] for _name, runs in self.node.ranks]
-            asked: set[tuple[int, str]] = set()
-            sends2: dict[int, dict[int, list[str]]] = {}
-            recvs: list[set[int]] = [set() for _ in range(self.world)]
-            turn = 0
-            for r, (ni, wants, _hv) in enumerate(told):
-                for n in wants:
-                    if (ni, n) in asked or not held.get(n):
-                        continue  # another rank of the node asked for it, or no node holds it
-                    asked.add((ni, n))
-                    hn = held[n][turn % len(held[n])]
-                    hr = node_ranks[hn][turn % len(node_ranks[hn])]  # the reads spread over the holder's ranks
-                    turn += 1
-                    sends2.setdefault(hr, {}).setdefault(r, []).append(n)
-                    recvs[r].add(hr)
-            plan = [(sorted(sends2.get(r, {}).items()), sorted(recvs[r])) for r in range(self.world)]
-        mine, srcs = scatter(plan, self.world, pg)
-        out = []
-        for r, names_ in mine:
-            out.append((r, [(n, _paths.member(d, n, source=str(d / MANIFEST), field="files")) for n in names_]))
-        got += exchange(out, list(srcs), pg, d)
-        barrier(self.world, pg)
+        for _round in range(2):  # a second round only after a node got the commit
+            try:
+                m: dict[str, Any] | None = read_manifest(d)
+            except (OSError, TierstoreError):
+                m = None
+            want: list[str] = []
+            have: list[str] = []
+            if m is not None:
+                names = {f["name"] for f in m["files"]} | {o["name"] for o in m.get("object_files", ())}
+                need = needed(d)
+                want = sorted(n for n in (names if need is None else need & names) if not (d / n).is_file())
+                if self.node.leader:
+                    have = sorted(n for n in names if (d / n).is_file())
+            sid = m["save_id"] if m is not None else None
+            if _round == 0 and all_true(not want and (m is not None or sees_other), self.world, pg):
+                break  # no rank misses a file it needs, and every node has a copy or sees one: nothing moves
+            told = gather((self.node.index, self.node.leader, sid, sees_other, want, have), self.world, pg)
+            plan = self._fetch_plan(told) if told is not None else None
+            kind, sends, recvs = scatter(plan, self.world, pg)
+            if kind == "none":
+                break
+            if kind == "commit":
+                out = []
+                if sends and m is not None:
+                    commit = [(n, d / n) for n in self.commit_files(d, m)]
+                    out = [(r, commit) for r in sends]
+                got += exchange(out, recvs, pg, d)
+                barrier(self.world, pg)
+                continue
+            out = [
+                (r, [(n, _paths.member(d, n, source=str(d / MANIFEST), field="files")) for n in ns]) for r, ns in sends
+            ]
+            got += exchange(out, recvs, pg, d)
+            barrier(self.world, pg)
+            break
         return got
+
+    def _fetch_plan(self, told: list[Any]) -> list[Any]:
+        """Rank 0's side of :meth:`fetch`: per rank ``(kind, sends, recvs)``.
+        ``kind`` is ``"commit"`` when a node without a copy of the agreed
+        save (and no farther copy in sight) gets the commit first (``sends``:
+        the ranks to send it to), ``"files"`` for the missing files
+        (``sends``: ``[(rank, [names])]``), ``"none"`` when nothing moves."""
+        world = self.world
+        counts: dict[str, int] = {}
+        for _ni, _lead, sid, _o, _w, _h in told:
+            if sid:
+                counts[sid] = counts.get(sid, 0) + 1
+        if not counts:
+            return [("none", [], [])] * world
+        agreed = max(counts, key=lambda k: counts[k])
+        seen = {ni for ni, _lead, _sid, other, _w, _h in told if other}
+        holder = next(r for r, x in enumerate(told) if x[2] == agreed)  # any rank whose node's copy is the agreed save
+        needy = [r for r, (ni, lead, sid, _o, _w, _h) in enumerate(told) if lead and sid != agreed and ni not in seen]
+        if needy:
+            return [("commit", needy if r == holder else [], [holder] if r in needy else []) for r in range(world)]
+        held: dict[str, list[int]] = {}  # file -> nodes whose copy (of the agreed save) holds it
+        for ni, _lead, sid, _o, _w, hv in told:
+            if sid == agreed:
+                for n in hv:
+                    held.setdefault(n, []).append(ni)
+        node_ranks = [[r for a, b in runs for r in range(a, b + 1)] for _name, runs in self.node.ranks]
+        asked: set[tuple[int, str]] = set()
+        sends: dict[int, dict[int, list[str]]] = {}
+        recvs: list[set[int]] = [set() for _ in range(world)]
+        turn = 0
+        for r, (ni, _lead, sid, _o, wants, _hv) in enumerate(told):
+            if sid != agreed:
+                continue
+            for n in wants:
+                if (ni, n) in asked or not held.get(n):
+                    continue  # another rank of the node asked for it, or no node holds it
+                asked.add((ni, n))
+                hn = held[n][turn % len(held[n])]
+                hr = node_ranks[hn][turn % len(node_ranks[hn])]  # the reads spread over the holder's ranks
+                turn += 1
+                sends.setdefault(hr, {}).setdefault(r, []).append(n)
+                recvs[r].add(hr)
+        if not sends:
+            return [("none", [], [])] * world
+        return [("files", sorted(sends.get(r, {}).items()), sorted(recvs[r])) for r in range(world)]
 
     def copy_dir(self, src: Path, dst: Path, t: DiskTier | None = None) -> None:
         """Copies this rank's files of the committed checkpoint ``src`` to

@@ -178,9 +178,27 @@ def info(path: str | os.PathLike[str] = ".") -> dict[str, Any]:
     return d
 
 
-def host_buffer(nbytes: int) -> torch.Tensor:
+def _huge_choice() -> bool:
+    """Whether the process's engine uses transparent huge pages."""
+    e = get_engine()
+    got = _HUGE_CHOICE.get(id(e))
+    if got is None:
+        got = _HUGE_CHOICE[id(e)] = bool(e.info().get("huge_pages"))
+    return got
+
+
+_HUGE_CHOICE: dict[int, bool] = {}
+
+
+def host_buffer(nbytes: int, huge: bool | None = None) -> torch.Tensor:
     """``nbytes`` of host memory for O_DIRECT transfers: a uint8 tensor on
-    anonymous memory, aligned to 2 MiB and advised for transparent huge pages.
+    anonymous memory, aligned to 2 MiB and, with ``huge`` (default: the
+    engine's choice, ``TIERSTORE_HUGE_PAGES``), advised for transparent huge
+    pages. A caller that allocates once, before the work that uses it (the
+    offload wrapper), may ask for them whatever the engine chose; buffers
+    first touched while training runs (a Checkpointer's capture slabs)
+    follow the engine, since on a VM with free page reporting a fresh huge
+    page may stall on compaction for hundreds of milliseconds.
 
     Direct I/O from physically contiguous memory is not split at the block
     layer's segment limit (a virtio disk takes 254 segments of a page each, so
@@ -196,7 +214,9 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     if nbytes < 2 * _HUGE_PAGE:  # small: page-aligned, ordinary pages (a huge one would be mostly waste)
         return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
     m = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge is None:
+        huge = bool(_huge_choice())
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # THP off in this kernel: plain pages, still correct
             m.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(m, dtype=torch.uint8)  # keeps ``m`` alive

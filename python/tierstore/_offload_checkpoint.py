@@ -56,7 +56,7 @@ def take_subgroups(
                 os.link(sg.file, pin)
                 sg.pinned = True
             except OSError:  # no hard links here: take the bytes now
-                buf = host_buffer(sg.nbytes)
+                buf = host_buffer(sg.nbytes, huge=True)
                 store.read(sg, buf)
                 entry["tensor"] = f"{prefix}sg-{sg.index:06d}"
                 tensors[entry["tensor"]] = buf

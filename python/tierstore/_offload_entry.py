@@ -43,7 +43,7 @@ def subgroup_bytes(
         t = tensors.get(e["tensor"])
         if t is None or t.numel() * t.element_size() != n:
             raise TierstoreError(f"{d}: offloaded optimizer subgroup {e['index']}: tensor {e['tensor']!r} is missing")
-        buf = out if out is not None else host_buffer(n)
+        buf = out if out is not None else host_buffer(n, huge=True)
         buf.copy_(t.view(torch.uint8).reshape(-1))
         return buf
     f = _paths.member(d, e["file"], source=str(d), field=f"offloaded optimizer subgroup {e['index']}")
@@ -51,7 +51,7 @@ def subgroup_bytes(
         raise TierstoreError(f"{f}: file of offloaded optimizer subgroup {e['index']} is missing")
     if f.stat().st_size < n:
         raise TierstoreError(f"{f}: file of offloaded optimizer subgroup {e['index']} holds fewer than {n} bytes")
-    buf = out if out is not None else host_buffer(n)
+    buf = out if out is not None else host_buffer(n, huge=True)
     record = f"subgroup {e['index']}"
     try:
         # Verified by the engine as the chunks arrive (against the CRC-32 recorded at save).

@@ -81,7 +81,7 @@ class Placement:
         """A write and a read of a few MiB per path: the starting estimate
         (refined by every transfer after)."""
         n = 8 << 20
-        probe = host_buffer(n)
+        probe = host_buffer(n, huge=True)
         probe.fill_(7)
         for p in self.paths:
             f = p.dir / "probe.bin"

@@ -47,7 +47,7 @@ class HostMemory:
                 return free.pop()
             self.held += nbytes
             self.stats["alloc_bytes"] += nbytes
-        return host_buffer(nbytes)
+        return host_buffer(nbytes, huge=True)  # allocated once, reused: worth the first touch
 
     def release(self, buf: torch.Tensor | None) -> None:
         """Returns a buffer for reuse, or to the system while more than the budget is held."""
