@@ -143,3 +143,30 @@ def test_the_next_save_removes_the_old_index_and_inspect_prints_the_whole_manife
     m = json.loads(r.stdout)
     assert len(m["tensors"]) == N and m["tensors"]["layer00.w"]["rule"]["splits"] == [[0, 2, "even", 16]]
     assert m["groups"] and "index" in m
+
+
+def test_manifests_cached_reads_each_file_once_and_sees_a_replacement(tmp_path: pathlib.Path) -> None:
+    """Inside ``manifests_cached`` a manifest is parsed once per file
+    identity: the same file gives the same checked dict, a manifest replaced
+    (written under a new name and renamed, as every writer does) or changed
+    in place is read and checked anew."""
+    from tierstore._fs import write_atomic
+    from tierstore.errors import TierstoreError
+    from tierstore.shardmeta import MANIFEST, manifests_cached, read_manifest
+
+    d = tmp_path / "ck"
+    tierstore.save_sharded({"w": torch.arange(10.0)}, d)
+    data = (d / MANIFEST).read_bytes()
+    with manifests_cached():
+        a = read_manifest(d)
+        assert read_manifest(d) is a
+        write_atomic(d / MANIFEST, data)  # the same bytes, a new file
+        b = read_manifest(d)
+        assert b is not a and b == a
+        with open(d / MANIFEST, "r+b") as f:  # damaged in place: its size stays, its time moves
+            f.seek(len(data) // 2)
+            f.write(b"#")
+        st = os.stat(d / MANIFEST)
+        os.utime(d / MANIFEST, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+        with pytest.raises(TierstoreError):
+            read_manifest(d)

@@ -64,7 +64,7 @@ from tierstore.errors import InvalidArgumentError, TierstoreError, TornSnapshotE
 from tierstore.sharded import (
     PerRank,
 )
-from tierstore.shardmeta import Checkpoint
+from tierstore.shardmeta import Checkpoint, manifests_cached
 
 # The tiers live in tierstore.tiers; re-exported here, where users import them from.
 from tierstore.tiers import DiskTier, HostTier, RemoteTier, parse_size
@@ -494,6 +494,10 @@ class Checkpointer:
         raises ``TierstoreError`` (a failed copy may have written part of
         ``into``). :attr:`restored` tells which copy was used.
         """
+        with manifests_cached():  # each copy's manifest parsed once, however many times it is looked at
+            return self._load_latest(into, weights_only, per_rank_policy)
+
+    def _load_latest(self, into: Any, weights_only: bool, per_rank_policy: Any) -> Any:
         self.capturer.raise_errors()
         cands = self.checkpoints()
         mine = [c for c in cands if c["path"] is not None]

@@ -29,6 +29,7 @@ import itertools
 import json
 import math
 import os
+import stat
 import warnings
 import weakref
 import zlib
@@ -122,10 +123,53 @@ def write_manifest(d: Path, m: dict[str, Any], durable: bool = True) -> None:
     write_atomic(d / MANIFEST, _metadata.dumps(m), durable)
 
 
+_MANIFESTS: contextvars.ContextVar[dict[tuple[Any, ...], dict[str, Any]] | None] = contextvars.ContextVar(
+    "tierstore_manifests", default=None
+)
+
+
+@contextlib.contextmanager
+def manifests_cached() -> Iterator[None]:
+    """Inside, :func:`read_manifest` checks each manifest file once: a
+    restore that looks at a step's copies several times (candidates, peer
+    repair, what to fetch, the load) parses each one once. Keyed by the
+    file's identity (device, inode, size, modification time), so a manifest
+    replaced meanwhile (written under a new name and renamed) is read anew;
+    only regular files are kept. The dicts returned are shared: callers
+    inside must not change them."""
+    if _MANIFESTS.get() is not None:
+        yield
+        return
+    token = _MANIFESTS.set({})
+    try:
+        yield
+    finally:
+        _MANIFESTS.reset(token)
+
+
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The checked manifest of the sharded checkpoint at ``path``."""
     d = Path(path)
     mp = d / MANIFEST
+    cache = _MANIFESTS.get()
+    key: tuple[Any, ...] | None = None
+    if cache is not None:
+        try:
+            st = os.lstat(mp)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISREG(st.st_mode):
+            key = (os.path.abspath(mp), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            got = cache.get(key)
+            if got is not None:
+                return got
+    m = _read_manifest(d, mp)
+    if cache is not None and key is not None:
+        cache[key] = m
+    return m
+
+
+def _read_manifest(d: Path, mp: Path) -> dict[str, Any]:
     if not d.exists():
         raise NotFoundError(f"{d}: no such checkpoint directory", path=str(d))
     if not mp.exists() and not mp.is_symlink():
