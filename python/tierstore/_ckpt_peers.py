@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierstore import _paths
+from tierstore import _core, _paths
 from tierstore._dist import scatter
+from tierstore._engine import get_engine
 from tierstore._fs import fsync_dir, make_dir
 from tierstore._nodes import Node
 from tierstore.errors import TierstoreError
@@ -84,7 +85,9 @@ def exchange(sends: list[tuple[int, list[tuple[str, Path]]]], recvs: list[int], 
     confined to it; written through a temporary name, fsynced, renamed;
     ``manifest.json`` renamed last). Returns the bytes received.
 
-    Files move in pieces of at most :data:`PIECE` bytes, never whole: memory
+    Files are read by the engine in the background class (the Checkpointer's
+    ``rate_limit`` applies) and move in pieces of at most :data:`PIECE`
+    bytes, never whole: memory
     stays one piece per destination and per source whatever the files'
     sizes. Point to point, in rounds: round ``j`` posts every rank's ``j``-th
     piece to each destination and the receives of each source's ``j``-th
@@ -162,12 +165,12 @@ def exchange(sends: list[tuple[int, list[tuple[str, Path]]]], recvs: list[int], 
                     path, a, n = ps[j]
                     t = read.get((path, a))
                     if t is None:
-                        with open(path, "rb") as rf:
-                            rf.seek(a)
-                            data = bytearray(rf.read(n))
-                        if len(data) != n:
+                        # Read by the engine in the background class: the
+                        # Checkpointer's rate limit applies, foreground loads go first.
+                        t = read[(path, a)] = torch.empty(n, dtype=torch.uint8)
+                        got_n = _core.transfer_ranges(get_engine(), path, [a], [n], [t.data_ptr()], background=True)
+                        if got_n != n:
                             raise TierstoreError(f"{path}: shorter than its listing while sent as a replica")
-                        t = read[(path, a)] = torch.frombuffer(data, dtype=torch.uint8)
                     keep.append(t)
                     works.append(dist.isend(t, glob(dst), group=pg))
             got: list[tuple[int, int, torch.Tensor]] = []
