@@ -82,8 +82,9 @@ class StorageCollector:
         return self._keys.get(storage._cdata)
 
     def _register(self, storage: torch.UntypedStorage, dtype: torch.dtype, numel: int, location: str) -> str:
-        if str(storage.device) != "meta" and storage.data_ptr() != 0:
-            seen = self._dtypes.setdefault(storage.data_ptr(), dtype)
+        ptr = storage.data_ptr()
+        if ptr != 0 and storage.device.type != "meta":
+            seen = self._dtypes.setdefault(ptr, dtype)
             if seen != dtype:
                 raise UsageError("Cannot save multiple tensors or storages that view the same data as different types")
         key = self._keys.get(storage._cdata)
@@ -103,12 +104,12 @@ class StorageCollector:
                 continue
             if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
                 continue
-            _refuse_zerotensor(t)
             if type(t) is torch.Tensor and id(t) not in self._args:
-                args = self._tensor_args(t)
+                args = self._tensor_args(t)  # refuses a ZeroTensor
                 if args is not None:
                     self._args[id(t)] = (t, args)
                     continue
+            _refuse_zerotensor(t)
             storage = t.untyped_storage()
             if storage._cdata in self._keys:
                 continue
@@ -130,6 +131,7 @@ class StorageCollector:
         return self._tensor_args(t)
 
     def _tensor_args(self, t: torch.Tensor) -> tuple[Any, ...] | None:
+        _refuse_zerotensor(t)
         if (
             type(t) is not torch.Tensor
             or t.layout != torch.strided
@@ -141,7 +143,6 @@ class StorageCollector:
             or torch._utils.get_tensor_metadata(t)
         ):
             return None
-        _refuse_zerotensor(t)
         storage = t.untyped_storage()
         dev = storage.device
         location = "cpu" if dev.type == "cpu" else torch.serialization.location_tag(storage)
