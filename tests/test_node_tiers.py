@@ -578,3 +578,51 @@ def test_a_new_node_gets_the_commit_and_its_files_from_peers(tmp_path: Path) -> 
     d = tmp_path / "job" / "nvme-n2" / "step-000000000002"
     assert (d / "manifest.json").is_file() and len(list(d.glob("rank-00003.*"))) == 1
     assert not list(d.glob("rank-00002.*"))  # only what its rank needs
+
+
+# ----------------------------------------------------------------------------------------------
+# a stale or foreign copy of a step on one node
+
+
+def _train_other_job(rank: int, world: int, root: str) -> None:
+    """Another save of the same steps (other values), as a foreign job or an
+    earlier run from scratch would have left on a node's disk."""
+    _node_env(rank)
+    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers_r(root))
+    for step in range(3):
+        st = _state(rank, world, step)
+        st["w"] = attach(st["w"] + 0.5, layout_of_w(rank, world))
+        ck.save(step, st)
+        ck.wait_capture()
+    ck.wait()
+    ck.close()
+
+
+def layout_of_w(rank: int, world: int) -> Layout:
+    per = ROWS // world
+    return Layout.block("w", (ROWS, COLS), (rank * per, 0), (per, COLS))
+
+
+@pytest.mark.parametrize(("remote", "node"), [(True, 1), (False, 1), (False, 0)])
+def test_a_stale_copy_on_one_node_is_never_mixed_in(tmp_path: Path, remote: bool, node: int) -> None:
+    """One node's copy of step 2 is an earlier save's (same step, other
+    values: the node missed this run's save and kept an older run's): its
+    ranks must restore this job's bytes, from the remote tier where it is
+    there, else from the peer that keeps their replicas (the node gets the
+    agreed save's commit first); never the stale values. Two nodes disagree
+    two ranks to two: the newer save wins, whichever node rank 0 is on."""
+    other = tmp_path / "other"
+    other.mkdir()
+    run_world(4, _train_other_job, str(other))  # first: the older save
+    root = _job_r(tmp_path)
+    step2 = "step-000000000002"
+    shutil.rmtree(tmp_path / "job" / f"nvme-n{node}" / step2)
+    shutil.copytree(other / "job" / f"nvme-n{node}" / step2, tmp_path / "job" / f"nvme-n{node}" / step2)
+    if not remote:
+        shutil.rmtree(tmp_path / "remote")
+    got = run_world(4, _restore_r, root)  # asserts this job's values of step 2 on every rank
+    for rank, r in enumerate(got):
+        assert r["step"] == 2, (rank, r)
+        if rank // 2 == node:
+            assert (r["bytes_by_tier"].get("remote", 0) > 0) == remote, (rank, r)
+            assert (r["bytes_from_peers"] > 0) == (not remote), (rank, r)

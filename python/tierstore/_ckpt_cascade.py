@@ -17,16 +17,17 @@ import shutil
 import threading
 import time
 import warnings
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tierstore import _ckpt_codec, _core, _paths, _tier_codec
+from tierstore import _ckpt_codec, _core, _metadata, _paths, _tier_codec
 from tierstore._ckpt_peers import Ring, exchange, own_files
 from tierstore._ckpt_pool import HostPool
 from tierstore._ckpt_restore import META, STEP_DIR, step_dirs
 from tierstore._ckpt_snapshot import CheckpointHandle, Residency, Snapshot
-from tierstore._dist import all_true, barrier, gather, scatter
+from tierstore._dist import all_max, all_true, barrier, gather, scatter
 from tierstore._engine import get_engine
 from tierstore._fs import make_dir, write_atomic, write_json_atomic
 from tierstore._nodes import Node
@@ -53,6 +54,21 @@ def drop_offload_pins(snap: Snapshot) -> None:
         with contextlib.suppress(OSError):
             pin.unlink()
     snap.offload_pins = []
+
+
+def _created(d: Path) -> float:
+    """When the checkpoint in ``d`` was made, from its ``checkpoint.json``
+    (0 where that cannot be read: such a copy loses every tie)."""
+    try:
+        meta, _had = _metadata.loads(
+            _paths.read_regular(_paths.member(d, META, source=str(d), field=META), 1 << 30, META),
+            str(d / META),
+            required=False,
+        )
+        t = meta.get("created_unix", 0.0)
+        return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else 0.0
+    except (OSError, TierstoreError, ValueError):
+        return 0.0
 
 
 class Cascade:
@@ -401,7 +417,7 @@ class Cascade:
 
     def fetch(
         self, t: DiskTier, step: int, needed: Callable[[Path], set[str] | None], sees_other: bool, pg: Any
-    ) -> int:
+    ) -> tuple[int, bool]:
         """Before a restore of ``step`` from node-scoped tier ``t``: the files
         this node's ranks need (``needed(d)`` on the node's copy ``d``; None:
         all) and its copy lacks are copied from the nodes whose copies hold
@@ -410,12 +426,16 @@ class Cascade:
         node with no copy of the step (or another save's) whose ranks see no
         other copy of it (``sees_other``: a farther tier's) first gets the
         commit from a peer. Collective: every rank calls it for the same
-        steps; where no rank misses anything it costs one all-reduce of a
-        flag. Returns the bytes this rank received."""
+        steps; where no rank misses anything and every node's copy is the
+        same save it costs one small all-reduce. Returns the bytes this rank
+        received and whether this node's copy may be read (False: it holds
+        another save of the step, a stale or foreign copy, which the
+        restore must not mix with the others)."""
         if not (t.scope == "node" and self.world > 1 and self.node.count > 1):
-            return 0
+            return 0, True
         d = self.step_dir(t, step)
         got = 0
+        usable = True
         for _round in range(2):  # a second round only after a node got the commit
             try:
                 m: dict[str, Any] | None = read_manifest(d)
@@ -430,11 +450,18 @@ class Cascade:
                 if self.node.leader:
                     have = sorted(n for n in names if (d / n).is_file())
             sid = m["save_id"] if m is not None else None
-            if _round == 0 and all_true(not want and (m is not None or sees_other), self.world, pg):
-                break  # no rank misses a file it needs, and every node has a copy or sees one: nothing moves
-            told = gather((self.node.index, self.node.leader, sid, sees_other, want, have), self.world, pg)
+            if _round == 0:
+                h = zlib.crc32(str(sid).encode()) if sid is not None else None
+                lo, hi = -(1 << 62), 1 << 62
+                short = int(bool(want) or (m is None and not sees_other))
+                n, top, neg_bottom = all_max([short, h if h is not None else lo, -(h if h is not None else hi)],
+                                             self.world, pg)  # fmt: skip
+                if n == 0 and (top == -neg_bottom or top == lo):
+                    break  # nothing missing anywhere, every copy the same save: nothing moves
+            told = gather((self.node.index, self.node.leader, sid, sees_other, want, have, _created(d)), self.world, pg)
             plan = self._fetch_plan(told) if told is not None else None
-            kind, sends, recvs = scatter(plan, self.world, pg)
+            kind, sends, recvs, agreed = scatter(plan, self.world, pg)
+            usable = sid is None or sid == agreed
             if kind == "none":
                 break
             if kind == "commit":
@@ -451,7 +478,7 @@ class Cascade:
             got += exchange(out, recvs, pg, d)
             barrier(self.world, pg)
             break
-        return got
+        return got, usable
 
     def _fetch_plan(self, told: list[Any]) -> list[Any]:
         """Rank 0's side of :meth:`fetch`: per rank ``(kind, sends, recvs)``.
@@ -460,20 +487,27 @@ class Cascade:
         the ranks to send it to), ``"files"`` for the missing files
         (``sends``: ``[(rank, [names])]``), ``"none"`` when nothing moves."""
         world = self.world
-        counts: dict[str, int] = {}
-        for _ni, _lead, sid, _o, _w, _h in told:
+        counts: dict[str, tuple[int, float]] = {}
+        for _ni, _lead, sid, _o, _w, _h, created in told:
             if sid:
-                counts[sid] = counts.get(sid, 0) + 1
+                n, t = counts.get(sid, (0, created))
+                counts[sid] = (n + 1, max(t, created))
         if not counts:
-            return [("none", [], [])] * world
+            return [("none", [], [], None)] * world
+        # The save most ranks' node copies hold; between as many, the newest
+        # (a node that missed a save keeps an older one of the same step).
         agreed = max(counts, key=lambda k: counts[k])
-        seen = {ni for ni, _lead, _sid, other, _w, _h in told if other}
+        seen = {ni for ni, _lead, _sid, other, _w, _h, _c in told if other}
         holder = next(r for r, x in enumerate(told) if x[2] == agreed)  # any rank whose node's copy is the agreed save
-        needy = [r for r, (ni, lead, sid, _o, _w, _h) in enumerate(told) if lead and sid != agreed and ni not in seen]
+        needy = [
+            r for r, (ni, lead, sid, _o, _w, _h, _c) in enumerate(told) if lead and sid != agreed and ni not in seen
+        ]
         if needy:
-            return [("commit", needy if r == holder else [], [holder] if r in needy else []) for r in range(world)]
+            return [
+                ("commit", needy if r == holder else [], [holder] if r in needy else [], agreed) for r in range(world)
+            ]
         held: dict[str, list[int]] = {}  # file -> nodes whose copy (of the agreed save) holds it
-        for ni, _lead, sid, _o, _w, hv in told:
+        for ni, _lead, sid, _o, _w, hv, _c in told:
             if sid == agreed:
                 for n in hv:
                     held.setdefault(n, []).append(ni)
@@ -482,7 +516,7 @@ class Cascade:
         sends: dict[int, dict[int, list[str]]] = {}
         recvs: list[set[int]] = [set() for _ in range(world)]
         turn = 0
-        for r, (ni, _lead, sid, _o, wants, _hv) in enumerate(told):
+        for r, (ni, _lead, sid, _o, wants, _hv, _c) in enumerate(told):
             if sid != agreed:
                 continue
             for n in wants:
@@ -495,8 +529,8 @@ class Cascade:
                 sends.setdefault(hr, {}).setdefault(r, []).append(n)
                 recvs[r].add(hr)
         if not sends:
-            return [("none", [], [])] * world
-        return [("files", sorted(sends.get(r, {}).items()), sorted(recvs[r])) for r in range(world)]
+            return [("none", [], [], agreed)] * world
+        return [("files", sorted(sends.get(r, {}).items()), sorted(recvs[r]), agreed) for r in range(world)]
 
     def copy_dir(self, src: Path, dst: Path, t: DiskTier | None = None) -> None:
         """Copies this rank's files of the committed checkpoint ``src`` to

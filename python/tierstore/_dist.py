@@ -140,6 +140,21 @@ def all_true(flag: bool, world: int, pg: Any) -> bool:
     return bool(t.item())
 
 
+def all_max(values: list[int], world: int, pg: Any) -> list[int]:
+    """The element-wise maximum of ``values`` (int64s, the same length on
+    every rank) over the ranks: one small all-reduce."""
+    if world == 1:
+        return list(values)
+    import torch
+    import torch.distributed as dist
+
+    dev = "cuda" if dist.get_backend(pg) == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.int64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+    _count("all_max", 8 * len(values), 8 * len(values))
+    return [int(x) for x in t.tolist()]
+
+
 def barrier(world: int, pg: Any) -> None:
     if world > 1:
         import torch.distributed as dist

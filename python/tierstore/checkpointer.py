@@ -520,9 +520,12 @@ class Checkpointer:
                 got = self._repair(step, cands)
                 if got:
                     mine = [x for x in self.checkpoints() if x["path"] is not None]
-                repaired[step] = got + self._fetch(step, cands, into, mine)
+                fetched, stale = self._fetch(step, cands, into, mine)
+                repaired[step] = got + fetched
                 if repaired[step]:
                     mine = [x for x in self.checkpoints() if x["path"] is not None]
+                if stale is not None:  # this node's copy is another save of the step: not read
+                    mine = [x for x in mine if not (x["step"] == step and x["tier"] == stale)]
             return self._with_copies(c, mine)
 
         self.restored = None
@@ -575,17 +578,21 @@ class Checkpointer:
         got: list[dict[str, Any]] = broadcast(merged, self.world, self._pg_ctl)
         return got
 
-    def _fetch(self, step: int, cands: list[dict[str, Any]], into: Any, mine: list[dict[str, Any]]) -> int:
+    def _fetch(
+        self, step: int, cands: list[dict[str, Any]], into: Any, mine: list[dict[str, Any]]
+    ) -> tuple[int, str | None]:
         """The files of ``step`` this node's ranks need for ``into`` (all of
         them without ``into``) and its copy on the nearest node-scoped tier
         holding the step lacks, fetched from the nodes that hold them (a
-        collective). Returns the bytes this rank received."""
+        collective). Returns the bytes this rank received, and the tier's
+        name where this node's copy holds another save of the step (stale
+        or foreign: not to be read), else None."""
         if self.node.count < 2:
-            return 0
+            return 0, None
         held = {c["tier"] for c in cands if c["step"] == step}
         t = next((t for t in self.disks if t.scope == "node" and t.name in held), None)
         if t is None:
-            return 0
+            return 0, None
 
         def needed(d: Path) -> set[str] | None:
             if into is None:
@@ -596,7 +603,8 @@ class Checkpointer:
                 return None
 
         other = any(m["step"] == step and m["tier"] != t.name for m in mine)
-        return self.cascade.fetch(t, step, needed, other, self._pg_ctl)
+        got, usable = self.cascade.fetch(t, step, needed, other, self._pg_ctl)
+        return got, None if usable else t.name
 
     def _repair(self, step: int, cands: list[dict[str, Any]]) -> int:
         """Peer repair of ``step`` on the nearest node-scoped tier with
