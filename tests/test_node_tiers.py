@@ -626,3 +626,27 @@ def test_a_stale_copy_on_one_node_is_never_mixed_in(tmp_path: Path, remote: bool
         if rank // 2 == node:
             assert (r["bytes_by_tier"].get("remote", 0) > 0) == remote, (rank, r)
             assert (r["bytes_from_peers"] > 0) == (not remote), (rank, r)
+
+
+def _train_keep1(rank: int, world: int, root: str, steps: tuple[int, ...]) -> None:
+    _node_env(rank)
+    tiers = [HostTier("64MiB"), DiskTier("nvme-{node}", scope="node", keep_last=1), RemoteTier(os.path.join(root, "r"))]
+    ck = Checkpointer(os.path.join(root, "job"), tiers=tiers)
+    for step in steps:
+        ck.save(step, _state(rank, world, step))
+        ck.wait_capture()
+    ck.wait()
+    ck.close()
+
+
+def test_retention_keeps_the_step_just_written_over_newer_stale_ones(tmp_path: Path) -> None:
+    """A node's copy holds step 9 of an earlier run; this run writes step 3
+    with keep_last=1: retention must keep step 3 (the job's newest), not
+    only the stale step 9."""
+    root = str(tmp_path)
+    run_world(4, _train_keep1, root, (9,))
+    shutil.rmtree(tmp_path / "job" / "nvme-n0" / "step-000000000009")  # n0 took part in the new run only...
+    shutil.rmtree(tmp_path / "r")
+    run_world(4, _train_keep1, root, (3,))  # ...while n1 still holds the old run's step 9
+    for node in ("n0", "n1"):
+        assert (tmp_path / "job" / f"nvme-{node}" / "step-000000000003" / "manifest.json").is_file(), node

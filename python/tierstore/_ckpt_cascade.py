@@ -224,7 +224,7 @@ class Cascade:
             snap.local_dir = written
             snap.release_host(Residency.EVICTABLE)  # durable: the host copy may be dropped when room is needed
             self.trim_host()
-            self.gc(local)
+            self.gc(local, written)
         self._promote_q.put(snap)
 
     def trim_host(self) -> None:
@@ -274,7 +274,7 @@ class Cascade:
                     if t is self.disks[-1]:
                         drop_offload_pins(snap)  # before wait() can return
                     h._set(t.name, "durable")
-                    self.gc(t)
+                    self.gc(t, d)
                 except (OSError, TierstoreError) as e:
                     h._set(t.name, "failed")
                     h.error = e
@@ -293,7 +293,7 @@ class Cascade:
                 # Retention on the first tier again: a step promoted while the
                 # next one was flushed was in use when that flush's retention ran.
                 with contextlib.suppress(OSError):
-                    self.gc(self.disks[0])
+                    self.gc(self.disks[0], snap.local_dir)
             snap.captured.wait()  # the capture no longer writes into the buffers
             snap.release_host(Residency.EVICTABLE)
             if h.state in ("failed", "skipped", "captured"):
@@ -613,11 +613,14 @@ class Cascade:
         elif t.reference != "keyframe":
             cache.keep(dst.name, src, also=refs[0].name if t.reference == "best" else None)
 
-    def gc(self, t: DiskTier) -> None:
+    def gc(self, t: DiskTier, just: Path | None = None) -> None:
         """Retention on tier ``t`` (rank 0 only): keeps the newest ``keep_last``
         complete checkpoints, multiples of ``keep_every`` and anything in use;
         removes older incomplete directories left by crashes. A node-scoped
-        tier's retention runs on each node's leader, over its node's copy."""
+        tier's retention runs on each node's leader, over its node's copy.
+        ``just``: the step directory just committed there, kept whatever
+        else the tier holds (a node's copy may hold newer steps of an
+        earlier run, which must not push this job's newest out)."""
         if not (self.node.leader if t.scope == "node" else self.rank == 0):
             return
         complete: list[tuple[int, Path]] = []
@@ -633,6 +636,8 @@ class Cascade:
         newest = complete[0][0]
         keep = {d for _s, d in complete[: t.keep_last]} if t.keep_last is not None else {d for _s, d in complete}
         keep.add(complete[0][1])
+        if just is not None:
+            keep.add(just)
         if t.keep_every:
             keep |= {d for s, d in complete if s % t.keep_every == 0}
         if t.codec_spec is not None:
