@@ -391,7 +391,10 @@ class Cascade:
         if not (t.scope == "node" and t.replicas and self.ring is not None and self.world > 1):
             return 0
         d = self.step_dir(t, step)
-        flags = gather(self._holds_own(d), self.world, pg)
+        mine = self._holds_own(d)
+        if all_true(mine, self.world, pg):
+            return 0  # every node holds its ranks' files: one all-reduce, nothing moves
+        flags = gather(mine, self.world, pg)
         plan: list[Any] | None = None
         if flags is not None:
             missing = {r for r, ok in enumerate(flags) if not ok}

@@ -564,8 +564,14 @@ class Checkpointer:
     def _agreed_candidates(self, mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The candidates every rank tries, in the same order: each (step,
         tier) that some rank sees complete, newest first, nearest tier first
-        (one gather of the small lists to rank 0, one broadcast)."""
-        seen = gather([(c["step"], c["tier"], c["path"]) for c in mine], self.world, self._pg_ctl)
+        (rank 0's list broadcast; where some rank sees a copy rank 0 does
+        not, one gather of the small lists to rank 0 and a broadcast)."""
+        own = [(c["step"], c["tier"], c["path"]) for c in mine]
+        zeros: list[tuple[int, str, str]] = broadcast(own if self.rank == 0 else None, self.world, self._pg_ctl)
+        known = {(s, t) for s, t, _p in zeros}
+        if all_true(all((s, t) in known for s, t, _p in own), self.world, self._pg_ctl):
+            return [{"step": s, "tier": t, "path": p} for s, t, p in zeros]
+        seen = gather(own, self.world, self._pg_ctl)
         merged: list[dict[str, Any]] | None = None
         if seen is not None:
             order = {name: i for i, name in enumerate(self.tier_names)}
