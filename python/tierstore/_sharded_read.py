@@ -386,7 +386,8 @@ def needed_files(ck: Checkpoint, state_dict: Any, rank: int, world: int) -> set[
     same = int(m["world_size"]) == world
     for holders in m["per_rank_objects"].values():
         names |= {str(f) for r, f in holders.items() if not same or int(r) == rank}
-    return names
+    # Only names the manifest lists as its files (checked names, confined to the checkpoint).
+    return names & ({f["name"] for f in m["files"]} | {o["name"] for o in m.get("object_files", ())})
 
 
 def read_plan(ck: Checkpoint, plan: dict[int, FileBlocks], verify: str | bool) -> tuple[int, int, int]:

@@ -2468,6 +2468,29 @@ def case_sharded(ctx: Ctx) -> None:
                 return tierstore.load_sharded(str(d), tgt, verify=verify, per_rank_policy=pol)
 
             ctx.op(f"load_{which}_{verify}", run, ctx.same_check(exp, ordered=False))
+    # What a Checkpointer's restore asks before it fetches files from peers:
+    # the files a load of the target plans to read, from the metadata alone.
+    # It may say "all" (None) or raise a TierstoreError; any name it gives
+    # must be one the manifest lists (peers read exactly those files).
+    tgt_n, _exp_n = other()
+
+    def needed() -> Any:
+        from tierstore._sharded_read import needed_files
+        from tierstore.shardmeta import Checkpoint
+
+        return needed_files(Checkpoint(d), tgt_n, 0, 1)
+
+    def needed_check(value: Any, _w: list[Any]) -> tuple[str, str]:
+        if value is None:
+            return EQUAL, ""
+        from tierstore.shardmeta import read_manifest
+
+        m = read_manifest(d)
+        listed = {f["name"] for f in m["files"]} | {o["name"] for o in m.get("object_files", ())}
+        bad = [n for n in value if not isinstance(n, str) or "/" in n or n in ("", ".", "..") or n not in listed]
+        return (EQUAL, "") if isinstance(value, set) and not bad else (SILENT, f"needed_files named {bad[:3]}")
+
+    ctx.op("needed_files", needed, needed_check)
     want = dict(sh.globals)
     want.update(sh.objects)
     ctx.op(
