@@ -53,15 +53,17 @@ def _node_env(rank: int) -> None:
     os.environ["TIERSTORE_NODE"] = f"n{rank // 2}"  # ranks 0, 1 on node n0; 2, 3 on n1
 
 
-def _train(rank: int, world: int, root: str) -> list[str]:
+def _train(rank: int, world: int, root: str, tiers: Any = _tiers, clean: bool = True) -> list[str]:
+    """Steps 0-2 saved and waited for; ``clean=False`` closes without
+    waiting, as if the processes died once the checkpoints were durable."""
     _node_env(rank)
-    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers(root))
+    ck = Checkpointer(os.path.join(root, "job"), tiers=tiers(root))
     hs = []
     for step in range(3):
         hs.append(ck.save(step, _state(rank, world, step)))
         ck.wait_capture()
     ck.wait()
-    ck.close()
+    ck.close(wait=clean)
     return [h.state for h in hs]
 
 
@@ -157,11 +159,11 @@ def test_a_node_that_lost_a_step_makes_every_rank_take_an_older_one(tmp_path: Pa
     assert all(r["step"] == 1 for r in got)
 
 
-def _restore_step1(rank: int, world: int, root: str) -> dict[str, Any]:
+def _restore_step1(rank: int, world: int, root: str, tiers: Any = _tiers) -> dict[str, Any]:
     import warnings
 
     _node_env(rank)
-    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers(root))
+    ck = Checkpointer(os.path.join(root, "job"), tiers=tiers(root))
     into = _target(rank, world)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -191,15 +193,7 @@ def _tiers_r(root: str) -> list[Any]:
 
 
 def _train_r(rank: int, world: int, root: str) -> list[str]:
-    _node_env(rank)
-    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers_r(root))
-    hs = []
-    for step in range(3):
-        hs.append(ck.save(step, _state(rank, world, step)))
-        ck.wait_capture()
-    ck.wait()
-    ck.close()
-    return [h.state for h in hs]
+    return _train(rank, world, root, _tiers_r)
 
 
 def _restore_r(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -329,19 +323,7 @@ def test_an_older_step_is_repaired_when_the_newest_cannot_be_used(tmp_path: Path
 
 
 def _restore_step1_r(rank: int, world: int, root: str) -> dict[str, Any]:
-    import warnings
-
-    _node_env(rank)
-    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers_r(root))
-    into = _target(rank, world)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ck.load_latest(into=into)
-    per = ROWS // world
-    assert torch.equal(into["w"], _full(1)[rank * per : (rank + 1) * per]), rank
-    got = dict(ck.restored or {})
-    ck.close()
-    return got
+    return _restore_step1(rank, world, root, _tiers_r)
 
 
 def _tiers_far(root: str) -> list[Any]:
@@ -354,15 +336,7 @@ def _tiers_far(root: str) -> list[Any]:
 
 
 def _train_far(rank: int, world: int, root: str) -> list[str]:
-    _node_env(rank)
-    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers_far(root))
-    hs = []
-    for step in range(3):
-        hs.append(ck.save(step, _state(rank, world, step)))
-        ck.wait_capture()
-    ck.wait()
-    ck.close()
-    return [h.state for h in hs]
+    return _train(rank, world, root, _tiers_far)
 
 
 def _restore_far(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -443,15 +417,7 @@ def _tiers_shm(root: str) -> list[Any]:
 
 
 def _train_shm(rank: int, world: int, root: str, clean: bool = False) -> list[str]:
-    _node_env(rank)
-    ck = Checkpointer(os.path.join(root, "job"), tiers=_tiers_shm(root))
-    hs = []
-    for step in range(3):
-        hs.append(ck.save(step, _state(rank, world, step)))
-        ck.wait_capture()
-    ck.wait()
-    ck.close(wait=clean)  # not clean: as if the processes died once the checkpoints were durable
-    return [h.state for h in hs]
+    return _train(rank, world, root, _tiers_shm, clean)  # not clean: the processes die, the copies stay
 
 
 def _restore_shm(rank: int, world: int, root: str) -> dict[str, Any]:
