@@ -361,6 +361,52 @@ def test_convert_plain_gives_a_file_torch_loads(tmp_path: Path) -> None:
     _same(tierstore.load(tmp_path / "p.pt"), b)
 
 
+def _embedding_adam(steps: int, rows: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """AdamW state of an embedding before and after ``steps`` steps in which
+    only ``rows`` of its 2,000 rows see a gradient: the other rows' moments
+    only decay, by beta1**steps and beta2**steps."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(2000, 64)
+    opt = torch.optim.AdamW(emb.parameters(), lr=1e-3)
+
+    def run(k: int, high: int) -> None:
+        for _ in range(k):
+            emb(torch.randint(0, high, (256,))).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    def state() -> dict[str, torch.Tensor]:
+        s = opt.state_dict()["state"][0]
+        return {"w": emb.weight.detach().clone(), "m1": s["exp_avg"].clone(), "m2": s["exp_avg_sq"].clone()}
+
+    run(5, 2000)
+    a = state()
+    run(steps, rows)
+    return a, state()
+
+
+def test_decaying_optimizer_state_is_predicted_with_its_scale(tmp_path: Path) -> None:
+    a, b = _embedding_adam(10, 40)
+    tierstore.save(a, tmp_path / "a.pt")
+    tierstore.save(b, tmp_path / "d.pt", codec=tierstore.Delta(base=tmp_path / "a.pt"))
+    tierstore.save(b, tmp_path / "i.pt", codec=tierstore.Delta(base=tmp_path / "a.pt", transform="isub"))
+    _same(tierstore.load(tmp_path / "d.pt"), b)
+    _same(tierstore.load(tmp_path / "i.pt"), b)
+    m = _manifest(tmp_path / "d.pt")
+    transforms = [r["transform"] for r in m["records"] if r.get("codec") == codec.CODEC]
+    assert transforms.count("scaled") >= 2, transforms  # both moments
+    sized = {n: os.path.getsize(tmp_path / n) for n in ("d.pt", "i.pt")}
+    assert sized["d.pt"] < 0.8 * sized["i.pt"], sized
+    # Asked for where there is nothing to scale: plain isub, still exact.
+    tierstore.save(b, tmp_path / "s.pt", codec=tierstore.Delta(base=tmp_path / "a.pt", transform="scaled"))
+    _same(tierstore.load(tmp_path / "s.pt"), b)
+    r = subprocess.run(
+        [sys.executable, "-m", "tierstore", "inspect", str(tmp_path / "d.pt")], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    assert "scaled" in r.stdout
+
+
 def test_inspect_shows_codec_transform_reference_and_ratio(tmp_path: Path) -> None:
     a, b = _training_like()
     tierstore.save(a, tmp_path / "a.pt")

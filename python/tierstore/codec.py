@@ -51,7 +51,7 @@ MIN_BYTES = 64 << 10
 PICKLE_NAME = ".tierstore/data.pkl"
 #: Longest chain of references a load follows (a cycle is damage).
 MAX_CHAIN = 64
-_TRANSFORMS = (None, "none", "isub", "xor")
+_TRANSFORMS = (None, "none", "isub", "xor", "scaled")
 #: What a tier's deltas are encoded against (:class:`Delta`'s ``reference``).
 REFERENCES = ("keyframe", "parent", "best")
 
@@ -65,8 +65,11 @@ class Delta:
     the candidate against which a sample of it (up to 1 MiB from its middle)
     encodes smallest, ties to the first listed; each record names its own. ``keyframe_every``:
     for tiers that keep a series of checkpoints, how often one is a keyframe
-    (encoded on its own). ``transform``: ``"isub"``, ``"xor"`` or ``"none"``;
-    None chooses per storage by trial on a sample. ``level``: zstd level.
+    (encoded on its own). ``transform``: ``"isub"``, ``"xor"``, ``"none"``
+    or ``"scaled"`` (``isub`` against the reference times a scale, for
+    float32 state that decays by a common factor between checkpoints, such
+    as Adam's moments of rows that saw no gradient; ``isub`` where no common
+    factor is found); None chooses per storage by trial on a sample. ``level``: zstd level.
     ``keep_bits``: lossy, opt-in per tensor class: ``{"exp_avg_sq": 10}``
     rounds the mantissa of every float tensor whose path has that key to 10
     bits (``"*"``: every float tensor), a relative error of at most
@@ -100,7 +103,9 @@ class Delta:
             )
         _check_level(self.level)
         if self.transform not in _TRANSFORMS:
-            raise InvalidArgumentError(f"transform must be one of isub, xor, none or None, got {self.transform!r}")
+            raise InvalidArgumentError(
+                f"transform must be one of isub, xor, none, scaled or None, got {self.transform!r}"
+            )
 
 
 @dataclass(frozen=True)

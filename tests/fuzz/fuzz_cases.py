@@ -1402,8 +1402,16 @@ def case_single(ctx: Ctx) -> None:
         obj["huge"] = torch.randn(ctx.rng.randint(17_000, 80_000), generator=g)
         obj["frozen"] = torch.zeros(ctx.rng.randint(17_000, 40_000))
         if ctx.rng.random() < 0.5 or force_base:
+            # A moment that mostly decays by one factor (Adam's, of rows
+            # without a gradient): its record is coded with the `scaled`
+            # transform, whose scale in the stream's header the mutators hit.
+            moment = torch.rand(ctx.rng.randint(17_000, 40_000), generator=g) + 0.1
+            decayed = moment * 0.348678
+            mask = torch.rand(moment.shape, generator=g) < 0.25
+            obj["moment"] = torch.where(mask, torch.rand(moment.shape, generator=g), decayed)
             base = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in obj.items()}
             base["huge"] = base["huge"] + 1e-3 * torch.randn(base["huge"].shape, generator=g)
+            base["moment"] = moment
             # Half of the bases are coded too: the delta then decodes chunk
             # by chunk down the chain (base damage met inside that pass).
             tierstore.save(base, path.parent / "base.pt", codec="zstd" if ctx.rng.random() < 0.5 else None)

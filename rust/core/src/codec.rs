@@ -11,19 +11,26 @@
 //! - `dup`: byte for byte an earlier chunk of this record (no payload);
 //! - `coded`: optionally predicted from the reference chunk (`isub`: the
 //!   integer difference of the elements' bit patterns, zigzag-encoded;
-//!   `xor`: their exclusive or), split into byte planes (byte *k* of every
+//!   `xor`: their exclusive or; `scaled`, for 4-byte elements: `isub`
+//!   against the reference's element times a scale, for state that decays
+//!   by a common factor between checkpoints, as Adam's moments of rows that
+//!   saw no gradient do), split into byte planes (byte *k* of every
 //!   element together: the exponent bytes of floats compress, the low
 //!   mantissa bytes mostly do not), each plane zstd-coded or stored as it is
 //!   where coding does not gain 2%;
 //! - `raw`: the bytes as they are, where coding does not pay.
 //!
 //! Every chunk carries the xxh3-64 of its decoded bytes, checked on decode.
-//! The transform is chosen per record by trial on a sample of its chunks.
+//! The transform is chosen per record by trial on a sample of its chunks;
+//! the scale of `scaled` is the most common ratio of element to reference
+//! element in the sample, where one ratio is common enough to be worth a
+//! trial.
 //!
 //! ```text
 //! header (32 bytes): "TSZ1", version u16 = 1, width u8, transform u8,
 //!                    chunk size u32, chunk count u32, decoded length u64,
-//!                    flags u32 (bit 0: predicted from a reference), 0 u32
+//!                    flags u32 (bit 0: predicted from a reference),
+//!                    scale u32 (`scaled`: the scale's binary32 bits, else 0)
 //! directory: one 32-byte entry per chunk:
 //!                    kind u8, plane mask u8, 0 u16, arg u32 (dup: chunk),
 //!                    payload offset u64, payload length u64, xxh3 u64
@@ -39,7 +46,7 @@ use std::sync::Mutex;
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::planes;
+use crate::planes::{self, Pred, Scale};
 
 pub const MAGIC: &[u8; 4] = b"TSZ1";
 pub const VERSION: u16 = 1;
@@ -93,6 +100,10 @@ pub enum Transform {
     None = 0,
     Isub = 1,
     Xor = 2,
+    /// `isub` against the reference times a scale (4-byte elements; the
+    /// scale is in the header). Asked of the encoder, it means: estimate a
+    /// scale, and use `isub` where none is found.
+    Scaled = 3,
 }
 
 impl Transform {
@@ -101,6 +112,7 @@ impl Transform {
             Transform::None => "none",
             Transform::Isub => "isub",
             Transform::Xor => "xor",
+            Transform::Scaled => "scaled",
         }
     }
 
@@ -109,6 +121,7 @@ impl Transform {
             "none" => Some(Transform::None),
             "isub" => Some(Transform::Isub),
             "xor" => Some(Transform::Xor),
+            "scaled" => Some(Transform::Scaled),
             _ => None,
         }
     }
@@ -118,6 +131,7 @@ impl Transform {
             0 => Some(Transform::None),
             1 => Some(Transform::Isub),
             2 => Some(Transform::Xor),
+            3 => Some(Transform::Scaled),
             _ => None,
         }
     }
@@ -200,6 +214,29 @@ pub struct Header {
     pub count: usize,
     pub decoded_len: u64,
     pub predicted: bool,
+    /// `scaled`: the scale's binary32 bits (checked: a positive normal
+    /// number); else 0.
+    pub scale: u32,
+}
+
+impl Header {
+    /// How chunks that are predicted from their reference are predicted.
+    fn pred(&self) -> Pred {
+        if !self.predicted {
+            return Pred::None;
+        }
+        pred_of(self.transform, self.scale)
+    }
+}
+
+/// The predictor of `transform` (`scale`: binary32 bits, for `scaled`).
+fn pred_of(transform: Transform, scale: u32) -> Pred {
+    match transform {
+        Transform::None => Pred::None,
+        Transform::Isub => Pred::Isub,
+        Transform::Xor => Pred::Xor,
+        Transform::Scaled => Scale::from_bits(scale).map_or(Pred::Isub, Pred::Scaled),
+    }
 }
 
 struct Entry {
@@ -261,11 +298,16 @@ pub fn encode_parts(
     let count = data.len().div_ceil(chunk);
     let u32_count =
         u32::try_from(count).map_err(|_| CodecError::Invalid("too many chunks".into()))?;
-    let transform = match (reference, opts.transform) {
-        (None, _) => Transform::None,
-        (Some(_), Some(t)) => t,
+    let (transform, scale) = match (reference, opts.transform) {
+        (None, _) => (Transform::None, 0),
+        (Some(r), Some(Transform::Scaled)) => match estimate_scale(data, r, width, chunk) {
+            Some(sc) => (Transform::Scaled, sc.bits()),
+            None => (Transform::Isub, 0),
+        },
+        (Some(_), Some(t)) => (t, 0),
         (Some(r), None) => choose_transform(data, r, width, chunk, opts.level),
     };
+    let pred = pred_of(transform, scale);
     let span = |i: usize| (i * chunk, ((i + 1) * chunk).min(data.len()));
     // Hashes first (in parallel): duplicates are found in chunk order.
     let hashes = parallel_map(count, opts.threads, |i| {
@@ -286,7 +328,7 @@ pub fn encode_parts(
                 hashes[i],
                 dup_of[i],
                 width,
-                transform,
+                pred,
                 sc,
             )
         },
@@ -302,7 +344,7 @@ pub fn encode_parts(
     out.extend_from_slice(&(data.len() as u64).to_le_bytes());
     let predicted = reference.is_some() && transform != Transform::None;
     out.extend_from_slice(&u32::from(predicted).to_le_bytes());
-    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&scale.to_le_bytes());
     let mut at = 0u64;
     for (ent, p) in &parts {
         match ent.kind {
@@ -355,7 +397,7 @@ fn encode_chunk(
     hash: u64,
     dup_of: Option<u32>,
     width: usize,
-    transform: Transform,
+    pred: Pred,
     sc: &mut Scratch,
 ) -> (Entry, Vec<u8>) {
     let mut ent = Entry {
@@ -380,11 +422,7 @@ fn encode_chunk(
         return (ent, Vec::new());
     }
     sized(&mut sc.planes, d.len());
-    let t = if rchunk.is_some() {
-        transform
-    } else {
-        Transform::None
-    };
+    let t = if rchunk.is_some() { pred } else { Pred::None };
     planes::predict_split(d, rchunk, width, t, &mut sc.planes);
     match code_planes(width, sc) {
         Some((mask, payload)) if payload.len() < d.len() => {
@@ -440,6 +478,19 @@ pub fn header(enc: &[u8]) -> Result<Header> {
     if flags & !1 != 0 {
         return Err(CodecError::Malformed(format!("unknown flags {flags:#x}")));
     }
+    let scale = u32::from_le_bytes(enc[28..32].try_into().expect("4 bytes"));
+    if transform == Transform::Scaled {
+        if width != 4 || Scale::from_bits(scale).is_none() {
+            return Err(CodecError::Malformed(format!(
+                "transform scaled needs 4-byte elements and a positive normal scale (width {width}, scale bits {scale:#010x})"
+            )));
+        }
+    } else if scale != 0 {
+        return Err(CodecError::Malformed(format!(
+            "a scale ({scale:#010x}) with transform {}",
+            transform.name()
+        )));
+    }
     Ok(Header {
         width,
         transform,
@@ -447,6 +498,7 @@ pub fn header(enc: &[u8]) -> Result<Header> {
         count,
         decoded_len,
         predicted: flags & 1 != 0,
+        scale,
     })
 }
 
@@ -552,11 +604,7 @@ impl Levels<'_> {
             let from = (e.offset - self.bases[k]) as usize;
             let p = &self.payloads[k][from..from + e.len as usize];
             let h = &self.heads[k];
-            let transform = if h.predicted {
-                h.transform
-            } else {
-                Transform::None
-            };
+            let pred = h.pred();
             let (below, here) = scratch.split_at_mut(k + 1);
             let rchunk = if k < depth {
                 Some(&here[0][..en - s])
@@ -575,7 +623,7 @@ impl Levels<'_> {
                 rchunk,
                 out,
                 h.width,
-                transform,
+                pred,
                 planes,
                 dctx.as_deref_mut(),
             )
@@ -893,11 +941,7 @@ pub fn decode_span(
     let first_err: Mutex<Option<(usize, CodecError)>> = Mutex::new(None);
     let base = SendPtr(out.as_mut_ptr());
     let width = h.width;
-    let transform = if h.predicted {
-        h.transform
-    } else {
-        Transform::None
-    };
+    let pred = h.pred();
     let next = AtomicUsize::new(sp.first);
     let n = sp.last - sp.first;
     let nthreads = threads.clamp(1, n.max(1));
@@ -928,7 +972,7 @@ pub fn decode_span(
                         reference.map(|r| &r[s..en]),
                         dst,
                         width,
-                        transform,
+                        pred,
                         &mut planes,
                         dctx.as_mut(),
                     )
@@ -1079,7 +1123,7 @@ fn decode_chunk(
     rchunk: Option<&[u8]>,
     dst: &mut [u8],
     width: usize,
-    transform: Transform,
+    pred: Pred,
     planes: &mut Vec<u8>,
     dctx: Option<&mut zstd::bulk::Decompressor<'static>>,
 ) -> Result<()> {
@@ -1134,11 +1178,9 @@ fn decode_chunk(
                     }
                 })
                 .collect();
-            match (rchunk, transform) {
-                (Some(r), Transform::Isub | Transform::Xor) => {
-                    planes::join_unpredict(&views, Some(r), width, transform, dst);
-                }
-                (_, Transform::None) => planes::join_unpredict(&views, None, width, transform, dst),
+            match (rchunk, pred) {
+                (_, Pred::None) => planes::join_unpredict(&views, None, width, pred, dst),
+                (Some(r), _) => planes::join_unpredict(&views, Some(r), width, pred, dst),
                 (None, _) => {
                     return Err(CodecError::Reference(
                         "a predicted chunk without its reference".into(),
@@ -1292,9 +1334,11 @@ fn code_planes(width: usize, sc: &mut Scratch) -> Option<(u8, Vec<u8>)> {
     Some((mask, payload))
 }
 
-/// The coded size of `d` against `r` under each transform, on a sample.
-fn choose_transform(d: &[u8], r: &[u8], width: usize, chunk: usize, level: i32) -> Transform {
-    let count = d.len().div_ceil(chunk);
+/// The byte ranges of `d` (of `len` bytes, in chunks of `chunk`) that the
+/// transform is chosen on: the first `SAMPLE` bytes of up to `SAMPLES`
+/// chunks spread over the record.
+fn sample_pieces(len: usize, chunk: usize) -> Vec<(usize, usize)> {
+    let count = len.div_ceil(chunk);
     let picks: Vec<usize> = if count <= SAMPLES {
         (0..count).collect()
     } else {
@@ -1302,23 +1346,104 @@ fn choose_transform(d: &[u8], r: &[u8], width: usize, chunk: usize, level: i32) 
             .map(|k| k * (count - 1) / (SAMPLES - 1))
             .collect()
     };
+    picks
+        .into_iter()
+        .map(|i| (i * chunk, (i * chunk + SAMPLE.min(chunk)).min(len)))
+        .collect()
+}
+
+/// Every how many elements of the sample a ratio is taken for the scale.
+const SCALE_STRIDE: usize = 16;
+
+/// The scale of the `scaled` transform for `d` against `r` (4-byte
+/// elements read as binary32), where the sample suggests one: the most
+/// common ratio of element to reference element (both normal, of one sign,
+/// not equal), binned to 2^-18 relative, where at least 1/32 of the ratios
+/// (and 32 of them) fall in its bin; the median ratio of that bin. `None`
+/// where no ratio is that common, or the common one is 1.
+fn estimate_scale(d: &[u8], r: &[u8], width: usize, chunk: usize) -> Option<Scale> {
+    if width != 4 {
+        return None;
+    }
+    let word =
+        |b: &[u8], i: usize| u32::from_le_bytes(b[4 * i..4 * i + 4].try_into().expect("4 bytes"));
+    let mut ratios: Vec<u32> = Vec::new();
+    for (s, e) in sample_pieces(d.len(), chunk) {
+        let (dp, rp) = (&d[s..e], &r[s..e]);
+        for i in (0..dp.len() / 4).step_by(SCALE_STRIDE) {
+            let (a, b) = (word(dp, i), word(rp, i));
+            let (af, bf) = (f32::from_bits(a), f32::from_bits(b));
+            if a == b || !af.is_normal() || !bf.is_normal() || (a ^ b) >> 31 != 0 {
+                continue;
+            }
+            #[allow(clippy::cast_possible_truncation)]
+            let q = (f64::from(af) / f64::from(bf)) as f32;
+            if q.is_normal() {
+                ratios.push(q.to_bits());
+            }
+        }
+    }
+    if ratios.len() < 64 {
+        return None;
+    }
+    ratios.sort_unstable();
+    let (mut best, mut at, mut i) = (0usize, 0usize, 0usize);
+    while i < ratios.len() {
+        let mut j = i + 1;
+        while j < ratios.len() && ratios[j] >> 5 == ratios[i] >> 5 {
+            j += 1;
+        }
+        if j - i > best {
+            (best, at) = (j - i, i);
+        }
+        i = j;
+    }
+    if best < 32 || best * 32 < ratios.len() {
+        return None;
+    }
+    let bits = ratios[at + best / 2];
+    if bits == 1.0f32.to_bits() {
+        return None;
+    }
+    Scale::from_bits(bits)
+}
+
+/// The transform (and for `scaled` its scale's bits) under which a sample
+/// of `d` codes smallest against `r`.
+fn choose_transform(
+    d: &[u8],
+    r: &[u8],
+    width: usize,
+    chunk: usize,
+    level: i32,
+) -> (Transform, u32) {
+    let pieces = sample_pieces(d.len(), chunk);
     let mut sc = Scratch::new(SAMPLE, level);
-    let mut best = (usize::MAX, Transform::Isub);
-    for t in [Transform::Isub, Transform::Xor, Transform::None] {
+    let mut candidates = vec![
+        (Transform::Isub, Pred::Isub),
+        (Transform::Xor, Pred::Xor),
+        (Transform::None, Pred::None),
+    ];
+    if let Some(scale) = estimate_scale(d, r, width, chunk) {
+        candidates.push((Transform::Scaled, Pred::Scaled(scale)));
+    }
+    let mut best = (usize::MAX, Transform::Isub, Pred::Isub);
+    for (t, pred) in candidates {
         let mut size = 0usize;
-        for &i in &picks {
-            let s = i * chunk;
-            let e = (s + SAMPLE.min(chunk)).min(d.len());
+        for &(s, e) in &pieces {
             let piece = &d[s..e];
             sized(&mut sc.planes, piece.len());
-            planes::predict_split(piece, Some(&r[s..e]), width, t, &mut sc.planes);
+            planes::predict_split(piece, Some(&r[s..e]), width, pred, &mut sc.planes);
             size += code_planes(width, &mut sc).map_or(piece.len(), |(_, p)| p.len());
         }
         if size < best.0 {
-            best = (size, t);
+            best = (size, t, pred);
         }
     }
-    best.1
+    match best.2 {
+        Pred::Scaled(scale) => (Transform::Scaled, scale.bits()),
+        _ => (best.1, 0),
+    }
 }
 
 fn is_zero(d: &[u8]) -> bool {
@@ -1435,6 +1560,122 @@ mod tests {
         // Identical to its reference: nothing but the directory.
         let same = roundtrip(&d, 4, Some(&d), &o);
         assert_eq!(same.stats.same + same.stats.zero, d.len().div_ceil(8192));
+    }
+
+    /// A reference with special values among ordinary ones, and data that
+    /// is the reference times `s` for most elements (Adam's moments of rows
+    /// without a gradient), noise for the others.
+    fn decayed(n: usize, s: f32, seed: u64) -> (Vec<u8>, Vec<u8>) {
+        let mut x = seed | 1;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let specials = [
+            0u32,
+            0x8000_0000,
+            1,
+            0x8000_0003,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7fc0_1234,
+            0x7f7f_ffff,
+        ];
+        let mut r = Vec::with_capacity(4 * n);
+        let mut d = Vec::with_capacity(4 * n);
+        for i in 0..n {
+            let rb = if i % 97 == 0 {
+                specials[(i / 97) % specials.len()]
+            } else {
+                (((i as f32) * 0.37).sin() * 1e-3 + 2e-3).to_bits()
+            };
+            let db = if next() % 4 == 0 {
+                next() as u32
+            } else {
+                (f32::from_bits(rb) * s).to_bits()
+            };
+            r.extend_from_slice(&rb.to_le_bytes());
+            d.extend_from_slice(&db.to_le_bytes());
+        }
+        (d, r)
+    }
+
+    #[test]
+    fn scaled_prediction_is_chosen_for_decay_and_roundtrips() {
+        let s = 0.9f32.powi(10);
+        let (d, r) = decayed(400_000, s, 3);
+        let o = opts(1 << 20, None);
+        let enc = roundtrip(&d, 4, Some(&r), &o);
+        assert_eq!(enc.transform, Transform::Scaled);
+        let h = header(&enc.bytes).unwrap();
+        let got = f32::from_bits(h.scale);
+        assert!((got / s - 1.0).abs() < 1e-5, "scale {got} for {s}");
+        let isub = roundtrip(&d, 4, Some(&r), &opts(1 << 20, Some(Transform::Isub)));
+        assert!(
+            enc.bytes.len() * 10 < isub.bytes.len() * 9,
+            "scaled {} vs isub {}",
+            enc.bytes.len(),
+            isub.bytes.len()
+        );
+        // Asked for, without a common factor: isub.
+        let noise = floats(100_000, 9);
+        let plain = roundtrip(
+            &noise,
+            4,
+            Some(&floats(100_000, 8)),
+            &opts(8192, Some(Transform::Scaled)),
+        );
+        assert_eq!(plain.transform, Transform::Isub);
+        // Never for other widths.
+        let two = roundtrip(&d, 2, Some(&r), &o);
+        assert_ne!(two.transform, Transform::Scaled);
+        // Through a partial decode and a chain too.
+        let mut out = vec![0u8; d.len()];
+        assert!(decode_chain(
+            &[&enc.bytes, &encode(&r, 4, None, &o).unwrap().bytes],
+            &mut out,
+            2
+        )
+        .unwrap());
+        assert_eq!(out, d);
+    }
+
+    #[test]
+    fn a_scale_is_checked_in_the_header() {
+        let (d, r) = decayed(50_000, 0.5, 4);
+        let enc = encode(&d, 4, Some(&r), &opts(8192, None)).unwrap().bytes;
+        assert_eq!(enc[7], Transform::Scaled as u8);
+        let with = |at: usize, b: &[u8]| {
+            let mut e = enc.clone();
+            e[at..at + b.len()].copy_from_slice(b);
+            e
+        };
+        for (bad, why) in [
+            (with(28, &0u32.to_le_bytes()), "positive normal scale"),
+            (
+                with(28, &0x7fc0_0000u32.to_le_bytes()),
+                "positive normal scale",
+            ),
+            (
+                with(28, &(-0.5f32).to_bits().to_le_bytes()),
+                "positive normal scale",
+            ),
+            (with(28, &1u32.to_le_bytes()), "positive normal scale"),
+            (with(7, &[Transform::Isub as u8]), "a scale"),
+        ] {
+            let err = header(&bad).unwrap_err().to_string();
+            assert!(err.contains(why), "{err}");
+            let mut out = vec![0u8; d.len()];
+            assert!(decode(&bad, Some(&r), &mut out, 2).is_err());
+        }
+        // A wrong scale that is well formed decodes to other bytes: refused
+        // by the chunks' checksums.
+        let other = with(28, &0.75f32.to_bits().to_le_bytes());
+        let mut out = vec![0u8; d.len()];
+        let err = decode(&other, Some(&r), &mut out, 2).unwrap_err();
+        assert!(matches!(err, CodecError::Mismatch { .. }), "{err}");
     }
 
     #[test]
@@ -1712,7 +1953,7 @@ mod tests {
             w in prop::sample::select(vec![1usize, 2, 4, 8]),
             n in 0usize..20_000,
             seed in any::<u64>(),
-            t in prop::sample::select(vec![None, Some(Transform::Isub), Some(Transform::Xor), Some(Transform::None)]),
+            t in prop::sample::select(vec![None, Some(Transform::Isub), Some(Transform::Xor), Some(Transform::None), Some(Transform::Scaled)]),
             with_ref in any::<bool>(),
         ) {
             let mut x = seed | 1;
@@ -1729,6 +1970,32 @@ mod tests {
             prop_assert_eq!(out, d);
         }
 
+        /// Data mostly a scaled copy of a reference of any bits (NaN
+        /// payloads, infinities, subnormals, signed zeros among them), at
+        /// any scale: decoded exactly, whichever transform is chosen.
+        #[test]
+        fn scaled_roundtrips_any_reference_bits(
+            n in 1usize..30_000,
+            seed in any::<u64>(),
+            scale_bits in 0x0080_0000u32..0x7f80_0000,
+            t in prop::sample::select(vec![None, Some(Transform::Scaled)]),
+        ) {
+            let mut x = seed | 1;
+            let mut next = || { x ^= x << 13; x ^= x >> 7; x ^= x << 17; x };
+            let s = f32::from_bits(scale_bits);
+            let r: Vec<u32> = (0..n).map(|_| next() as u32).collect();
+            let d: Vec<u32> = r.iter().map(|&b| if next() % 3 == 0 { next() as u32 } else { (f32::from_bits(b) * s).to_bits() }).collect();
+            let (d, r): (Vec<u8>, Vec<u8>) = (
+                d.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                r.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            );
+            let enc = encode(&d, 4, Some(&r), &opts(4096, t)).unwrap();
+            prop_assert!(enc.bytes.len() <= d.len() + HEADER + ENTRY * d.len().div_ceil(4096));
+            let mut out = vec![0x55u8; d.len()];
+            decode(&enc.bytes, Some(&r), &mut out, 3).unwrap();
+            prop_assert_eq!(out, d);
+        }
+
         /// Any span of a stream with any bytes changed: decoded exactly
         /// or refused, never a panic, never other bytes accepted.
         #[test]
@@ -1738,12 +2005,18 @@ mod tests {
             flips in prop::collection::vec((any::<prop::sample::Index>(), 1u8..=255), 0..4),
             lo in any::<prop::sample::Index>(),
             len in 0usize..20_000,
+            scaled in any::<bool>(),
         ) {
             let mut x = seed | 1;
             let mut next = || { x ^= x << 13; x ^= x >> 7; x ^= x << 17; x };
             let len_d = n * 4;
-            let d: Vec<u8> = (0..len_d).map(|i| if (i / 4096) % 2 == 0 { (next() % 3) as u8 } else { next() as u8 }).collect();
-            let r: Vec<u8> = d.iter().map(|&b| if next() % 7 == 0 { b ^ 1 } else { b }).collect();
+            let (d, r) = if scaled {
+                decayed(n, 0.7, seed)
+            } else {
+                let d: Vec<u8> = (0..len_d).map(|i| if (i / 4096) % 2 == 0 { (next() % 3) as u8 } else { next() as u8 }).collect();
+                let r: Vec<u8> = d.iter().map(|&b| if next() % 7 == 0 { b ^ 1 } else { b }).collect();
+                (d, r)
+            };
             let mut enc = encode(&d, 4, Some(&r), &opts(4096, None)).unwrap().bytes;
             for (at, v) in &flips {
                 let k = at.index(enc.len());

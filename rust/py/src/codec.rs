@@ -98,7 +98,7 @@ fn codec_encode(
         None => None,
         Some(t) => Some(Transform::from_name(t).ok_or_else(|| {
             pyo3::exceptions::PyValueError::new_err(format!(
-                "unknown transform {t:?} (none, isub, xor)"
+                "unknown transform {t:?} (none, isub, xor, scaled)"
             ))
         })?),
     };
@@ -301,6 +301,9 @@ fn codec_info<'py>(
     d.set_item("width", h.width)?;
     d.set_item("transform", h.transform.name())?;
     d.set_item("predicted", h.predicted)?;
+    if h.transform == Transform::Scaled {
+        d.set_item("scale", f32::from_bits(h.scale))?;
+    }
     d.set_item("chunk", h.chunk)?;
     d.set_item("chunks", h.count)?;
     d.set_item("decoded", h.decoded_len)?;
