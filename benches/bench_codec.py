@@ -58,7 +58,7 @@ import torch
 from torch.nn import functional as nnf
 
 import tierstore
-from tierstore import _core, _lossy
+from tierstore import _core, _lossy, _tier_codec
 
 # ---------------------------------------------------------------------------------------------
 # the model: BERT (MiniLM-L6-H384) in plain torch, loaded from the wheel's safetensors
@@ -266,6 +266,16 @@ def zipnn_size(t: torch.Tensor) -> int | None:
     return len(z.compress(t.contiguous().clone()))  # zipnn rewrites the tensor it is given
 
 
+def _sample_prefers(t: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Whether a sample of ``t`` (up to 256 KiB from its middle) encodes no
+    larger against ``first`` than against ``second`` (ties to the first)."""
+    flat, a, b = t.reshape(-1), first.reshape(-1), second.reshape(-1)
+    m = max(1, min(_tier_codec.SEGMENT_SAMPLE // t.element_size(), flat.numel()))
+    off = (flat.numel() - m) // 2
+    s = slice(off, off + m)
+    return tsz1(flat[s].contiguous(), a[s].contiguous()) <= tsz1(flat[s].contiguous(), b[s].contiguous())
+
+
 def ratios(
     snaps: list[dict[str, dict[str, torch.Tensor]]], keyframe_every: int, dtype: torch.dtype | None
 ) -> dict[str, dict[str, float]]:
@@ -288,10 +298,9 @@ def ratios(
         if i % keyframe_every == 0:
             key = s
         parent = snaps[i - 1]
-        # Delta(reference="best") picks, per file (here the snapshot is one
-        # rank's file), the reference it encodes smaller against: the
-        # better of the two whole-snapshot totals below.
-        cand: dict[str, list[tuple[str, int, int]]] = {"parent": [], "key": []}
+        # Delta(reference="best") picks, per record, the reference a sample
+        # of it (up to 256 KiB from its middle) encodes smaller against, as
+        # the tier's encoder does (tierstore._tier_codec.SEGMENT_SAMPLE).
         for cls, tensors in s.items():
             if dtype is not None and cls != "weights":
                 continue
@@ -308,17 +317,16 @@ def ratios(
                 vs_key = tsz1(t, kk) if i % keyframe_every else tsz1(t, None)
                 add("tsz1 vs parent", cls, raw, vs_parent)
                 add("tsz1 vs keyframe", cls, raw, vs_key)
-                cand["parent"].append((cls, raw, vs_parent))
-                cand["key"].append((cls, raw, vs_key))
+                if i % keyframe_every:
+                    add("tsz1 best ref", cls, raw, vs_key if _sample_prefers(t, kk, pp) else vs_parent)
+                else:
+                    add("tsz1 best ref", cls, raw, vs_key)  # a keyframe: no reference
                 if t.dtype == torch.float32:
                     # Lossy: 10 mantissa bits kept, against the parent as the
                     # decoder has it (rounded too: a chain does not drift).
                     rt, _ = _lossy.round_mantissa(t.reshape(-1), 10, n)
                     rp, _ = _lossy.round_mantissa(pp.reshape(-1), 10, n)
                     add("lossy 10 bits vs parent", cls, raw, tsz1(rt, rp))
-        best = min(cand.values(), key=lambda rows: sum(g for _c, _r, g in rows))
-        for cls, raw, got in best:
-            add("tsz1 best ref", cls, raw, got)
     return {m: {c: a[0] / a[1] for c, a in d.items()} for m, d in out.items()}
 
 

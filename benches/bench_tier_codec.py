@@ -211,7 +211,7 @@ def report(r: dict[str, Any]) -> list[str]:
         f"(fp32 weights, exp_avg, exp_avg_sq), remote tiers at {r['rate_mib_s']} MiB/s "
         f"({'kernel-throttled loop devices' if r['throttled'] else 'NOT throttled: plain folders'}), "
         f"keyframe every {r['keyframe_every']}, deltas against the {r.get('reference', 'keyframe')}"
-        + (" (reference='best': per file, keyframe or parent)" if r.get("reference") == "best" else ""),
+        + (" (reference='best': per record, keyframe or parent)" if r.get("reference") == "best" else ""),
         "",
         f"{'until durable remotely':<26} {'median':>9} {'total':>9}",
         f"{'raw remote tier':<26} {u['raw']['median_s']:>8.2f}s {u['raw']['total_s']:>8.1f}s",

@@ -191,24 +191,57 @@ def test_best_reference_picks_per_file_among_keyframe_and_parent(tmp_path: Path)
         assert torch.equal(got["model"][k], v), k
 
 
-def test_choose_reference_takes_the_candidate_the_file_is_closest_to(tmp_path: Path) -> None:
+def test_each_record_takes_the_reference_it_is_closest_to(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     g = torch.Generator().manual_seed(3)
-    w0 = torch.randn(512, 1024, generator=g)
-    near = w0 + 1e-4 * torch.randn(512, 1024, generator=g)
-    src = w0 + 1e-4 * torch.randn(512, 1024, generator=g)
-    far = torch.randn(512, 1024, generator=g)
+
+    def noise() -> torch.Tensor:
+        return torch.randn(256, 1024, generator=g)
+
+    w0, v0 = noise(), noise()
+    src = {"w": w0 + 1e-4 * noise(), "v": v0 + 1e-4 * noise(), "u": noise(), "b": torch.zeros(10)}
+    # Reference A is close in w, B in v; only B holds u at all.
+    a = {"w": w0 + 1e-4 * noise(), "v": noise(), "b": torch.zeros(10)}
+    b = {"w": noise(), "v": v0 + 1e-4 * noise(), "u": src["u"] + 1e-4 * noise(), "b": torch.zeros(10)}
+    tier = tmp_path / "tier"
+    name = "rank-00000.x.pt"
     paths = {}
-    for name, w in (("near", near), ("far", far), ("src", src)):
-        paths[name] = tmp_path / f"{name}.pt"
-        tierstore.save({"w": w, "b": torch.zeros(10)}, paths[name])
+    for step, sd in ((1, a), (2, b)):
+        d = tier / f"step-{step:012d}"
+        d.mkdir(parents=True)
+        tierstore.save({"m": sd}, d / name)
+        paths[step] = d / name
+    tierstore.save({"m": src}, tmp_path / name)
     spec = tierstore.codec.resolve(tierstore.Delta())
     assert spec is not None
-    assert _tier_codec.choose_reference(paths["src"], [paths["far"], paths["near"]], spec) == 1
-    assert _tier_codec.choose_reference(paths["src"], [paths["near"], paths["far"]], spec) == 0
-    # A candidate without the record (records match by name, dtype and
-    # size) codes the sample on its own.
-    tierstore.save({"w": near[:256].clone(), "b": torch.zeros(10)}, tmp_path / "other.pt")
-    assert _tier_codec.choose_reference(paths["src"], [tmp_path / "other.pt", paths["near"]], spec) == 1
+    out_dir = tier / "step-000000000003"
+    out_dir.mkdir()
+    dst = out_dir / (name + _tier_codec.SUFFIX)
+    _tier_codec.encode_file(tmp_path / name, dst, spec, [(p.parent.name, p) for p in paths.values()])
+    h, _at = _tier_codec.read_header(dst)
+    assert h["version"] == _tier_codec.VERSION_REFS
+    used = {lab: h["refs"][k]["step_dir"] for lab, k in zip(h["labels"], h["seg_refs"], strict=True) if k >= 0}
+    assert used == {"w": "step-000000000001", "v": "step-000000000002", "u": "step-000000000002"}, used
+    assert h["reference"] == h["refs"][0]
+    dec = _tier_codec.Decoder()
+    try:
+        got = dec.raw(dst)
+        dec.ensure_all(got)
+        assert got.read_bytes() == (tmp_path / name).read_bytes()
+    finally:
+        dec.close()
+    assert tierstore.cli.main(["inspect", str(dst)]) == 0
+    shown = capsys.readouterr().out
+    assert "#1 step-000000000001/" in shown and "#2 step-000000000002/" in shown
+    assert tierstore.cli.main(["inspect", "--json", str(dst)]) == 0
+    rows = {r["reference_step"] for r in json.loads(capsys.readouterr().out)["segments"]}
+    assert rows == {None, "step-000000000001", "step-000000000002"}
+    # Both steps are needed by it: deleting either is refused.
+    for step in (1, 2):
+        assert out_dir in _tier_codec.dependents(tier / f"step-{step:012d}")
+    # One candidate, or one that every record prefers: version 1 as before.
+    _tier_codec.encode_file(tmp_path / name, dst, spec, [("step-000000000002", paths[2])])
+    h1, _ = _tier_codec.read_header(dst)
+    assert h1["version"] == _tier_codec.VERSION and h1["reference"]["step_dir"] == "step-000000000002"
 
 
 def test_a_damaged_keyframe_is_named_and_the_restore_moves_on(tmp_path: Path) -> None:
@@ -342,12 +375,48 @@ def _hostile(p: Path, edit: str) -> None:
             h["reference"] = {"step_dir": "step-000000000001", "name": "../x", "bytes": 1, "manifest_crc32": 0}
         elif edit == "negative":
             h["segments"][0][4] = -5
+        elif edit.startswith("refs_"):
+            # Version 2 (a reference per segment), each field wrong in turn.
+            ref = h["reference"]
+            assert ref is not None
+            h["version"] = 2
+            h["references"] = [ref, dict(ref)]
+            for sg in h["segments"]:
+                sg.append(0 if sg[3] >= 0 else -1)
+            refd = [sg for sg in h["segments"] if sg[3] >= 0]
+            if edit == "refs_outside":
+                h["references"][1] = {**ref, "step_dir": "../../etc", "name": "passwd"}
+            elif edit == "refs_index":
+                refd[0][5] = 2
+            elif edit == "refs_none":
+                refd[0][5] = -1
+            elif edit == "refs_first":
+                h["references"][0] = {**ref, "name": "rank-00009.x.pt"}
+            elif edit == "refs_many":
+                h["references"] = [ref] * 5
+            elif edit == "refs_fields":
+                refd[0].pop()
         hb = json.dumps(h).encode()
         data[at:] = hb + struct.pack("<II", len(hb), zlib.crc32(hb)) + b"TSDELTA1"
     p.write_bytes(bytes(data))
 
 
-HOSTILE = ["magic", "truncate", "header_flip", "huge", "gap", "ref_outside", "ref_name", "negative"]
+HOSTILE = [
+    "magic",
+    "truncate",
+    "header_flip",
+    "huge",
+    "gap",
+    "ref_outside",
+    "ref_name",
+    "negative",
+    "refs_outside",
+    "refs_index",
+    "refs_none",
+    "refs_first",
+    "refs_many",
+    "refs_fields",
+]
 
 
 @pytest.mark.parametrize("edit", HOSTILE)
@@ -362,6 +431,19 @@ def test_hostile_encoded_files_are_refused(tmp_path: Path, edit: str) -> None:
     with pytest.raises(TierstoreError) as e:
         tierstore.load_sharded(d, {"model.2.bias": torch.zeros(256)})
     assert p.name in str(e.value) or str(d) in str(e.value)
+
+
+def test_a_well_formed_version_2_header_loads(tmp_path: Path) -> None:
+    """The same file re-sealed as version 2 (a reference per segment) with
+    nothing wrong loads: the refusals above are the edits', not the version's."""
+    _run(tmp_path, 2, every=4)
+    d = _steps(tmp_path)[1]
+    p = next(d.glob("rank-*.tsd"))
+    want = tierstore.load_sharded(d, {"model.2.bias": torch.zeros(256)})
+    _hostile(p, "refs_valid")
+    assert _tier_codec.read_header(p)[0]["version"] == 2
+    got = tierstore.load_sharded(d, {"model.2.bias": torch.zeros(256)})
+    assert torch.equal(got["model.2.bias"], want["model.2.bias"])
 
 
 def test_tier_codec_arguments() -> None:

@@ -592,9 +592,9 @@ class Cascade:
 
     def _encode(self, src: Path, dst: Path, t: DiskTier, refs: list[Path]) -> None:
         """Stores file ``src`` encoded in ``dst`` (``<name>.tsd``): against
-        this rank's file of the candidate references ``refs`` that is at
-        hand and intact (of two, the one that encodes a sample of the file
-        smaller), else on its own (a keyframe). The raw file is kept in the
+        this rank's files of the candidate references ``refs`` that are at
+        hand and intact (of two, each record against the one a sample of it
+        encodes smaller against), else on its own (a keyframe). The raw file is kept in the
         reference cache when later deltas may be encoded against it: a
         keyframe's, and with ``reference="parent"``/``"best"`` every
         checkpoint's (with the keyframe's, for ``"best"``)."""
@@ -607,10 +607,8 @@ class Cascade:
             if raw is not None:
                 found.append((ref_dir.name, raw))
         assert t.codec_spec is not None
-        reference = found[0] if found else None
-        if len(found) > 1:
-            reference = found[_tier_codec.choose_reference(src, [p for _n, p in found], t.codec_spec)]
-        _tier_codec.encode_file(src, dst / (src.name + _tier_codec.SUFFIX), t.codec_spec, reference)
+        # Each record against the candidate a sample of it encodes smallest against.
+        _tier_codec.encode_file(src, dst / (src.name + _tier_codec.SUFFIX), t.codec_spec, found or None)
         if not refs:
             cache.keep(dst.name, src)
         elif t.reference != "keyframe":

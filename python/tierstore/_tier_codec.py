@@ -25,7 +25,12 @@ file, in a sibling step directory of the same tier, and the fingerprint it
 had), ``segments``: ``[at, length, width, reference offset or -1,
 stream length]`` covering ``[0, bytes)`` in order, and ``labels``: per
 segment the tensor its record holds (``""`` between records), for
-``tierstore stats``; the streams are in the same order. See docs/FORMAT.md.
+``tierstore stats``; the streams are in the same order. Version 2 (a file
+whose records are encoded against more than one reference, each record
+against the candidate a sample of it encodes smallest against) adds
+``references`` (the list; ``reference`` is its first) and a sixth field
+per segment, the index of its reference in that list (-1: none). See
+docs/FORMAT.md.
 """
 
 from __future__ import annotations
@@ -54,6 +59,11 @@ MAGIC = b"TSDELTA1"
 SUFFIX = ".tsd"
 FORMAT = "tierstore-delta-file"
 VERSION = 1
+#: A file whose segments are encoded against several references.
+VERSION_REFS = 2
+MAX_REFS = 4
+#: Bytes of a record encoded against each candidate reference to choose one.
+SEGMENT_SAMPLE = 256 << 10
 CODEC_META = "codec.json"
 MAX_HEADER = 64 << 20
 _STEP = re.compile(r"^step-\d{12}$")
@@ -115,104 +125,84 @@ def fingerprint(path: Path) -> tuple[int, int]:
     return arch.file_len, mrec.crc32
 
 
-def choose_reference(src: Path, candidates: list[Path], spec: _codec.Spec, sample: int = 1 << 20) -> int:
-    """Which of the raw files ``candidates`` (the same rank's file of the
-    tier's keyframe, of the previous checkpoint) to encode ``src`` against:
-    the one against which a sample of ``src`` encodes smallest. The sample:
-    up to ``sample`` bytes from the middle of each of its four largest
-    storage records, each encoded against the same record of the candidate
-    (on its own where the candidate lacks it). Ties go to the first."""
-    recs, _n, _crc = _storage_records(src)
-    big = sorted((r for r in recs if r["size"] >= _codec.MIN_BYTES), key=lambda r: -r["size"])[:4]
-    if len(candidates) < 2 or not big:
-        return 0
-    src_t, src_mm = _map(src)
-    sizes: list[int] = []
-    try:
-        for c in candidates:
-            rr, _rn, _rcrc = _storage_records(c)
-            offsets = {(r["name"], r.get("dtype", ""), r["size"]): r["offset"] for r in rr}
-            ref_t, ref_mm = _map(c)
-            try:
-                total = 0
-                for r in big:
-                    dtype = _dtype(r.get("dtype"))
-                    width = _codec.element_width(dtype) if dtype is not None else 1
-                    if r["size"] % width:
-                        width = 1
-                    length = min(sample, r["size"]) // width * width
-                    off = (r["size"] - length) // 2 // width * width
-                    ro = offsets.get((r["name"], r.get("dtype", ""), r["size"]))
-                    data, _t, _s = _core.codec_encode(
-                        src_t.data_ptr() + r["offset"] + off,
-                        length,
-                        width,
-                        ref_t.data_ptr() + ro + off if ro is not None else 0,
-                        length if ro is not None else 0,
-                        level=spec.level,
-                        threads=_codec.threads(),
-                        transform=spec.transform if ro is not None else None,
-                    )
-                    total += len(data)
-                sizes.append(total)
-            finally:
-                del ref_t
-                ref_mm.close()
-    finally:
-        del src_t
-        src_mm.close()
-    return min(range(len(sizes)), key=sizes.__getitem__)
-
-
 def encode_file(
     src: Path,
     dst: Path,
     spec: _codec.Spec,
-    reference: tuple[str, Path] | None = None,
+    reference: tuple[str, Path] | list[tuple[str, Path]] | None = None,
 ) -> dict[str, Any]:
     """Writes ``dst`` (``<name>.tsd``): file ``src`` encoded, against
     ``reference`` = (its step directory's name, its raw bytes' path) where
-    given, durably (fsynced, renamed into place). The encoding of each
-    segment overlaps the writing of the one before (the codec runs without
-    the GIL on a worker thread) and the written bytes are flushed to the
-    device every 32 MiB, so that on a slow tier the device is busy while
-    the codec works. Returns the header and the encoded size."""
+    given, durably (fsynced, renamed into place). Given a list of candidate
+    references, each storage record is encoded against the candidate
+    against which a sample of it (up to 256 KiB from its middle) encodes
+    smallest, among those holding the same record (ties to the first
+    listed). The encoding of each segment overlaps the writing of the one
+    before (the codec runs without the GIL on a worker thread) and the
+    written bytes are flushed to the device every 32 MiB, so that on a slow
+    tier the device is busy while the codec works. Returns the header and
+    the encoded size."""
     recs, n, _crc = _storage_records(src)
-    ref_recs: dict[tuple[str, str, int], int] = {}
-    ref_t: torch.Tensor | None = None
-    ref_mm: Any = None
-    ref_meta: dict[str, Any] | None = None
-    if reference is not None:
-        step_dir, rpath = reference
-        rr, rn, rcrc = _storage_records(rpath)
-        ref_recs = {(r["name"], r.get("dtype", ""), r["size"]): r["offset"] for r in rr}
-        ref_meta = {"step_dir": step_dir, "name": rpath.name, "bytes": rn, "manifest_crc32": rcrc}
-        ref_t, ref_mm = _map(rpath)
+    given = [] if reference is None else [reference] if isinstance(reference, tuple) else list(reference)
+    if len(given) > MAX_REFS:
+        raise ValueError(f"at most {MAX_REFS} references, got {len(given)}")
+    ref_recs: list[dict[tuple[str, str, int], int]] = []
+    ref_metas: list[dict[str, Any]] = []
+    ref_maps: list[tuple[torch.Tensor, Any]] = []
     src_t, src_mm = _map(src)
+    try:
+        for step_dir, rpath in given:
+            rr, rn, rcrc = _storage_records(rpath)
+            ref_recs.append({(r["name"], r.get("dtype", ""), r["size"]): r["offset"] for r in rr})
+            ref_metas.append({"step_dir": step_dir, "name": rpath.name, "bytes": rn, "manifest_crc32": rcrc})
+            ref_maps.append(_map(rpath))
+        return _encode_segments(src, dst, spec, recs, n, src_t, ref_recs, ref_metas, [t for t, _mm in ref_maps])
+    finally:
+        del src_t
+        for mm in [src_mm, *(mm for _t, mm in ref_maps)]:
+            if mm is not None:
+                mm.close()
+
+
+def _encode_segments(
+    src: Path,
+    dst: Path,
+    spec: _codec.Spec,
+    recs: list[dict[str, Any]],
+    n: int,
+    src_t: torch.Tensor,
+    ref_recs: list[dict[tuple[str, str, int], int]],
+    ref_metas: list[dict[str, Any]],
+    ref_ts: list[torch.Tensor],
+) -> dict[str, Any]:
+    """:func:`encode_file` of the mapped file ``src_t`` against the mapped
+    references ``ref_ts`` (their storage records' offsets ``ref_recs``)."""
     src_addr = src_t.data_ptr() if n else 0
-    ref_base = ref_t.data_ptr() if ref_t is not None and ref_t.numel() else 0
-    plan: list[tuple[int, int, int, int, str]] = []  # at, length, width, reference offset, label
+    ref_bases = [t.data_ptr() if t.numel() else 0 for t in ref_ts]
+    # at, length, width, candidates [(reference, its offset)], label
+    plan: list[tuple[int, int, int, list[tuple[int, int]], str]] = []
     pos = 0
     for r in sorted(recs, key=lambda r: r["offset"]):
         at, size = r["offset"], r["size"]
         if size < _codec.MIN_BYTES or at < pos or at + size > n:
             continue
         if at > pos:
-            plan.append((pos, at - pos, 1, -1, ""))
+            plan.append((pos, at - pos, 1, [], ""))
         dtype = _dtype(r.get("dtype"))
         width = _codec.element_width(dtype) if dtype is not None else 1
         if size % width:
             width = 1
-        plan.append((at, size, width, ref_recs.get((r["name"], r.get("dtype", ""), size), -1), r["label"]))
+        key = (r["name"], r.get("dtype", ""), size)
+        cands = [(k, rr[key]) for k, rr in enumerate(ref_recs) if key in rr]
+        plan.append((at, size, width, cands, r["label"]))
         pos = at + size
     if n > pos:
-        plan.append((pos, n - pos, 1, -1, ""))
+        plan.append((pos, n - pos, 1, [], ""))
 
-    def encode(seg: tuple[int, int, int, int, str]) -> bytes:
-        at, length, width, ref_at, _label = seg
+    def code(at: int, length: int, width: int, ref: tuple[int, int] | None) -> bytes:
         ref_addr = ref_len = 0
-        if ref_at >= 0:
-            ref_addr, ref_len = ref_base + ref_at, length
+        if ref is not None:
+            ref_addr, ref_len = ref_bases[ref[0]] + ref[1], length
         data, _transform, _stats = _core.codec_encode(
             src_addr + at,
             length,
@@ -221,9 +211,20 @@ def encode_file(
             ref_len,
             level=spec.level,
             threads=_codec.threads(),
-            transform=spec.transform if ref_at >= 0 else None,
+            transform=spec.transform if ref is not None else None,
         )
         return data
+
+    def encode(seg: tuple[int, int, int, list[tuple[int, int]], str]) -> tuple[bytes, tuple[int, int] | None]:
+        at, length, width, cands, _label = seg
+        chosen = cands[0] if cands else None
+        if len(cands) > 1:
+            # The candidate a sample from the record's middle encodes smallest against.
+            m = min(SEGMENT_SAMPLE, length) // width * width
+            off = (length - m) // 2 // width * width
+            sizes = [len(code(at + off, m, width, (k, ro + off))) for k, ro in cands]
+            chosen = cands[min(range(len(cands)), key=sizes.__getitem__)]
+        return code(at, length, width, chosen), chosen
 
     segments: list[list[int]] = []
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
@@ -237,7 +238,10 @@ def encode_file(
             # The encoder runs ahead of the writer by up to _AHEAD bytes of
             # input; each written stream's writeback is started at once, so
             # the device works while the codec does.
-            pending: collections.deque[tuple[Any, tuple[int, int, int, int, str]]] = collections.deque()
+            pending: collections.deque[tuple[Any, tuple[int, int, int, list[tuple[int, int]], str]]] = (
+                collections.deque()
+            )
+            chosen: list[int] = []  # per segment, the reference it is encoded against (-1: none)
             ahead = 0
             nxt = 0
             for _ in range(len(plan)):
@@ -246,24 +250,34 @@ def encode_file(
                     ahead += plan[nxt][1]
                     nxt += 1
                 fut, seg = pending.popleft()
-                data = fut.result()
+                data, ref = fut.result()
                 ahead -= seg[1]
                 f.write(data)
-                segments.append([seg[0], seg[1], seg[2], seg[3], len(data)])
+                segments.append([seg[0], seg[1], seg[2], ref[1] if ref is not None else -1, len(data)])
+                chosen.append(ref[0] if ref is not None else -1)
                 if not _start_writeback(f.fileno(), written, len(data)) and written + len(data) - synced >= _SYNC_EVERY:
                     os.fdatasync(f.fileno())
                     synced = written + len(data)
                 written += len(data)
+            # The references used, in the order given; one (or none used:
+            # the first, as a single reference always was) keeps version 1.
+            used = sorted({k for k in chosen if k >= 0})
             header = {
                 "format": FORMAT,
                 "version": VERSION,
                 "codec": _codec.CODEC,
                 "name": src.name,
                 "bytes": n,
-                "reference": ref_meta,
+                "reference": ref_metas[used[0] if used else 0] if ref_metas else None,
                 "segments": segments,
                 "labels": [seg[4] for seg in plan],
             }
+            if len(used) > 1:
+                index = {k: i for i, k in enumerate(used)}
+                header["version"] = VERSION_REFS
+                header["references"] = [ref_metas[k] for k in used]
+                for row, k in zip(segments, chosen, strict=True):
+                    row.append(index[k] if k >= 0 else -1)
             hb = json.dumps(header, separators=(",", ":")).encode()
             f.write(hb + struct.pack("<II", len(hb), zlib.crc32(hb)) + MAGIC)
             written += len(hb) + 16
@@ -275,10 +289,6 @@ def encode_file(
         raise
     finally:
         pool.shutdown(wait=True)
-        del src_t, ref_t
-        for mm in (src_mm, ref_mm):
-            if mm is not None:
-                mm.close()
     header["encoded_bytes"] = written
     return header
 
@@ -347,14 +357,15 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
         raise bad(f"header is not JSON ({e})") from None
     if not isinstance(h, dict) or h.get("format") != FORMAT:
         raise bad("header is not a tierstore delta file's")
-    if h.get("version") != VERSION or h.get("codec") != _codec.CODEC:
+    version = h.get("version")
+    if version not in (VERSION, VERSION_REFS) or h.get("codec") != _codec.CODEC:
         raise bad(f"version {h.get('version')!r} / codec {h.get('codec')!r} is not one this tierstore reads")
     n = h.get("bytes")
     if not _uint(n) or not isinstance(h.get("name"), str) or not _NAME.match(h["name"]):
         raise bad("bad name or size")
-    ref = h.get("reference")
-    if ref is not None:
-        ok = (
+
+    def good_ref(ref: Any) -> bool:
+        return (
             isinstance(ref, dict)
             and isinstance(ref.get("step_dir"), str)
             and _STEP.match(ref["step_dir"]) is not None
@@ -363,23 +374,39 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             and _uint(ref.get("bytes"))
             and _uint(ref.get("manifest_crc32"))
         )
-        if not ok:
-            raise bad("bad reference")
+
+    ref = h.get("reference")
+    if ref is not None and not good_ref(ref):
+        raise bad("bad reference")
+    refs: list[dict[str, Any]] = [] if ref is None else [ref]
+    fields = 5
+    if version == VERSION_REFS:
+        refs = h.get("references")  # type: ignore[assignment]
+        if not (isinstance(refs, list) and 2 <= len(refs) <= MAX_REFS and all(good_ref(r) for r in refs)):
+            raise bad(f"bad references (a list of 2 to {MAX_REFS} references)")
+        if ref != refs[0]:
+            raise bad("reference is not the first of references")
+        fields = 6
     segs = h.get("segments")
     if not isinstance(segs, list):
         raise bad("no segments")
     end = size - 16 - hlen
     pos, stream_at = 0, 8
+    seg_refs: list[int] = []
     for i, s in enumerate(segs):
-        if not (isinstance(s, list) and len(s) == 5 and all(_int(x) for x in s)):
+        if not (isinstance(s, list) and len(s) == fields and all(_int(x) for x in s)):
             raise bad(f"segment {i} is malformed")
-        at, length, width, ref_at, slen = s
+        at, length, width, ref_at, slen = s[:5]
+        k = s[5] if fields == 6 else (0 if ref_at >= 0 else -1)
         if at != pos or length <= 0 or width not in (1, 2, 4, 8) or slen < 0:
             raise bad(f"segment {i} does not follow segment {i - 1} or has a bad size or width")
-        if ref_at >= 0 and (ref is None or ref_at + length > ref["bytes"]):
+        if not -1 <= k < len(refs) or (k >= 0) != (ref_at >= 0):
+            raise bad(f"segment {i} names no reference of the file's ({k})")
+        if ref_at >= 0 and ref_at + length > refs[k]["bytes"]:
             raise bad(f"segment {i} reads outside its reference")
         if ref_at < -1:
             raise bad(f"segment {i} has a bad reference offset")
+        seg_refs.append(k)
         # A stream's directory bounds what it decodes to (chunks of at most
         # 4 MiB, 32 bytes each): more is damage, not a reason to allocate.
         if length > (slen // _core.CODEC_ENTRY) * (4 << 20):
@@ -395,6 +422,10 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     labels = h.get("labels")
     if not (isinstance(labels, list) and len(labels) == len(segs) and all(isinstance(x, str) for x in labels)):
         raise bad("labels do not match the segments")
+    # One shape for both versions: five fields per segment, each segment's
+    # reference (an index into ``refs``) beside them.
+    h["segments"] = [list(x[:5]) for x in segs]
+    h["refs"], h["seg_refs"] = refs, seg_refs
     return h, 8
 
 
@@ -410,8 +441,8 @@ class _Open:
     """An encoded file being decoded into ``out`` (sparse: a segment is
     written when a reader needs its bytes)."""
 
-    def __init__(self, enc: Path, header: dict[str, Any], at: int, out: Path, ref: _Open | Path | None) -> None:
-        self.enc, self.header, self.out, self.ref = enc, header, out, ref
+    def __init__(self, enc: Path, header: dict[str, Any], at: int, out: Path, refs: list[_Open | Path]) -> None:
+        self.enc, self.header, self.out, self.refs = enc, header, out, refs
         self.starts: list[int] = []
         for seg in header["segments"]:
             self.starts.append(at)
@@ -464,9 +495,9 @@ class Decoder:
         if enc in stack or len(stack) >= MAX_DEPTH:
             raise CorruptFileError(f"{enc}: its references form a cycle or a chain deeper than {MAX_DEPTH}")
         h, at = read_header(enc)
-        ref: _Open | Path | None = None
-        r = h["reference"]
-        if r is not None:
+        refs: list[_Open | Path] = []
+        for r in h["refs"]:
+            ref: _Open | Path
             tier = enc.parent.parent
             rdir = tier / str(r["step_dir"])
             coded, plain = rdir / (str(r["name"]) + SUFFIX), rdir / str(r["name"])
@@ -488,6 +519,7 @@ class Decoder:
                     path=str(enc),
                     record="reference",
                 )
+            refs.append(ref)
         if self._dir is None:
             env = os.environ.get("TIERSTORE_DECODE_DIR")
             root = self._root or (Path(env) if env else None)
@@ -495,7 +527,7 @@ class Decoder:
         self._n += 1
         sub = Path(self._dir.name) / str(self._n)
         sub.mkdir()
-        o = _Open(enc, h, at, sub / enc.name.removesuffix(SUFFIX), ref)
+        o = _Open(enc, h, at, sub / enc.name.removesuffix(SUFFIX), refs)
         self._open[enc] = o
         self._by_out[str(o.out)] = o
         try:
@@ -566,13 +598,13 @@ class Decoder:
         window = self._read(o, p_hi - p_lo, o.starts[i] + len(head) + p_lo, i, "chunk payloads")
         ref_buf: torch.Tensor | None = None
         if ref_at >= 0:
-            assert o.ref is not None
+            ref = o.refs[o.header["seg_refs"][i]]
             n = end - start
-            if isinstance(o.ref, _Open):
-                self.ensure(o.ref.out, [(ref_at + start, ref_at + end)])
-                rb = os.pread(o.ref.out_fd, n, ref_at + start)
+            if isinstance(ref, _Open):
+                self.ensure(ref.out, [(ref_at + start, ref_at + end)])
+                rb = os.pread(ref.out_fd, n, ref_at + start)
             else:
-                with open(o.ref, "rb") as f:
+                with open(ref, "rb") as f:
                     f.seek(ref_at + start)
                     rb = f.read(n)
             if len(rb) != n:
@@ -628,7 +660,7 @@ class Decoder:
             _a, length, _w, ref_at, _sl = cur.header["segments"][j]
             if ref_at < 0:
                 break
-            ref = cur.ref
+            ref = cur.refs[cur.header["seg_refs"][j]]
             if not isinstance(ref, _Open) or len(links) > MAX_DEPTH:
                 return False
             k = bisect.bisect_left(ref.seg_at, ref_at)
@@ -879,8 +911,7 @@ def dependents(step_dir: Path) -> list[Path]:
         if meta is None:
             with _suppress():
                 for f in d.glob("*" + SUFFIX):
-                    ref = read_header(f)[0]["reference"]
-                    if ref is not None and ref["step_dir"] == step_dir.name:
+                    if any(r["step_dir"] == step_dir.name for r in read_header(f)[0]["refs"]):
                         out.append(d)
                         break
     return out

@@ -205,6 +205,8 @@ def _inspect_encoded(args: argparse.Namespace) -> int:
 
     h, _at = _tier_codec.read_header(Path(args.file))
     ref = h["reference"]
+    refs = h["refs"]
+    several = len(refs) > 1
     rows = [
         {
             "at": a,
@@ -213,23 +215,36 @@ def _inspect_encoded(args: argparse.Namespace) -> int:
             "width": w,
             "tensor": label,
             "reference": "yes" if r >= 0 else "no",
+            "reference_step": refs[k]["step_dir"] if k >= 0 else None,
             "ratio": round(n / sl, 3) if sl else None,
         }
-        for (a, n, w, r, sl), label in zip(h["segments"], h["labels"], strict=True)
+        for (a, n, w, r, sl), k, label in zip(h["segments"], h["seg_refs"], h["labels"], strict=True)
     ]
     if args.json:
-        out = {"file": args.file, "name": h["name"], "bytes": h["bytes"], "reference": ref, "segments": rows}
+        out = {
+            "file": args.file,
+            "name": h["name"],
+            "bytes": h["bytes"],
+            "reference": ref,
+            "references": refs,
+            "segments": rows,
+        }
         print(json.dumps(out))
         return 0
     stored = sum(r["stored"] for r in rows)
-    kind = f"a delta against {ref['step_dir']}/{ref['name']}" if ref else "a keyframe (no reference)"
+    if several:
+        listed = ", ".join(f"#{i + 1} {x['step_dir']}/{x['name']}" for i, x in enumerate(refs))
+        kind = f"a delta, each record against one of {listed}"
+    else:
+        kind = f"a delta against {ref['step_dir']}/{ref['name']}" if ref else "a keyframe (no reference)"
     print(f"{args.file}: {h['name']} encoded ({h['codec']}), {kind}")
     print(f"  {_human(h['bytes'])} held, {_human(stored)} stored ({h['bytes'] / max(stored, 1):.2f}x)")
     print(f"  {'offset':>12} {'bytes':>10} {'stored':>10} {'ratio':>7} {'ref':>4}  tensor")
-    for r in rows:
+    for r, k in zip(rows, h["seg_refs"], strict=True):
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
+        mark = f"#{k + 1}" if several and k >= 0 else r["reference"]
         print(
-            f"  {r['at']:>12} {_human(r['bytes']):>10} {_human(r['stored']):>10} {ratio:>7} {r['reference']:>4}  "
+            f"  {r['at']:>12} {_human(r['bytes']):>10} {_human(r['stored']):>10} {ratio:>7} {mark:>4}  "
             f"{r['tensor'] or '(metadata)'}"
         )
     return 0
