@@ -446,6 +446,42 @@ def test_a_well_formed_version_2_header_loads(tmp_path: Path) -> None:
     assert torch.equal(got["model.2.bias"], want["model.2.bias"])
 
 
+@pytest.mark.parametrize("share", [None, 0.5])
+def test_a_delta_grown_past_a_share_of_its_keyframe_starts_a_new_one(tmp_path: Path, share: float | None) -> None:
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(300_000, generator=g)
+    states = [
+        base,
+        base + 1e-6 * torch.randn(300_000, generator=g),  # a small delta
+        torch.randn(300_000, generator=g),  # all new: as large as a keyframe
+        torch.randn(300_000, generator=g),
+        torch.randn(300_000, generator=g),
+    ]
+    tiers = [
+        tierstore.HostTier("64MiB"),
+        tierstore.DiskTier("local", keep_last=1),
+        tierstore.RemoteTier(str(tmp_path / "remote"), codec=tierstore.Delta(keyframe_every=100, keyframe_share=share)),
+    ]
+    with tierstore.Checkpointer(tmp_path / "run", tiers=tiers) as ck:
+        for step, w in enumerate(states, 1):
+            ck.save(step, {"w": w})
+            ck.wait()
+    metas = [_meta(d) for d in _steps(tmp_path)]
+    keyframes = [m["keyframe"] for m in metas]
+    if share is None:
+        assert keyframes == [True, False, False, False, False]
+    else:
+        # Step 3's delta stores about what a keyframe does: step 4 is a
+        # keyframe; step 5's delta against it is as large again: step 6
+        # would be one too. Step 2's small delta did not end the series.
+        assert keyframes == [True, False, False, True, False], keyframes
+        assert metas[0]["keyframe_share"] == share
+    shutil.rmtree(tmp_path / "run" / "local")
+    with tierstore.Checkpointer(tmp_path / "run", tiers=tiers) as ck:
+        got = ck.load_latest()
+    assert torch.equal(got["w"], states[-1])
+
+
 def test_tier_codec_arguments() -> None:
     with pytest.raises(InvalidArgumentError, match="first disk tier"):
         tierstore.Checkpointer("x", tiers=[tierstore.DiskTier("a", codec="zstd")])
@@ -453,6 +489,9 @@ def test_tier_codec_arguments() -> None:
         tierstore.RemoteTier("/tmp/r", codec=tierstore.Delta(keep_bits={"*": 10}))
     with pytest.raises(InvalidArgumentError, match="node"):
         tierstore.DiskTier("a", scope="node", codec="zstd")
+    for bad in (0, -1.0, float("nan"), float("inf"), "0.5", True):
+        with pytest.raises(InvalidArgumentError, match="keyframe_share"):
+            tierstore.Delta(keyframe_share=bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="unknown codec"):
         tierstore.RemoteTier("/tmp/r", codec="lz4")
     with pytest.raises(InvalidArgumentError, match="reference must be one of keyframe, parent, best"):

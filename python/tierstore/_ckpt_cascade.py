@@ -556,7 +556,9 @@ class Cascade:
             assert t is not None
             step = _tier_codec.step_of(dst)
             if step is not None:
-                refs = _ckpt_codec.plan_references(dst.parent, step, t.keyframe_every, self.world, t.reference)
+                refs = _ckpt_codec.plan_references(
+                    dst.parent, step, t.keyframe_every, self.world, t.reference, t.keyframe_share
+                )
         err: BaseException | None = None
         try:
             for f in mine:
@@ -576,6 +578,7 @@ class Cascade:
                     "references": [r.name for r in refs],
                     "chain": t.reference,
                     "keyframe_every": t.keyframe_every,
+                    "keyframe_share": t.keyframe_share,
                     "level": spec.level,
                 }
                 write_json_atomic(dst / _tier_codec.CODEC_META, info)

@@ -21,14 +21,17 @@ from tierstore.errors import TierstoreError
 from tierstore.shardmeta import MANIFEST, read_manifest
 
 
-def plan_references(tier_dir: Path, step: int, every: int, world: int, mode: str = "keyframe") -> list[Path]:
+def plan_references(
+    tier_dir: Path, step: int, every: int, world: int, mode: str = "keyframe", share: float | None = None
+) -> list[Path]:
     """The step directories of ``tier_dir`` that a new checkpoint of
     ``step`` may be encoded against, by ``mode`` (``Delta.reference``):
     ``"keyframe"``: the latest keyframe; ``"parent"``: the latest checkpoint
     (a chain back to the keyframe); ``"best"``: both (each rank's file picks
     one). Empty when the new checkpoint is a keyframe: there is none yet,
-    ``every`` checkpoints have been stored since the last one, or it was
-    saved by another number of ranks. Every rank computes the same answer
+    ``every`` checkpoints have been stored since the last one, the latest
+    delta stored more than ``share`` of the keyframe's stored bytes, or it
+    was saved by another number of ranks. Every rank computes the same answer
     from the tier's committed directories."""
     rows: list[tuple[int, Path, bool]] = []
     try:
@@ -53,6 +56,8 @@ def plan_references(tier_dir: Path, step: int, every: int, world: int, mode: str
     if since + 1 >= every:
         return []
     key, parent = rows[keys[-1]][1], rows[-1][1]
+    if share is not None and parent != key and stored_bytes(parent) > share * stored_bytes(key):
+        return []
     want = {"keyframe": [key], "parent": [parent], "best": [key, parent]}[mode]
     out: list[Path] = []
     for ref in dict.fromkeys(want):
@@ -63,6 +68,19 @@ def plan_references(tier_dir: Path, step: int, every: int, world: int, mode: str
             return []
         out.append(ref)
     return out
+
+
+def stored_bytes(d: Path) -> int:
+    """The bytes checkpoint ``d`` stores encoded (its ``.tsd`` files, every
+    rank's: the same sum on every rank, from the committed directory)."""
+    total = 0
+    try:
+        for f in d.iterdir():
+            if f.name.endswith(SUFFIX):
+                total += f.stat().st_size
+    except OSError:
+        pass
+    return total
 
 
 def expected_files(d: Path) -> dict[str, tuple[int, int]]:

@@ -59,17 +59,30 @@ REFERENCES = ("keyframe", "parent", "best")
 @dataclass(frozen=True)
 class Delta:
     """A delta codec: each storage is encoded against the same storage of a
-    reference. ``base``: a file to difference against (a pre-trained model
-    for a fine-tune's checkpoints, an earlier checkpoint), or a list of
-    candidates (``[pretrained, previous]``): each storage is encoded against
-    the candidate against which a sample of it (up to 1 MiB from its middle)
-    encodes smallest, ties to the first listed; each record names its own. ``keyframe_every``:
-    for tiers that keep a series of checkpoints, how often one is a keyframe
-    (encoded on its own). ``transform``: ``"isub"``, ``"xor"``, ``"none"``
-    or ``"scaled"`` (``isub`` against the reference times a scale, for
-    float32 state that decays by a common factor between checkpoints, such
-    as Adam's moments of rows that saw no gradient; ``isub`` where no common
-    factor is found); None chooses per storage by trial on a sample. ``level``: zstd level.
+    reference.
+
+    ``base``: a file to difference against (a pre-trained model for a
+    fine-tune's checkpoints, an earlier checkpoint), or a list of candidates
+    (``[pretrained, previous]``): each storage is encoded against the
+    candidate against which a sample of it (up to 1 MiB from its middle)
+    encodes smallest, ties to the first listed; each record names its own.
+
+    ``keyframe_every``: for tiers that keep a series of checkpoints, how
+    often one is a keyframe (encoded on its own). ``keyframe_share``: also a
+    keyframe as soon as the tier's latest delta stored more than this share
+    of its keyframe's stored bytes (``0.8``: a delta that saves less than a
+    fifth against a fresh keyframe ends the series; None: every
+    ``keyframe_every`` only). ``reference``: what a tier's delta is encoded
+    against: ``"keyframe"``, ``"parent"`` (a chain) or ``"best"`` (each
+    record against whichever of the two a sample of it encodes smaller
+    against).
+
+    ``transform``: ``"isub"``, ``"xor"``, ``"none"`` or ``"scaled"``
+    (``isub`` against the reference times a scale, for float32 state that
+    decays by a common factor between checkpoints, such as Adam's moments
+    of rows that saw no gradient; ``isub`` where no common factor is found);
+    None chooses per storage by trial on a sample. ``level``: zstd level.
+
     ``keep_bits``: lossy, opt-in per tensor class: ``{"exp_avg_sq": 10}``
     rounds the mantissa of every float tensor whose path has that key to 10
     bits (``"*"``: every float tensor), a relative error of at most
@@ -83,6 +96,7 @@ class Delta:
 
     base: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None
     keyframe_every: int = 8
+    keyframe_share: float | None = None
     level: int = 1
     transform: str | None = None
     keep_bits: Mapping[str, int] | None = None
@@ -94,6 +108,11 @@ class Delta:
         _lossy.bits_for_bounds(self.max_rel_error)
         if not isinstance(self.keyframe_every, int) or self.keyframe_every < 1:
             raise InvalidArgumentError(f"keyframe_every must be a positive integer, got {self.keyframe_every!r}")
+        share = self.keyframe_share
+        if share is not None and (
+            isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share < float("inf")
+        ):
+            raise InvalidArgumentError(f"keyframe_share must be a positive number or None, got {share!r}")
         if self.reference not in REFERENCES:
             raise InvalidArgumentError(f"reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}")
         if self.reference != "keyframe" and self.keyframe_every > MAX_CHAIN:

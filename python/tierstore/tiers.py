@@ -146,6 +146,7 @@ class DiskTier:
     codec: Any = None
     codec_spec: Any = field(default=None, init=False, repr=False, compare=False)
     keyframe_every: int = field(default=1, init=False, repr=False, compare=False)
+    keyframe_share: float | None = field(default=None, init=False, repr=False, compare=False)
     reference: str = field(default="keyframe", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -182,6 +183,7 @@ class DiskTier:
         every = self.codec.keyframe_every if isinstance(self.codec, _codec.Delta) else 1
         self.keyframe_every = every
         self.reference = self.codec.reference if isinstance(self.codec, _codec.Delta) else "keyframe"
+        self.keyframe_share = self.codec.keyframe_share if isinstance(self.codec, _codec.Delta) else None
 
 
 @dataclass
