@@ -53,7 +53,7 @@ import torch
 from tierstore import _archive, _core, _metadata, manifest
 from tierstore import codec as _codec
 from tierstore._fs import fsync_dir
-from tierstore.errors import CorruptFileError, NotFoundError, TierstoreError
+from tierstore.errors import CorruptFileError, InvalidArgumentError, NotFoundError, TierstoreError
 
 MAGIC = b"TSDELTA1"
 SUFFIX = ".tsd"
@@ -145,7 +145,7 @@ def encode_file(
     recs, n, _crc = _storage_records(src)
     given = [] if reference is None else [reference] if isinstance(reference, tuple) else list(reference)
     if len(given) > MAX_REFS:
-        raise ValueError(f"at most {MAX_REFS} references, got {len(given)}")
+        raise InvalidArgumentError(f"at most {MAX_REFS} references, got {len(given)}")
     ref_recs: list[dict[tuple[str, str, int], int]] = []
     ref_metas: list[dict[str, Any]] = []
     ref_maps: list[tuple[torch.Tensor, Any]] = []
@@ -922,7 +922,7 @@ def delete_checkpoint(path: str | os.PathLike[str]) -> None:
     tier). Refused, with :class:`~tierstore.ReferencedCheckpointError`
     naming them, while deltas of the same tier are encoded against it:
     delete those first (or let retention do it)."""
-    from tierstore.errors import InvalidArgumentError, ReferencedCheckpointError
+    from tierstore.errors import ReferencedCheckpointError
 
     d = Path(path)
     if step_of(d) is None or not d.is_dir() or d.is_symlink():
