@@ -18,7 +18,7 @@ import torch
 import tierstore
 import tierstore.cli
 from tierstore import _metadata, _tier_codec
-from tierstore.errors import CorruptFileError, InvalidArgumentError, TierstoreError
+from tierstore.errors import ChecksumError, CorruptFileError, InvalidArgumentError, TierstoreError
 from tierstore.layout import Layout, attach
 from tierstore.sharded import consolidate
 
@@ -480,6 +480,68 @@ def test_a_delta_grown_past_a_share_of_its_keyframe_starts_a_new_one(tmp_path: P
     with tierstore.Checkpointer(tmp_path / "run", tiers=tiers) as ck:
         got = ck.load_latest()
     assert torch.equal(got["w"], states[-1])
+
+
+def test_a_restore_decodes_whole_records_straight_into_the_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _m, states = _run(tmp_path, 2, every=4)
+    d = _steps(tmp_path)[1]  # a delta against step 1
+    stored: list[tuple[str, str]] = []
+    real = _tier_codec.Decoder._store
+
+    def spy(self: Any, o: Any, i: int, at: int, out: torch.Tensor, chunks: range) -> None:
+        stored.append((o.enc.parent.name, o.header["labels"][i]))
+        real(self, o, i, at, out, chunks)
+
+    monkeypatch.setattr(_tier_codec.Decoder, "_store", spy)
+    names = ("model.2.weight", "model.1.weight")
+    want = {"model.2.weight": torch.zeros(256, 512), "model.1.weight": torch.zeros(512, 512)}
+    got = tierstore.load_sharded(d, want)
+    assert torch.equal(got["model.2.weight"], states[-1]["2.weight"])
+    assert torch.equal(got["model.1.weight"], states[-1]["1.weight"])
+    # Those records of the step read went through no decoded file (its
+    # keyframe's may have: references are read from there where needed).
+    assert all(lab in _tier_codec.read_header(f)[0]["labels"] for f in d.glob("rank-*.tsd") for lab in names)
+    assert not [x for x in stored if x[0] == d.name and x[1] in names], stored
+    # A column shard is no whole record: decoded into the file and read from there, the same bytes.
+    stored.clear()
+    lay = Layout.shard("model.2.weight", (256, 512), 1, 1, 2)
+    half = tierstore.load_sharded(d, {"model.2.weight": attach(torch.zeros(256, 256), lay)})
+    assert torch.equal(half["model.2.weight"], states[-1]["2.weight"][:, 256:])
+    assert (d.name, "model.2.weight") in stored
+
+
+def test_a_record_whose_decoded_bytes_miss_its_checksums_is_named(tmp_path: Path) -> None:
+    """An encoded file that decodes cleanly (its own xxh3 checks pass) to
+    bytes that are not the record's: the record's checksums, checked in the
+    destination after a straight decode, name it."""
+    _run(tmp_path, 1, every=4)
+    d = _steps(tmp_path)[0]
+    enc = next(d.glob("rank-*.tsd"))
+    dec = _tier_codec.Decoder()
+    try:
+        raw = dec.raw(enc)
+        dec.ensure_all(raw)
+        bad = tmp_path / raw.name
+        shutil.copyfile(raw, bad)
+    finally:
+        dec.close()
+    h, _at = _tier_codec.read_header(enc)
+    k = h["labels"].index("model.2.weight")
+    at, length = h["segments"][k][:2]
+    data = bytearray(bad.read_bytes())
+    data[at + length // 2] ^= 0x40
+    bad.write_bytes(bytes(data))
+    spec = tierstore.codec.resolve(tierstore.Delta())
+    assert spec is not None
+    _tier_codec.encode_file(bad, enc, spec)
+    with pytest.raises(ChecksumError) as e:
+        tierstore.load_sharded(d, {"model.2.weight": torch.zeros(256, 512)})
+    assert "model.2.weight" in str(e.value) or "data/" in str(e.value)
+    assert enc.name.removesuffix(".tsd") in str(e.value)
+    # Unverified, it loads (the damaged bytes: what the file holds).
+    tierstore.load_sharded(d, {"model.2.weight": torch.zeros(256, 512)}, verify=False)
 
 
 def test_tier_codec_arguments() -> None:

@@ -22,6 +22,7 @@ from tierstore import _core, _dist, _limits, _paths, _tier_codec, _tree, gpu
 from tierstore._engine import get_engine
 from tierstore._leaves import flatten, is_dtensor, tensor_and_layout
 from tierstore.errors import (
+    ChecksumError,
     FormatError,
     InvalidArgumentError,
     LayoutError,
@@ -401,6 +402,13 @@ def read_plan(ck: Checkpoint, plan: dict[int, FileBlocks], verify: str | bool) -
     mode = "none" if verify is False else str(verify)
     for f, fb in plan.items():
         tables = ck.check_file(f)
+        # An encoded file (a codec tier's copy): whole records decode straight
+        # into their destinations; the rest is decoded into the file and read.
+        fb, r, c, b = _decode_whole_records(ck, f, fb, tables, mode)
+        read, checked, blocks = read + r, checked + c, blocks + b
+        ck.count_read(f, r)
+        if not len(fb.rows):
+            continue
         # An encoded file's decoding: the records these blocks touch (all, to verify every chunk).
         ck.prepare_read(f, None if mode == "full" else block_spans(fb))
         r, c, b = _core.read_blocks(
@@ -416,6 +424,57 @@ def read_plan(ck: Checkpoint, plan: dict[int, FileBlocks], verify: str | bool) -
         checked += c
         blocks += b
     return read, checked, blocks
+
+
+def _decode_whole_records(
+    ck: Checkpoint, f: int, fb: FileBlocks, tables: dict[str, Any], mode: str
+) -> tuple[FileBlocks, int, int, int]:
+    """The blocks of data file ``f`` that copy one whole record into
+    contiguous memory, where ``f`` is an encoded file's decoding: each
+    decoded straight into its destination (no decoded file written or read)
+    and, unless ``mode`` is ``"none"``, its chunks checked against the
+    record's checksums there. Returns the other blocks, and the bytes read,
+    verified and of the 4 KiB blocks those records span."""
+    rows = fb.rows
+    if not len(rows) or not ck.is_decoding(f):
+        return fb, 0, 0, 0
+    records = {t.data_offset: t for t in tables.values()}
+    single = np.ones(len(rows), dtype=bool)
+    for k in range(fb.dims):
+        single &= rows[:, 3 + 3 * k] == 1
+    keep = np.ones(len(rows), dtype=bool)
+    read = checked = blocks = 0
+    for j in np.nonzero(single)[0].tolist():
+        at, addr, n = (int(x) for x in rows[j, :3])
+        t = records.get(at)
+        if t is None or t.size != n or n <= 0 or not ck.decode_into(f, at, n, addr):
+            continue
+        if mode != "none":
+            _check_sums(ck.path_of(f), t, addr, n)
+            checked += n
+        read += n
+        blocks += ((at + n + 4095) // 4096 - at // 4096) * 4096
+        keep[j] = False
+    if keep.all():
+        return fb, 0, 0, 0
+    return FileBlocks(rows[keep], fb.dims), read, checked, blocks
+
+
+def _check_sums(path: str, t: Any, addr: int, n: int) -> None:
+    """Record ``t``'s chunk checksums against its ``n`` bytes in memory at
+    ``addr``; a mismatch raises ChecksumError naming the file, the record
+    and the chunk."""
+    got = _core.chunk_checksums(get_engine(), [(addr, n)], t.chunk, t.algo)
+    if got == t.sums:
+        return
+    i = next((k for k in range(0, min(len(got), len(t.sums)), 4) if got[k : k + 4] != t.sums[k : k + 4]), 0) // 4
+    lo, hi = t.data_offset + i * t.chunk, min(t.data_offset + (i + 1) * t.chunk, t.data_offset + t.size)
+    raise ChecksumError(
+        f"{path}: record {t.record!r}: chunk {i} (bytes {lo}..{hi}) does not match its {t.algo} checksum "
+        "after decoding from the tier's encoded file; the file or its reference is damaged",
+        path=path,
+        record=t.record,
+    )
 
 
 def block_spans(fb: FileBlocks) -> list[tuple[int, int]]:

@@ -577,23 +577,48 @@ class Decoder:
         o.bytes_read += n
         return got
 
-    def _decode(self, o: _Open, i: int, lo: int = 0, hi: int | None = None) -> None:
+    def decodes(self, path: str | Path) -> bool:
+        """Whether ``path`` is a file this decoder decodes."""
+        return str(path) in self._by_out
+
+    def decode_into(self, path: str | Path, at: int, length: int, addr: int) -> bool:
+        """Decodes bytes ``[at, at + length)`` of decoded file ``path``
+        straight into the ``length`` bytes of memory at ``addr`` (a restore's
+        destination), where they are exactly one segment (a record) not yet
+        decoded into the file: the file is not written. False (nothing
+        done) otherwise: read them from the file."""
+        import bisect
+
+        o = self._by_out.get(str(path))
+        if o is None or length <= 0:
+            return False
+        k = bisect.bisect_left(o.seg_at, at)
+        if k >= len(o.seg_at) or o.seg_at[k] != at or o.header["segments"][k][1] != length or k in o.done:
+            return False
+        self._decode(o, k, 0, length, into=addr)
+        return True
+
+    def _decode(self, o: _Open, i: int, lo: int = 0, hi: int | None = None, into: int = 0) -> None:
         """Decodes the chunks of segment ``i`` that its decoded bytes ``[lo,
         hi)`` (default: all) lie in, reading only the stream's directory and
-        those chunks' payloads (and the reference's bytes of those chunks)."""
-        if i in o.done:
+        those chunks' payloads (and the reference's bytes of those chunks).
+        ``into``: the address of memory for the whole segment to decode into
+        instead of the decoded file."""
+        if i in o.done and not into:
             return
         at, length, _width, ref_at, slen = o.header["segments"][i]
         hi = length if hi is None else min(hi, length)
         record = f"segment {i} (bytes {at}..{at + length} of {o.header['name']})"
-        if ref_at >= 0 and self._decode_chain(o, i, max(lo, 0), hi):
+        if ref_at >= 0 and self._decode_chain(o, i, max(lo, 0), hi, into):
             return
         head = self._head(o, i)
         plen = slen - len(head)
         sp = _core.codec_span(head, plen, lo, hi, path=str(o.enc), record=record)
         first_chunk, end_chunk, start, end, p_lo, p_hi = sp
+        if into and (start, end) != (0, length):
+            raise TierstoreError(f"{o.enc}: {record}: a decode into memory takes the whole segment")
         done = o.chunks.setdefault(i, set())
-        if all(c in done for c in range(first_chunk, end_chunk)):
+        if not into and all(c in done for c in range(first_chunk, end_chunk)):
             return
         window = self._read(o, p_hi - p_lo, o.starts[i] + len(head) + p_lo, i, "chunk payloads")
         ref_buf: torch.Tensor | None = None
@@ -610,13 +635,13 @@ class Decoder:
             if len(rb) != n:
                 raise CorruptFileError(f"{o.enc}: {record}: its reference is too short", path=str(o.enc))
             ref_buf = torch.frombuffer(bytearray(rb), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-        out = torch.empty(end - start, dtype=torch.uint8)
+        out = torch.empty(0 if into else end - start, dtype=torch.uint8)
         _core.codec_decode_span(
             head,
             plen,
             sp,
             window,
-            out.data_ptr() if end > start else 0,
+            into or (out.data_ptr() if end > start else 0),
             end - start,
             (ref_buf.data_ptr() if ref_buf.numel() else 1) if ref_buf is not None else 0,
             ref_buf.numel() if ref_buf is not None else 0,
@@ -624,7 +649,8 @@ class Decoder:
             path=str(o.enc),
             record=record,
         )
-        self._store(o, i, at + start, out, range(first_chunk, end_chunk))
+        if not into:
+            self._store(o, i, at + start, out, range(first_chunk, end_chunk))
 
     def _head(self, o: _Open, i: int) -> bytes:
         """Segment ``i``'s stream header and directory (read once)."""
@@ -642,7 +668,7 @@ class Decoder:
             o.heads[i] = head
         return head
 
-    def _decode_chain(self, o: _Open, i: int, lo: int, hi: int) -> bool:
+    def _decode_chain(self, o: _Open, i: int, lo: int, hi: int, into: int = 0) -> bool:
         """Decodes the chunks of segment ``i`` that its bytes ``[lo, hi)``
         lie in, in one pass down its chain of references, where each link is
         a segment of the same length at the reference's offset and the chain
@@ -676,8 +702,10 @@ class Decoder:
         first, last, start, end, _p_lo, _p_hi = _core.codec_span(
             heads[0], plens[0], lo, hi, path=str(o.enc), record=name
         )
+        if into and (start, end) != (0, o.header["segments"][i][1]):
+            return False
         done = o.chunks.setdefault(i, set())
-        if all(c in done for c in range(first, last)):
+        if not into and all(c in done for c in range(first, last)):
             return True
         windows, bases = [], []
         for n, ((lk, k), h) in enumerate(zip(links, heads, strict=True)):
@@ -686,7 +714,7 @@ class Decoder:
                 return False  # a link copies its own chunks: decoded link by link
             windows.append(self._read(lk, sp[5] - sp[4], lk.starts[k] + len(h) + sp[4], k, "chunk payloads"))
             bases.append(sp[4])
-        out = torch.empty(end - start, dtype=torch.uint8)
+        out = torch.empty(0 if into else end - start, dtype=torch.uint8)
         try:
             ok = _core.codec_decode_chain_span(
                 heads,
@@ -695,7 +723,7 @@ class Decoder:
                 bases,
                 first,
                 last,
-                out.data_ptr() if end > start else 0,
+                into or (out.data_ptr() if end > start else 0),
                 end - start,
                 threads=_codec.threads(),
                 path=str(o.enc),
@@ -705,7 +733,8 @@ class Decoder:
             return False
         if not ok:
             return False
-        self._store(o, i, o.header["segments"][i][0] + start, out, range(first, last))
+        if not into:
+            self._store(o, i, o.header["segments"][i][0] + start, out, range(first, last))
         return True
 
     def _store(self, o: _Open, i: int, at: int, out: torch.Tensor, chunks: range) -> None:

@@ -1228,6 +1228,16 @@ class Checkpoint:
                 return out
         return p
 
+    def is_decoding(self, fi: int) -> bool:
+        """Whether data file ``fi`` is read from an encoded file's decoding."""
+        return self._decoder.decodes(self.path_of(fi))
+
+    def decode_into(self, fi: int, at: int, length: int, addr: int) -> bool:
+        """Where data file ``fi`` is an encoded file's decoding and its bytes
+        ``[at, at + length)`` are one record not yet decoded: decodes them
+        straight into the memory at ``addr`` (True). False: read the file."""
+        return self._decoder.decode_into(self.path_of(fi), at, length, addr)
+
     def prepare_read(self, fi: int, spans: list[tuple[int, int]] | None) -> None:
         """Before data file ``fi`` is read at the byte ranges ``spans``
         (None: all of it): where it is an encoded file's decoding, the
