@@ -199,10 +199,16 @@ def _encode_segments(
     if n > pos:
         plan.append((pos, n - pos, 1, [], ""))
 
-    def code(at: int, length: int, width: int, ref: tuple[int, int] | None) -> bytes:
+    def encode(seg: tuple[int, int, int, list[tuple[int, int]], str]) -> tuple[bytes, tuple[int, int] | None]:
+        """A segment's stream, against the candidate a sample of it encodes
+        smallest against (none without candidates), and that candidate."""
+        at, length, width, cands, _label = seg
+        chosen = None
         ref_addr = ref_len = 0
-        if ref is not None:
-            ref_addr, ref_len = ref_bases[ref[0]] + ref[1], length
+        if cands:
+            refs = [ref_bases[k] + ro for k, ro in cands]
+            chosen = cands[_codec.closest_reference(src_addr + at, length, width, refs, spec, SEGMENT_SAMPLE)]
+            ref_addr, ref_len = ref_bases[chosen[0]] + chosen[1], length
         data, _transform, _stats = _core.codec_encode(
             src_addr + at,
             length,
@@ -211,20 +217,9 @@ def _encode_segments(
             ref_len,
             level=spec.level,
             threads=_codec.threads(),
-            transform=spec.transform if ref is not None else None,
+            transform=spec.transform if chosen is not None else None,
         )
-        return data
-
-    def encode(seg: tuple[int, int, int, list[tuple[int, int]], str]) -> tuple[bytes, tuple[int, int] | None]:
-        at, length, width, cands, _label = seg
-        chosen = cands[0] if cands else None
-        if len(cands) > 1:
-            # The candidate a sample from the record's middle encodes smallest against.
-            m = min(SEGMENT_SAMPLE, length) // width * width
-            off = (length - m) // 2 // width * width
-            sizes = [len(code(at + off, m, width, (k, ro + off))) for k, ro in cands]
-            chosen = cands[min(range(len(cands)), key=sizes.__getitem__)]
-        return code(at, length, width, chosen), chosen
+        return data, chosen
 
     segments: list[list[int]] = []
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")

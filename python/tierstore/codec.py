@@ -326,6 +326,31 @@ class BaseFile:
         }
 
 
+def closest_reference(addr: int, nbytes: int, width: int, refs: list[int], spec: Spec, sample: int) -> int:
+    """Which of the references ``refs`` (addresses of ``nbytes`` bytes each,
+    aligned with the data) to encode the ``nbytes`` at ``addr`` (elements of
+    ``width`` bytes) against: the one against which a sample (up to
+    ``sample`` bytes from the middle) encodes smallest; ties go to the first."""
+    if len(refs) < 2:
+        return 0
+    length = min(sample, nbytes) // width * width
+    off = (nbytes - length) // 2 // width * width
+    sizes = []
+    for ref in refs:
+        data, _t, _s = _core.codec_encode(
+            addr + off,
+            length,
+            width,
+            ref + off,
+            length,
+            level=spec.level,
+            threads=threads(),
+            transform=spec.transform,
+        )
+        sizes.append(len(data))
+    return min(range(len(sizes)), key=sizes.__getitem__)
+
+
 def choose_base(
     st: torch.UntypedStorage, dtype: torch.dtype, spec: Spec, candidates: list[tuple[BaseFile, str]]
 ) -> int:
@@ -338,23 +363,8 @@ def choose_base(
     width = element_width(dtype)
     if n % width:
         width = 1
-    length = min(1 << 20, n) // width * width
-    off = (n - length) // 2 // width * width
-    sizes = []
-    for bf, rname in candidates:
-        ref, _entry = bf.bytes_of(rname)
-        data, _t, _s = _core.codec_encode(
-            st.data_ptr() + off,
-            length,
-            width,
-            ref.data_ptr() + off,
-            length,
-            level=spec.level,
-            threads=threads(),
-            transform=spec.transform,
-        )
-        sizes.append(len(data))
-    return min(range(len(sizes)), key=sizes.__getitem__)
+    refs = [bf.bytes_of(rname)[0] for bf, rname in candidates]
+    return closest_reference(st.data_ptr(), n, width, [r.data_ptr() for r in refs], spec, 1 << 20)
 
 
 def resolve_reference(path: str, ref: Any, record: str, override: str | list[str] | None) -> str:

@@ -3242,10 +3242,12 @@ def ckpt_mutators(
         hlen = struct.unpack_from("<I", data, len(data) - 16)[0]
         at = len(data) - 16 - hlen
         h = json.loads(bytes(data[at : at + hlen]))
-        field = rng.choice(["segment", "bytes", "reference", "label"])
+        field = rng.choice(["segment", "bytes", "reference", "label", "references"])
+        if field == "references" and h.get("reference") is None:
+            field = "reference"
         if field == "segment" and h["segments"]:
             seg = rng.choice(h["segments"])
-            i = rng.randrange(5)
+            i = rng.randrange(len(seg))
             seg[i] = rng.choice([seg[i] + 1, seg[i] - 1, 0, -1, 1 << 40, seg[i] * 2])
         elif field == "bytes":
             h["bytes"] = rng.choice([h["bytes"] + 1, h["bytes"] - 1, 0, 1 << 50])
@@ -3264,6 +3266,28 @@ def ckpt_mutators(
                      "manifest_crc32": 0},
                 ]
             )  # fmt: skip
+        elif field == "references":
+            # Version 2 (a reference per segment): re-sealed as it is (a valid
+            # file, which must still load exactly) or with one field wrong.
+            ref = h["reference"]
+            if h.get("version") != 2:
+                h["version"] = 2
+                h["references"] = [ref, dict(ref)]
+                for seg in h["segments"]:
+                    seg.append(0 if seg[3] >= 0 else -1)
+            refd = [seg for seg in h["segments"] if seg[3] >= 0]
+            what = rng.choice(["valid", "index", "none", "outside", "first", "many"])
+            field = f"references ({what})"
+            if what == "index" and refd:
+                rng.choice(refd)[5] = rng.choice([len(h["references"]), 7, -2])
+            elif what == "none" and refd:
+                rng.choice(refd)[5] = -1
+            elif what == "outside":
+                h["references"][-1] = {**ref, "step_dir": "../../..", "name": "etc"}
+            elif what == "first":
+                h["references"][0] = {**ref, "name": "rank-00099.x.pt"}
+            elif what == "many":
+                h["references"] = [ref] * 5
         else:
             h["labels"] = rng.choice([[], None, ["x"] * (len(h["segments"]) + 1)])
         hb = json.dumps(h).encode()
