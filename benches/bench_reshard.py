@@ -12,8 +12,9 @@ the rank's process read from the device (``read_bytes`` of its own
 load; readahead and O_DIRECT counted alike), next to tierstore's planner's
 count of the bytes it asked for and ``rchar``; and load time, save time and
 planning time. tierstore runs in each verification mode (``verify="touched"``,
-the default; ``"full"``; ``False``), interleaved with DCP over ``--repeats``
-rounds, with bytes read also over the bytes
+the default; ``"full"``; ``"shared"``, the chunks a rank reads in part proven
+with the other ranks' pieces; ``False``), interleaved with DCP over
+``--repeats`` rounds, with bytes read also over the bytes
 needed rounded out to the 4 KiB blocks O_DIRECT reads anyway. The UCP-style
 path consolidates the checkpoint offline into one file per tensor, then every
 rank loads whole tensors and slices them.
@@ -218,9 +219,15 @@ def _run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 
 
 # tierstore's verification modes: every chunk a read touches (the default),
-# every chunk of every record read from, none.
-TS_MODES = ["tierstore", "tierstore-full", "tierstore-noverify"]
-TS_VERIFY: dict[str, Any] = {"tierstore": "touched", "tierstore-full": "full", "tierstore-noverify": False}
+# every chunk of every record read from, every chunk touched with those read
+# in part proven across the ranks, none.
+TS_MODES = ["tierstore", "tierstore-full", "tierstore-shared", "tierstore-noverify"]
+TS_VERIFY: dict[str, Any] = {
+    "tierstore": "touched",
+    "tierstore-full": "full",
+    "tierstore-shared": "shared",
+    "tierstore-noverify": False,
+}
 LOAD_SYSTEMS = [*TS_MODES, "dcp"]
 
 
@@ -374,10 +381,20 @@ def main() -> int:
             f"{r['plan_s']:7.3f}"
         )
     lines.append("verified load time / unverified (median of rounds, slowest rank):")
-    for t in dict.fromkeys(r["transition"] for r in rows):
+    transitions = list(dict.fromkeys(r["transition"] for r in rows))
+    for t in transitions:
         raw = by[(t, "tierstore-noverify")]["load_s"]
         touched, full = by[(t, "tierstore")]["load_s"] / raw, by[(t, "tierstore-full")]["load_s"] / raw
-        lines.append(f"  {t:28} touched {touched:.3f}x, full {full:.3f}x")
+        shared = by[(t, "tierstore-shared")]["load_s"] / raw
+        lines.append(f"  {t:28} touched {touched:.3f}x, full {full:.3f}x, shared {shared:.3f}x")
+    # The plain load: the saved layout loaded again (every rank reads its own file whole).
+    plain = transitions[0]
+    lines.append(f"resharding load time / the plain load ({plain}) in the same mode (target: at most 1.2x):")
+    for t in transitions[1:]:
+        ratios = {s: by[(t, s)]["load_s"] / by[(plain, s)]["load_s"] for s in TS_MODES}
+        result.setdefault("reshard_over_plain", {})[t] = ratios
+        each = ", ".join(f"{s.removeprefix('tierstore-')} {x:.3f}x" for s, x in ratios.items())
+        lines.append(f"  {t:28} {each}")
     lines.append(
         f"planning, 10,000 tensors x 64 ranks (metadata only): {result['planning_10k_tensors_64_ranks_s']:.3f} s"
     )

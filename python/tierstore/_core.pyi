@@ -38,6 +38,7 @@ __all__ = [
     "join_halves",
     "open_container",
     "probe_path",
+    "prove_pieces",
     "read_blocks",
     "read_directory_stream",
     "read_ranges_verified",
@@ -289,7 +290,8 @@ def read_blocks(
     *,
     verify: str = "touched",
     background: bool = False,
-) -> tuple[int, int, int]: ...
+) -> tuple[int, int, int, bytes, bytes]: ...
+def prove_pieces(rows: bytes) -> bytes: ...
 def split_halves(src: int, hi: int, lo: int, n: int, threads: int = 1) -> None: ...
 def join_halves(hi: int, lo: int, out: int, n: int, threads: int = 1) -> None: ...
 

@@ -160,3 +160,43 @@ def barrier(world: int, pg: Any) -> None:
         import torch.distributed as dist
 
         dist.barrier(group=pg)
+
+
+def exchange(parts: list[Any] | None, world: int, pg: Any) -> list[Any] | None:
+    """Sends ``parts[r]`` (a 2-D numpy array; every rank uses the same dtype
+    and row width) to rank ``r`` and returns, in rank order, what each rank
+    sent this one: two all-to-alls, one of row counts and one of the rows,
+    so a rank sends and receives what it exchanges plus one integer per rank.
+    A rank that passes None (it failed before its part) sends nothing; then
+    every rank gets None and no further collective is made, so a rank that
+    failed never leaves the others waiting."""
+    if world == 1:
+        return None if parts is None else [parts[0]]
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    dev = "cuda" if dist.get_backend(pg) == "nccl" else "cpu"
+    counts = [-1] * world if parts is None else [len(p) for p in parts]
+    sent = torch.tensor(counts, dtype=torch.int64, device=dev)
+    got = torch.empty(world, dtype=torch.int64, device=dev)
+    dist.all_to_all_single(got, sent, group=pg)
+    _count("exchange counts", 8 * world, 8 * world)
+    got_counts = [int(x) for x in got.tolist()]
+    if parts is None or min(got_counts) < 0:
+        return None
+    width = parts[0].shape[1] if parts[0].ndim == 2 else 1
+    dtype = parts[0].dtype
+    flat = torch.from_numpy(np.ascontiguousarray(np.concatenate(parts)).reshape(-1)).to(dev)
+    out = torch.empty(sum(got_counts) * width, dtype=flat.dtype, device=dev)
+    dist.all_to_all_single(
+        out,
+        flat,
+        output_split_sizes=[c * width for c in got_counts],
+        input_split_sizes=[c * width for c in counts],
+        group=pg,
+    )
+    rows = out.cpu().numpy().reshape(-1, width).astype(dtype, copy=False)
+    _count("exchange", flat.numel() * flat.element_size(), out.numel() * out.element_size())
+    ends = np.cumsum(got_counts)
+    return [rows[e - c : e] for c, e in zip(got_counts, ends.tolist(), strict=True)]

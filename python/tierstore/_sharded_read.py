@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierstore import _core, _dist, _limits, _paths, _tier_codec, _tree, gpu
+from tierstore import _core, _dist, _limits, _paths, _shared_verify, _tier_codec, _tree, gpu
 from tierstore._engine import get_engine
 from tierstore._leaves import flatten, is_dtensor, tensor_and_layout
 from tierstore.errors import (
@@ -40,8 +40,9 @@ from tierstore.shardmeta import (
 )
 
 # What a load verifies: every chunk its reads touch (default), every chunk
-# of every record it reads from, or nothing.
-VERIFY_MODES = ("touched", "full", False)
+# of every record it reads from, every chunk its reads touch with the chunks
+# read in part proven with the other ranks' reads, or nothing.
+VERIFY_MODES = ("touched", "full", "shared", False)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -266,9 +267,15 @@ def load_sharded(
 
     ``verify`` says which checksums are checked: ``"touched"`` (default)
     every 4 KiB chunk a read touches, reading the rest of a chunk it touches
-    in part; ``"full"`` every chunk of every record read from; ``False``
-    none (the metadata is still checked). ``stats``, if given, receives the
-    bytes read, verified and needed. Returns ``state_dict``.
+    in part; ``"full"`` every chunk of every record read from; ``"shared"``
+    every chunk a read touches, where a chunk this rank needs only part of is
+    proven together with the other ranks of ``process_group`` that read the
+    rest of it (so a column shard reads only its own bytes; every rank of the
+    group must call ``load_sharded`` with ``verify="shared"``; a rank that
+    fails before its reads are done makes the others check alone, never
+    wait); ``False`` none (the metadata is still checked). ``stats``, if
+    given, receives the bytes read, verified and needed. Returns
+    ``state_dict``.
     """
     with closing_scope():
         return read_sharded(
@@ -299,12 +306,52 @@ def read_sharded(
         verify = "touched"
     if verify not in VERIFY_MODES:
         raise InvalidArgumentError(f"verify must be 'touched', 'full' or False, not {verify!r}")
-    rank, world, _pg = _dist.group_info(process_group)
+    rank, world, pg = _dist.group_info(process_group)
     from tierstore import dcp
 
+    shared = verify == "shared" and world > 1
+    if verify == "shared" and not shared:
+        verify = "touched"
     if not (Path(path) / MANIFEST).exists() and dcp.is_dcp(path):
-        return _load_from_dcp(path, state_dict, world, weights_only, stats, verify)
-    ck = checkpoint if checkpoint is not None else Checkpoint(path)
+        # Every rank of a shared load gets here (the same directory): DCP's files have no chunk checksums.
+        return _load_from_dcp(path, state_dict, world, weights_only, stats, "touched" if shared else verify)
+    pending: list[_shared_verify.FilePieces] | None = []
+    try:
+        ck = checkpoint if checkpoint is not None else Checkpoint(path)
+        targets, objects_wanted = _targets(ck, path, state_dict, world)
+        t_plan = time.perf_counter()
+        the_plan = make_plan(ck, targets)
+        plan_seconds = time.perf_counter() - t_plan
+        plan = expand_plan(the_plan, targets, ck)
+        read, checked, blocks = read_plan(ck, plan, verify, pending)
+    except Exception:
+        if shared:
+            _shared_verify.settle(None, world, pg)  # the other ranks check alone rather than wait
+        raise
+    if shared:
+        proven, r, c = _shared_verify.settle(pending, world, pg)
+        read, checked = read + r, checked + c + proven
+    to_device = [(t.final, t.dest) for t in targets if t.dest is not t.final and t.final.is_cuda]
+    for t in targets:
+        if t.dest is not t.final and not t.final.is_cuda:
+            t.final.copy_(t.dest)
+    if to_device:
+        gpu.copy_to_device(to_device)
+    _load_objects(ck, objects_wanted, rank, world, per_rank_policy, weights_only)
+    if stats is not None:
+        stats["bytes_read"] = read
+        stats["bytes_verified"] = checked
+        stats["bytes_needed"] = sum(the_plan.needed.values())
+        stats["bytes_needed_blocks"] = blocks
+        stats["manifest_bytes"] = (ck.dir / MANIFEST).stat().st_size
+        stats["plan_seconds"] = plan_seconds
+    return state_dict
+
+
+def _targets(
+    ck: Checkpoint, path: str | os.PathLike[str], state_dict: MutableMapping[str, Any], world: int
+) -> tuple[list[Target], list[_Wanted]]:
+    """The tensors of ``state_dict`` to fill and the objects to replace."""
     m = ck.manifest
     targets: list[Target] = []
     objects_wanted: list[_Wanted] = []
@@ -331,27 +378,7 @@ def read_sharded(
                 targets.append(Target(name, t, t, Layout.full(name, tuple(t.shape))))
             for name, (holder, slot, pth) in objs.items():
                 objects_wanted.append(_Wanted(name, holder, slot, pth, None))
-    t_plan = time.perf_counter()
-    the_plan = make_plan(ck, targets)
-    plan_seconds = time.perf_counter() - t_plan
-    plan = expand_plan(the_plan, targets, ck)
-    needed = the_plan.needed
-    read, checked, blocks = read_plan(ck, plan, verify)
-    to_device = [(t.final, t.dest) for t in targets if t.dest is not t.final and t.final.is_cuda]
-    for t in targets:
-        if t.dest is not t.final and not t.final.is_cuda:
-            t.final.copy_(t.dest)
-    if to_device:
-        gpu.copy_to_device(to_device)
-    _load_objects(ck, objects_wanted, rank, world, per_rank_policy, weights_only)
-    if stats is not None:
-        stats["bytes_read"] = read
-        stats["bytes_verified"] = checked
-        stats["bytes_needed"] = sum(needed.values())
-        stats["bytes_needed_blocks"] = blocks
-        stats["manifest_bytes"] = (ck.dir / MANIFEST).stat().st_size
-        stats["plan_seconds"] = plan_seconds
-    return state_dict
+    return targets, objects_wanted
 
 
 def needed_files(ck: Checkpoint, state_dict: Any, rank: int, world: int) -> set[str] | None:
@@ -391,12 +418,18 @@ def needed_files(ck: Checkpoint, state_dict: Any, rank: int, world: int) -> set[
     return names & ({f["name"] for f in m["files"]} | {o["name"] for o in m.get("object_files", ())})
 
 
-def read_plan(ck: Checkpoint, plan: dict[int, FileBlocks], verify: str | bool) -> tuple[int, int, int]:
+def read_plan(
+    ck: Checkpoint,
+    plan: dict[int, FileBlocks],
+    verify: str | bool,
+    pending: list[_shared_verify.FilePieces] | None = None,
+) -> tuple[int, int, int]:
     """Reads every file's blocks, each file checked against the manifest
     first and its chunks verified per ``verify`` (the runs expanded, merged
     and read in the engine, through reused windows where they are short).
-    Returns the bytes read, verified, and those of the 4 KiB blocks the runs
-    touch."""
+    With ``"shared"``, the pieces of chunks read in part are appended to
+    ``pending``, to be proven with the other ranks'. Returns the bytes read,
+    verified, and those of the 4 KiB blocks the runs touch."""
     engine = get_engine()
     read = checked = blocks = 0
     mode = "none" if verify is False else str(verify)
@@ -411,14 +444,14 @@ def read_plan(ck: Checkpoint, plan: dict[int, FileBlocks], verify: str | bool) -
             continue
         # An encoded file's decoding: the records these blocks touch (all, to verify every chunk).
         ck.prepare_read(f, None if mode == "full" else block_spans(fb))
-        r, c, b = _core.read_blocks(
-            engine,
-            ck.path_of(f),
-            fb.rows.tobytes(),
-            fb.dims,
-            [t.as_tuple() for t in tables.values()],
-            verify=mode,
-        )
+        tabs = [t.as_tuple() for t in tables.values()]
+        rows = fb.rows.tobytes()
+        r, c, b, pieces, filled = _core.read_blocks(engine, ck.path_of(f), rows, fb.dims, tabs, verify=mode)
+        got = _shared_verify.collect(f, ck.path_of(f), tabs, pieces, filled)
+        if got is not None:
+            if pending is None:
+                raise InvalidArgumentError('verify="shared" needs the caller to prove the pieces it returns')
+            pending.append(got)
         ck.count_read(f, r)
         read += r
         checked += c

@@ -23,6 +23,13 @@
 //!   device streams, and pages a neighbour rank already brought into the
 //!   page cache are used in place.
 //!
+//! With [`Coverage::Shared`] (a load that several ranks make together), a
+//! chunk this call's ranges touch only in part is not read whole: the spans
+//! it reads of the chunk are checksummed and returned as [`Piece`]s, which
+//! the caller proves with the other ranks' pieces of the same chunk
+//! ([`prove_pieces`]: their checksums, combined in file order, must give the
+//! chunk's) and re-reads with [`Coverage::Touched`] where they cannot.
+//!
 //! Without verification ([`Coverage::None`]) long ranges are read into place
 //! and short ones copied through the same windows; exactly the ranges' bytes
 //! are read.
@@ -32,7 +39,7 @@
 //! Every returned byte was covered by a checksum that matched, or the call
 //! fails naming the record and the chunk.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::engine::Engine;
@@ -220,15 +227,50 @@ pub enum Coverage {
     Full,
     /// None: the ranges are read, checked only to lie inside their records.
     None,
+    /// As `Touched`, except that a chunk the ranges cover only in part is
+    /// not read whole: the spans read of it come back as [`Piece`]s (their
+    /// bytes unchecked until the caller proves them).
+    Shared,
+}
+
+/// A span of a chunk that a [`Coverage::Shared`] read copied out without
+/// checking the chunk: its checksum, and the chunk's, so that the spans
+/// other readers read of the same chunk can complete the proof.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// File offset and length of the chunk.
+    pub chunk_offset: u64,
+    pub chunk_len: u64,
+    /// File offset and length of the span (inside the chunk).
+    pub offset: u64,
+    pub len: u64,
+    /// The span's checksum, and the chunk's expected one.
+    pub sum: u32,
+    pub expected: u32,
+    pub algo: Algo,
+}
+
+/// Caller memory a [`Coverage::Shared`] read filled from a chunk it read in
+/// part: `len` bytes of the file at `offset`, now at address `mem`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Filled {
+    pub chunk_offset: u64,
+    pub offset: u64,
+    pub len: u64,
+    pub mem: usize,
 }
 
 /// What a verified read did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Verified {
     /// Bytes of the file read (ranges plus the rest of their partial chunks).
     pub read: u64,
     /// Bytes whose checksum was checked.
     pub checked: u64,
+    /// [`Coverage::Shared`]: the spans of chunks read in part, unchecked, in
+    /// file order, and the memory they filled.
+    pub pieces: Vec<Piece>,
+    pub filled: Vec<Filled>,
 }
 
 /// One range of a verified read: `range` lies inside the record of table `table`.
@@ -252,11 +294,13 @@ const AHEAD: usize = 4;
 const DIRECT_MIN: usize = 64 << 10;
 
 /// A span of the file read into a window: checked as chunk `check` (table,
-/// chunk) where given, then its `parts` copied out to caller memory.
+/// chunk) where given, or checksummed into piece `sum`, then its `parts`
+/// copied out to caller memory.
 struct Unit {
     off: u64,
     len: u64,
     check: Option<(usize, u64)>,
+    sum: Option<usize>,
     parts: std::ops::Range<usize>,
 }
 
@@ -279,6 +323,7 @@ fn stream(
     units: &[Unit],
     parts: &[Part],
     tables: &[ChunkTable],
+    pieces: &[(Algo, AtomicU32)],
     threads: usize,
 ) -> Result<u64> {
     if units.is_empty() {
@@ -319,6 +364,10 @@ fn stream(
             let data = map.slice(u.off, u.len);
             if let Some((ti, i)) = u.check {
                 tables[ti].verify(file, i, data)?;
+            }
+            if let Some(k) = u.sum {
+                let (algo, slot) = &pieces[k];
+                slot.store(algo.sum(data), Ordering::Relaxed);
             }
             for p in &parts[u.parts.clone()] {
                 let from = (p.off - u.off) as usize;
@@ -363,6 +412,7 @@ fn read_unverified(
                 off: r.offset,
                 len: r.len as u64,
                 check: None,
+                sum: None,
                 parts: parts.len()..parts.len() + 1,
             }),
         }
@@ -392,13 +442,13 @@ fn read_unverified(
             )
         }?)
     };
-    let streamed = stream(file, &units, &parts, &[], threads)?;
+    let streamed = stream(file, &units, &parts, &[], &[], threads)?;
     if let Some(t) = task {
         t.join()?;
     }
     Ok(Verified {
         read: direct_bytes + streamed,
-        checked: 0,
+        ..Verified::default()
     })
 }
 
@@ -773,19 +823,63 @@ pub unsafe fn read_ranges_verified(
     }
     out.read += direct_bytes;
     out.checked += direct_bytes;
-    let mut units: Vec<Unit> = mapped
-        .iter()
-        .map(|&(ti, i, from, to)| {
-            let t = &tables[ti];
-            let (cs, ce) = t.chunk_span(i);
-            Unit {
-                off: t.data_offset + cs,
-                len: ce - cs,
+    let mut units: Vec<Unit> = Vec::with_capacity(mapped.len());
+    let mut sums: Vec<(Algo, AtomicU32)> = Vec::new();
+    for &(ti, i, from, to) in &mapped {
+        let t = &tables[ti];
+        let (cs, ce) = t.chunk_span(i);
+        let (start, end) = (t.data_offset + cs, t.data_offset + ce);
+        // The chunk's own parts (sorted by offset) cover it whole?
+        let covered = staged[from..to]
+            .iter()
+            .try_fold(start, |at, &(_, _, off, len, _)| {
+                (off <= at).then_some(at.max(off + len as u64))
+            });
+        if coverage != Coverage::Shared || from == to || covered.is_some_and(|at| at >= end) {
+            units.push(Unit {
+                off: start,
+                len: end - start,
                 check: Some((ti, i)),
+                sum: None,
                 parts: from..to,
+            });
+            continue;
+        }
+        // Read in part: each span of overlapping parts is one piece.
+        for (k, &(_, _, off, len, mem)) in staged.iter().enumerate().take(to).skip(from) {
+            out.filled.push(Filled {
+                chunk_offset: start,
+                offset: off,
+                len: len as u64,
+                mem: mem.0 as usize,
+            });
+            match units.last_mut() {
+                Some(u) if u.sum.is_some() && u.parts.start >= from && off <= u.off + u.len => {
+                    u.len = u.len.max(off + len as u64 - u.off);
+                    u.parts.end = k + 1;
+                }
+                _ => {
+                    units.push(Unit {
+                        off,
+                        len: len as u64,
+                        check: None,
+                        sum: Some(sums.len()),
+                        parts: k..k + 1,
+                    });
+                    sums.push((t.algo, AtomicU32::new(0)));
+                    out.pieces.push(Piece {
+                        chunk_offset: start,
+                        chunk_len: end - start,
+                        offset: off,
+                        len: 0,
+                        sum: 0,
+                        expected: t.sums[i as usize],
+                        algo: t.algo,
+                    });
+                }
             }
-        })
-        .collect();
+        }
+    }
     units.sort_unstable_by_key(|u| u.off);
     if units.windows(2).any(|w| w[0].off + w[0].len > w[1].off) {
         return Err(Error::corrupt(
@@ -798,15 +892,157 @@ pub unsafe fn read_ranges_verified(
         .iter()
         .map(|&(_, _, off, len, mem)| Part { off, len, mem })
         .collect();
-    let streamed = stream(file, &units, &parts, tables, threads)?;
+    let streamed = stream(file, &units, &parts, tables, &sums, threads)?;
     out.read += streamed;
-    out.checked += streamed;
+    out.checked += units
+        .iter()
+        .filter(|u| u.check.is_some())
+        .map(|u| u.len)
+        .sum::<u64>();
+    for u in &units {
+        if let Some(k) = u.sum {
+            out.pieces[k].len = u.len;
+            out.pieces[k].sum = sums[k].1.load(Ordering::Relaxed);
+        }
+    }
     Ok(out)
+}
+
+/// Proves chunks from the [`Piece`]s that readers read of them: for each
+/// piece, whether its bytes are proven, i.e. the pieces of its chunk
+/// (identified by `key` and the chunk offset; all giving the same chunk
+/// length, expected checksum and algorithm) cover the chunk from its first
+/// byte to its last, one after another, and their checksums combined in
+/// file order give the chunk's; a piece equal to a piece used (same span
+/// and checksum) is proven with it. Pieces that overlap otherwise, leave a
+/// gap, or belong to a chunk whose sum does not match are not proven: their
+/// readers check those chunks themselves.
+pub fn prove_pieces(pieces: &[(u64, Piece)]) -> Vec<bool> {
+    let mut order: Vec<usize> = (0..pieces.len()).collect();
+    order.sort_unstable_by_key(|&k| {
+        let (key, p) = &pieces[k];
+        (
+            *key,
+            p.chunk_offset,
+            p.offset,
+            std::cmp::Reverse(p.len),
+            p.sum,
+        )
+    });
+    let mut proven = vec![false; pieces.len()];
+    let mut crc32 = crate::crc::Combiner::default();
+    let mut g = 0;
+    while g < order.len() {
+        let (key, first) = pieces[order[g]];
+        let mut e = g;
+        while e < order.len() && {
+            let (k, p) = &pieces[order[e]];
+            *k == key && p.chunk_offset == first.chunk_offset
+        } {
+            e += 1;
+        }
+        let group = &order[g..e];
+        g = e;
+        let same = group.iter().all(|&k| {
+            let p = &pieces[k].1;
+            (p.chunk_len, p.expected, p.algo) == (first.chunk_len, first.expected, first.algo)
+        });
+        if !same {
+            continue;
+        }
+        let end = first.chunk_offset + first.chunk_len;
+        let (mut at, mut acc) = (first.chunk_offset, 0u32);
+        let mut used: Vec<usize> = Vec::new();
+        let mut gap = false;
+        for &k in group {
+            let p = &pieces[k].1;
+            if p.offset == at && p.len > 0 && p.offset + p.len <= end {
+                acc = match p.algo {
+                    Algo::Crc32 => crc32.combine(acc, p.sum, p.len),
+                    Algo::Crc32c => crc32c::crc32c_combine(acc, p.sum, p.len as usize),
+                };
+                at += p.len;
+                used.push(k);
+            } else if p.offset > at {
+                gap = true;
+                break;
+            }
+        }
+        if gap || at != end || acc != first.expected {
+            continue;
+        }
+        for &k in group {
+            let p = &pieces[k].1;
+            proven[k] = used.iter().any(|&u| {
+                let q = &pieces[u].1;
+                (q.offset, q.len, q.sum) == (p.offset, p.len, p.sum)
+            });
+        }
+    }
+    proven
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn piece(data: &[u8], chunk: (u64, u64), span: (u64, u64), algo: Algo) -> Piece {
+        let (c, n) = chunk;
+        let (s, e) = span;
+        Piece {
+            chunk_offset: c,
+            chunk_len: n,
+            offset: s,
+            len: e - s,
+            sum: algo.sum(&data[s as usize..e as usize]),
+            expected: algo.sum(&data[c as usize..(c + n) as usize]),
+            algo,
+        }
+    }
+
+    #[test]
+    fn pieces_prove_their_chunk_together() {
+        let data: Vec<u8> = (0..10_000u32).map(|x| (x * 7 % 253) as u8).collect();
+        for algo in [Algo::Crc32, Algo::Crc32c] {
+            let c = (4096, 4096);
+            let p = |s: u64, e: u64| piece(&data, c, (s, e), algo);
+            // Three readers' spans, one of them read twice (a replica), out of order.
+            let all = vec![
+                (1, p(6000, 8192)),
+                (1, p(4096, 5000)),
+                (1, p(5000, 6000)),
+                (1, p(5000, 6000)),
+            ];
+            assert_eq!(prove_pieces(&all), vec![true; 4]);
+            // Another file's chunk at the same offset is another chunk.
+            let other = vec![(1, p(4096, 5000)), (2, p(5000, 8192))];
+            assert_eq!(prove_pieces(&other), vec![false; 2]);
+            // A gap proves nothing.
+            assert_eq!(
+                prove_pieces(&[(1, p(4096, 5000)), (1, p(5001, 8192))]),
+                vec![false; 2]
+            );
+            // A span overlapping two others is not proven by them; they are.
+            let straddle = vec![(1, p(4096, 6000)), (1, p(6000, 8192)), (1, p(5000, 7000))];
+            assert_eq!(prove_pieces(&straddle), vec![true, true, false]);
+            // A damaged span (or a wrong expected sum) fails its whole chunk.
+            let mut bad = vec![(1, p(4096, 6000)), (1, p(6000, 8192))];
+            bad[1].1.sum ^= 1;
+            assert_eq!(prove_pieces(&bad), vec![false; 2]);
+            let mut differ = vec![(1, p(4096, 6000)), (1, p(6000, 8192))];
+            differ[0].1.expected ^= 1;
+            assert_eq!(prove_pieces(&differ), vec![false; 2]);
+            // The same span read with different bytes: the copy that does
+            // not fit is never proven (the others may be, or fall back too).
+            for flip in [1u32, 1 << 31] {
+                let mut twice = vec![(1, p(4096, 6000)), (1, p(4096, 6000)), (1, p(6000, 8192))];
+                twice[1].1.sum ^= flip;
+                let got = prove_pieces(&twice);
+                assert!(!got[1] && got[0] == got[2], "{got:?}");
+            }
+        }
+        assert!(prove_pieces(&[]).is_empty());
+    }
 
     #[test]
     fn compute_matches_per_chunk_sums() {

@@ -56,6 +56,24 @@ pub fn combine(crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
     mul_mod_p(x_pow_8n(len_b), crc_a) ^ crc_b
 }
 
+/// [`combine`] for many appends of a few distinct lengths: the factor of
+/// each length is computed once.
+#[derive(Default)]
+pub struct Combiner {
+    factors: std::collections::HashMap<u64, u32>,
+}
+
+impl Combiner {
+    /// The CRC-32 of `A ‖ B` from `crc(A)`, `crc(B)` and `|B|`.
+    pub fn combine(&mut self, crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
+        if crc_a == 0 {
+            return crc_b; // shifting 0 gives 0
+        }
+        let f = *self.factors.entry(len_b).or_insert_with(|| x_pow_8n(len_b));
+        mul_mod_p(f, crc_a) ^ crc_b
+    }
+}
+
 /// Multiplication by `x^(8·CHUNK) mod P` as four byte tables.
 struct Shift {
     tables: [[u32; 256]; 4],
@@ -224,6 +242,19 @@ mod tests {
             let (a, b) = d.split_at(cut);
             let got = combine(crc32fast::hash(a), crc32fast::hash(b), b.len() as u64);
             assert_eq!(got, crc32fast::hash(&d), "cut at {cut}");
+        }
+        // Appending pieces of a few lengths, each length's factor reused.
+        let mut c = Combiner::default();
+        let (mut acc, mut at) = (0u32, 0usize);
+        for len in [1280usize, 1280, 7, 1280, 0, 7, 4096, 3000]
+            .iter()
+            .cycle()
+            .take(40)
+        {
+            let end = (at + len).min(d.len());
+            acc = c.combine(acc, crc32fast::hash(&d[at..end]), (end - at) as u64);
+            at = end;
+            assert_eq!(acc, crc32fast::hash(&d[..at]), "after {at} bytes");
         }
     }
 

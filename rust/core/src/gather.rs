@@ -190,7 +190,7 @@ pub fn blocks_touched(runs: &[Run], block: u64) -> u64 {
 /// What [`read_blocks`] did: bytes read and verified, and the bytes of the
 /// 4 KiB blocks of the file that the runs touch (what a reader of whole
 /// blocks, O_DIRECT or the page cache, reads at least).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BlocksRead {
     pub verified: Verified,
     pub blocks_4k: u64,

@@ -1551,6 +1551,102 @@ fn verified_read(
     (r, dests)
 }
 
+/// A [`Coverage::Shared`] read of `ranges` as one of two readers: a second
+/// reader reads the rest of every chunk the first read in part, the pieces
+/// of both are proven together, and the first re-reads, checking whole
+/// chunks, what was not proven (as a sharded load does across ranks).
+fn shared_read(
+    engine: &Arc<Engine>,
+    path: &Path,
+    ranges: &[(usize, u64, usize)],
+    tables: &[ChunkTable],
+) -> (Result<Verified, Error>, Dests) {
+    let (r, dests) = verified_read(engine, path, ranges, tables, Coverage::Shared);
+    let v = match r {
+        Ok(v) => v,
+        Err(e) => return (Err(e), dests),
+    };
+    let table_of = |off: u64| {
+        tables
+            .iter()
+            .position(|t| off >= t.data_offset && off < t.data_offset + t.size)
+            .expect("a piece inside a record")
+    };
+    let mut by_chunk: std::collections::BTreeMap<u64, (u64, Vec<(u64, u64)>)> =
+        std::collections::BTreeMap::new();
+    for p in &v.pieces {
+        assert!(
+            p.len > 0
+                && p.offset >= p.chunk_offset
+                && p.offset + p.len <= p.chunk_offset + p.chunk_len
+        );
+        let e = by_chunk
+            .entry(p.chunk_offset)
+            .or_insert((p.chunk_len, Vec::new()));
+        e.1.push((p.offset, p.offset + p.len));
+    }
+    let mut other: Vec<(usize, u64, usize)> = Vec::new();
+    for (&c, (len, spans)) in &mut by_chunk {
+        spans.sort_unstable();
+        let mut at = c;
+        for &(s, e) in spans.iter() {
+            if s > at {
+                other.push((table_of(c), at, (s - at) as usize));
+            }
+            at = at.max(e);
+        }
+        assert!(at < c + *len || !spans.is_empty());
+        if at < c + *len {
+            other.push((table_of(c), at, (c + *len - at) as usize));
+        }
+    }
+    let (r2, _rest) = verified_read(engine, path, &other, tables, Coverage::Shared);
+    let v2 = match r2 {
+        Ok(v2) => v2,
+        Err(e) => return (Err(e), dests),
+    };
+    let all: Vec<(u64, chunks::Piece)> =
+        v.pieces.iter().chain(&v2.pieces).map(|p| (7, *p)).collect();
+    let proven = chunks::prove_pieces(&all);
+    let unproven: std::collections::BTreeSet<u64> = v
+        .pieces
+        .iter()
+        .zip(&proven)
+        .filter(|(_, &ok)| !ok)
+        .map(|(p, _)| p.chunk_offset)
+        .collect();
+    let redo: Vec<TableRange> = v
+        .filled
+        .iter()
+        .filter(|f| unproven.contains(&f.chunk_offset))
+        .map(|f| TableRange {
+            range: IoRange {
+                offset: f.offset,
+                len: f.len as usize,
+                buf: f.mem as *mut u8,
+            },
+            table: table_of(f.offset),
+        })
+        .collect();
+    let file = Arc::new(EngineFile::open_read(path, false).unwrap());
+    // SAFETY: the memory the first read filled, still owned by `dests`.
+    let again = unsafe {
+        chunks::read_ranges_verified(
+            engine,
+            &file,
+            &redo,
+            tables,
+            Coverage::Touched,
+            Class::Foreground,
+        )
+    };
+    assert!(
+        dests.guards_intact(),
+        "a write outside the destination memory"
+    );
+    (again.map(|_| v), dests)
+}
+
 fn chunk_len(t: &ChunkTable, i: u64) -> u64 {
     let s = i * t.chunk;
     s.saturating_add(t.chunk).min(t.size) - s
@@ -1647,13 +1743,18 @@ fn fuzz_chunks_verified_reads() {
     let s = (
         arb_setup(),
         prop::collection::vec(arb_range(), 0..12),
-        0usize..3,
+        0usize..4,
         prop_oneof![1 => Just(None), 2 => (any::<Index>(), 1u8..=255).prop_map(Some)],
         any::<Index>(),
     );
     run(1500, s, |(setup, specs, mode, damage, engine)| {
         let mut f = make_file(&setup);
-        let coverage = [Coverage::Touched, Coverage::Full, Coverage::None][mode];
+        let coverage = [
+            Coverage::Touched,
+            Coverage::Full,
+            Coverage::None,
+            Coverage::Shared,
+        ][mode];
         let full = coverage == Coverage::Full;
         // Record-relative ranges per table, then file ranges.
         let mut rel: Vec<(usize, u64, u64)> = Vec::new();
@@ -1684,7 +1785,11 @@ fn fuzz_chunks_verified_reads() {
             });
         }
         let eng = &engines()[engine.index(engines().len())];
-        let (r, dests) = verified_read(eng, &f.path, &file_ranges, &f.tables, coverage);
+        let (r, dests) = if coverage == Coverage::Shared {
+            shared_read(eng, &f.path, &file_ranges, &f.tables)
+        } else {
+            verified_read(eng, &f.path, &file_ranges, &f.tables, coverage)
+        };
         let mut c = counts.get();
         c.cases += 1;
         if coverage == Coverage::None {
@@ -1705,11 +1810,26 @@ fn fuzz_chunks_verified_reads() {
             if damage.is_some() {
                 c.damaged_unread += 1;
             }
-            assert_eq!(v.checked, want_checked, "checked bytes");
-            assert!(
-                v.checked >= touched_bytes && v.read >= touched_bytes,
-                "{v:?}"
-            );
+            if coverage == Coverage::Shared {
+                // Every touched chunk is checked here or read in part (its
+                // pieces proven with the other reader's).
+                let partial: std::collections::BTreeMap<u64, u64> = v
+                    .pieces
+                    .iter()
+                    .map(|p| (p.chunk_offset, p.chunk_len))
+                    .collect();
+                assert_eq!(
+                    v.checked + partial.values().sum::<u64>(),
+                    want_checked,
+                    "{v:?}"
+                );
+            } else {
+                assert_eq!(v.checked, want_checked, "checked bytes");
+                assert!(
+                    v.checked >= touched_bytes && v.read >= touched_bytes,
+                    "{v:?}"
+                );
+            }
             assert_ranges_read(&dests, &file_ranges, &original);
         }
         counts.set(c);

@@ -428,17 +428,25 @@ fn read_ranges_verified(
 /// rows of little-endian 64-bit integers `[file offset, address, run bytes,
 /// then per outer dimension count, file stride, memory stride]` with `dims`
 /// outer dimensions per row (see `tierstore_core::gather`); `verify` is
-/// `"touched"`, `"full"` or `"none"`. The runs are expanded, merged and read
-/// in Rust. Returns `(bytes read, bytes verified, bytes of the 4 KiB blocks
-/// the runs touch)`.
+/// `"touched"`, `"full"`, `"shared"` or `"none"`. The runs are expanded,
+/// merged and read in Rust. Returns `(bytes read, bytes verified, bytes of
+/// the 4 KiB blocks the runs touch, pieces, filled)`: with `"shared"`, the
+/// spans of chunks read in part and left unchecked, as rows of eight
+/// little-endian u64 `[chunk offset, chunk length, offset, length, checksum,
+/// expected checksum, algorithm (0 crc32, 1 crc32c), 0]` (see
+/// [`prove_pieces`]), and the memory they filled, as rows `[chunk offset,
+/// offset, length, address]`; otherwise both empty.
 ///
 /// The caller keeps the destination memory alive and untouched during the
 /// call, and the runs must not overlap in memory.
+/// What [`read_blocks`] returns.
+type BlocksResult<'py> = (u64, u64, u64, Bound<'py, PyBytes>, Bound<'py, PyBytes>);
+
 #[pyfunction]
 #[pyo3(signature = (engine, path, blocks, dims, tables, *, verify="touched", background=false))]
 #[allow(clippy::too_many_arguments)]
-fn read_blocks(
-    py: Python<'_>,
+fn read_blocks<'py>(
+    py: Python<'py>,
     engine: &PyEngine,
     path: PathBuf,
     blocks: &[u8],
@@ -446,14 +454,15 @@ fn read_blocks(
     tables: Vec<TableTuple>,
     verify: &str,
     background: bool,
-) -> PyResult<(u64, u64, u64)> {
+) -> PyResult<BlocksResult<'py>> {
     let coverage = match verify {
         "touched" => chunks::Coverage::Touched,
         "full" => chunks::Coverage::Full,
+        "shared" => chunks::Coverage::Shared,
         "none" => chunks::Coverage::None,
         other => {
             return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "verify must be 'touched', 'full' or 'none', not {other:?}"
+                "verify must be 'touched', 'full', 'shared' or 'none', not {other:?}"
             )))
         }
     };
@@ -469,7 +478,84 @@ fn read_blocks(
             unsafe { gather::read_blocks(e, &file, &blocks, tabs, coverage, class) }
         })
         .py_err(py)?;
-    Ok((got.verified.read, got.verified.checked, got.blocks_4k))
+    let v = &got.verified;
+    let mut pieces = Vec::with_capacity(v.pieces.len() * 64);
+    for p in &v.pieces {
+        let algo = u64::from(p.algo == chunks::Algo::Crc32c);
+        for x in [
+            p.chunk_offset,
+            p.chunk_len,
+            p.offset,
+            p.len,
+            u64::from(p.sum),
+            u64::from(p.expected),
+            algo,
+            0,
+        ] {
+            pieces.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+    let mut filled = Vec::with_capacity(v.filled.len() * 32);
+    for f in &v.filled {
+        for x in [f.chunk_offset, f.offset, f.len, f.mem as u64] {
+            filled.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+    Ok((
+        v.read,
+        v.checked,
+        got.blocks_4k,
+        PyBytes::new(py, &pieces),
+        PyBytes::new(py, &filled),
+    ))
+}
+
+/// Which pieces the pieces of all readers prove (see
+/// `tierstore_core::chunks::prove_pieces`): `rows` holds the rows
+/// [`read_blocks`] returns, with the last field set to a key naming the
+/// file (chunks of different keys are different chunks). Returns one byte
+/// per row, 1 where the row's bytes are proven.
+#[pyfunction]
+fn prove_pieces<'py>(py: Python<'py>, rows: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+    if rows.len() % 64 != 0 {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "{} bytes of pieces are not whole rows of 64 bytes",
+            rows.len()
+        )));
+    }
+    let mut pieces = Vec::with_capacity(rows.len() / 64);
+    for r in rows.chunks_exact(64) {
+        let w = |i: usize| u64::from_le_bytes(r[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+        let algo = match w(6) {
+            0 => chunks::Algo::Crc32,
+            1 => chunks::Algo::Crc32c,
+            other => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "a piece names checksum algorithm {other}"
+                )))
+            }
+        };
+        let (Ok(sum), Ok(expected)) = (u32::try_from(w(4)), u32::try_from(w(5))) else {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "a piece's checksum does not fit 32 bits",
+            ));
+        };
+        pieces.push((
+            w(7),
+            chunks::Piece {
+                chunk_offset: w(0),
+                chunk_len: w(1),
+                offset: w(2),
+                len: w(3),
+                sum,
+                expected,
+                algo,
+            },
+        ));
+    }
+    let proven = py.detach(|| chunks::prove_pieces(&pieces));
+    let out: Vec<u8> = proven.into_iter().map(u8::from).collect();
+    Ok(PyBytes::new(py, &out))
 }
 
 /// Chunk tables from their Python tuples.
@@ -498,6 +584,7 @@ fn chunk_tables(tables: Vec<TableTuple>) -> PyResult<Vec<chunks::ChunkTable>> {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(prove_pieces, m)?)?;
     m.add_function(wrap_pyfunction!(split_halves, m)?)?;
     m.add_function(wrap_pyfunction!(join_halves, m)?)?;
     m.add_function(wrap_pyfunction!(read_directory_stream, m)?)?;
