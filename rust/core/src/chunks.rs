@@ -727,6 +727,36 @@ pub unsafe fn read_ranges_verified(
             i += 1;
         }
     }
+    // A direct read shorter than DIRECT_MIN (a chunk or a few inside a short
+    // run, e.g. a column shard's row that happens to cover one) would be a
+    // small O_DIRECT read between the mapping's streamed pages: its chunks
+    // are checked in the mapping instead, the same bytes read.
+    let mut demoted: Vec<(usize, u64)> = Vec::new();
+    {
+        let (mut kept, mut kept_ends, mut kept_chunks) = (Vec::new(), Vec::new(), Vec::new());
+        let mut first = 0usize;
+        for (r, &end) in direct.iter().zip(&direct_ends) {
+            let chunks = &direct_chunks[first..end];
+            first = end;
+            if r.len >= DIRECT_MIN {
+                kept_chunks.extend_from_slice(chunks);
+                kept.push(*r);
+                kept_ends.push(kept_chunks.len());
+                continue;
+            }
+            for &(ti, i, mem) in chunks {
+                let t = &tables[ti];
+                let (cs, ce) = t.chunk_span(i);
+                staged.push((ti, i, t.data_offset + cs, (ce - cs) as usize, mem));
+                demoted.push((ti, i));
+            }
+        }
+        (direct, direct_ends, direct_chunks) = (kept, kept_ends, kept_chunks);
+    }
+    for &(ti, i) in &demoted {
+        touch[ti].whole[i as usize] = false;
+    }
+    let direct_chunk = |ti: usize, i: usize| touch[ti].count[i] == 1 && touch[ti].whole[i];
     staged.sort_unstable_by_key(|&(ti, i, off, ..)| (ti, i, off));
     // Chunks checked in the mapping, each with the staged parts it holds
     // (copied right after the chunk is verified, while it is in cache): the
