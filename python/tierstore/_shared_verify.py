@@ -35,9 +35,12 @@ import numpy as np
 from tierstore import _core, _dist
 from tierstore._engine import get_engine
 
-# Columns of a piece row (as ``_core.read_blocks`` returns them; the last is
-# set to the file's index here).
-_CHUNK, _LEN, _KEY = 0, 1, 7
+# A piece row (as ``_core.read_blocks`` returns it, four u64): the chunk's
+# file offset; offset in the chunk << 32 | length; checksum << 32 | expected
+# checksum; key << 32 | algorithm << 31 | chunk length, the key (the file's
+# index) set here.
+_CHUNK, _SPAN, _LAST = 0, 1, 3
+_LOW32 = np.uint64(0xFFFFFFFF)
 # Columns of a filled row: chunk offset, file offset, length, address.
 _F_CHUNK, _F_OFF, _F_LEN, _F_MEM = 0, 1, 2, 3
 
@@ -49,7 +52,7 @@ class FilePieces:
     file: int
     path: str
     tables: list[Any]
-    pieces: np.ndarray  # (n, 8) uint64
+    pieces: np.ndarray  # (n, 4) uint64
     filled: np.ndarray  # (m, 4) uint64
 
 
@@ -57,8 +60,8 @@ def collect(file: int, path: str, tables: list[Any], pieces: bytes, filled: byte
     """The pieces a read of data file ``file`` returned, or None if none."""
     if not pieces:
         return None
-    p = np.frombuffer(pieces, dtype="<u8").reshape(-1, 8).copy()
-    p[:, _KEY] = file
+    p = np.frombuffer(pieces, dtype="<u8").reshape(-1, 4).copy()
+    p[:, _LAST] |= np.uint64(file) << np.uint64(32)
     f = np.frombuffer(filled, dtype="<u8").reshape(-1, 4)
     return FilePieces(file, path, tables, p, f)
 
@@ -66,9 +69,8 @@ def collect(file: int, path: str, tables: list[Any], pieces: bytes, filled: byte
 def _owners(rows: np.ndarray, world: int) -> np.ndarray:
     """The rank that proves each piece's chunk: a hash of (file, chunk offset)."""
     with np.errstate(over="ignore"):
-        h = rows[:, _KEY] * np.uint64(0x9E3779B97F4A7C15) ^ (rows[:, _CHUNK] >> np.uint64(12)) * np.uint64(
-            0xC2B2AE3D27D4EB4F
-        )
+        key = rows[:, _LAST] >> np.uint64(32)
+        h = key * np.uint64(0x9E3779B97F4A7C15) ^ (rows[:, _CHUNK] >> np.uint64(12)) * np.uint64(0xC2B2AE3D27D4EB4F)
     return ((h >> np.uint64(33)) % np.uint64(world)).astype(np.int64)
 
 
@@ -78,7 +80,7 @@ def settle(files: list[FilePieces] | None, world: int, pg: Any) -> tuple[int, in
     done passes None, and then every rank checks its own chunks alone).
     Re-reads, checking whole chunks, what was not proven. Returns the bytes
     proven with other ranks, and the bytes read and checked by re-reading."""
-    mine = np.concatenate([f.pieces for f in files]) if files else np.zeros((0, 8), dtype=np.uint64)
+    mine = np.concatenate([f.pieces for f in files]) if files else np.zeros((0, 4), dtype=np.uint64)
     sends: list[Any] | None = None
     if files is not None:
         owner = _owners(mine, world)
@@ -95,7 +97,7 @@ def settle(files: list[FilePieces] | None, world: int, pg: Any) -> tuple[int, in
     if got is not None:
         everyone = np.concatenate(got)
         try:
-            ok = np.frombuffer(_core.prove_pieces(everyone.astype("<i8").tobytes()), dtype=np.uint8)
+            ok = np.frombuffer(_core.prove_pieces(everyone.tobytes()), dtype=np.uint8)
         except ValueError:
             ok = np.zeros(len(everyone), dtype=np.uint8)  # a peer's rows this rank cannot read: nothing proven
         ends = np.cumsum([len(g) for g in got]).tolist()
@@ -105,7 +107,7 @@ def settle(files: list[FilePieces] | None, world: int, pg: Any) -> tuple[int, in
             answer = np.concatenate(back).reshape(-1)
             if len(answer) == len(mine):
                 proven = answer.astype(bool)
-    shared = int(mine[proven, 3].sum()) if proven.any() else 0
+    shared = int((mine[proven, _SPAN] & _LOW32).sum()) if proven.any() else 0
     return (shared, *_check_unproven(files, mine[~proven]))
 
 
@@ -114,7 +116,7 @@ def _check_unproven(files: list[FilePieces], unproven: np.ndarray) -> tuple[int,
     pieces this rank filled memory from. Returns the bytes read and checked."""
     read = checked = 0
     for f in files:
-        mine = unproven[unproven[:, _KEY] == np.uint64(f.file)]
+        mine = unproven[(unproven[:, _LAST] >> np.uint64(32)) == np.uint64(f.file)]
         if not len(mine):
             continue
         redo = f.filled[np.isin(f.filled[:, _F_CHUNK], mine[:, _CHUNK])]

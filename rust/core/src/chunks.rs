@@ -227,9 +227,9 @@ pub enum Coverage {
     Full,
     /// None: the ranges are read, checked only to lie inside their records.
     None,
-    /// As `Touched`, except that a chunk the ranges cover only in part is
-    /// not read whole: the spans read of it come back as [`Piece`]s (their
-    /// bytes unchecked until the caller proves them).
+    /// As `Touched`, except that a chunk the ranges cover only in part (and
+    /// shorter than 2 GiB) is not read whole: the spans read of it come back
+    /// as [`Piece`]s (their bytes unchecked until the caller proves them).
     Shared,
 }
 
@@ -865,7 +865,10 @@ pub unsafe fn read_ranges_verified(
             .try_fold(start, |at, &(_, _, off, len, _)| {
                 (off <= at).then_some(at.max(off + len as u64))
             });
-        if coverage != Coverage::Shared || from == to || covered.is_some_and(|at| at >= end) {
+        // A chunk of 2 GiB or more (a whole-record checksum of an old file)
+        // is checked here: pieces describe spans within 31 bits.
+        let local = from == to || covered.is_some_and(|at| at >= end) || end - start >= 1 << 31;
+        if coverage != Coverage::Shared || local {
             units.push(Unit {
                 off: start,
                 len: end - start,

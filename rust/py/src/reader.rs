@@ -431,11 +431,10 @@ fn read_ranges_verified(
 /// `"touched"`, `"full"`, `"shared"` or `"none"`. The runs are expanded,
 /// merged and read in Rust. Returns `(bytes read, bytes verified, bytes of
 /// the 4 KiB blocks the runs touch, pieces, filled)`: with `"shared"`, the
-/// spans of chunks read in part and left unchecked, as rows of eight
-/// little-endian u64 `[chunk offset, chunk length, offset, length, checksum,
-/// expected checksum, algorithm (0 crc32, 1 crc32c), 0]` (see
-/// [`prove_pieces`]), and the memory they filled, as rows `[chunk offset,
-/// offset, length, address]`; otherwise both empty.
+/// spans of chunks read in part and left unchecked, as piece rows (see
+/// [`piece_row`]), and the memory they filled, as rows of four
+/// little-endian u64 `[chunk offset, offset, length, address]`; otherwise
+/// both empty.
 ///
 /// The caller keeps the destination memory alive and untouched during the
 /// call, and the runs must not overlap in memory.
@@ -479,19 +478,9 @@ fn read_blocks<'py>(
         })
         .py_err(py)?;
     let v = &got.verified;
-    let mut pieces = Vec::with_capacity(v.pieces.len() * 64);
+    let mut pieces = Vec::with_capacity(v.pieces.len() * 32);
     for p in &v.pieces {
-        let algo = u64::from(p.algo == chunks::Algo::Crc32c);
-        for x in [
-            p.chunk_offset,
-            p.chunk_len,
-            p.offset,
-            p.len,
-            u64::from(p.sum),
-            u64::from(p.expected),
-            algo,
-            0,
-        ] {
+        for x in piece_row(p) {
             pieces.extend_from_slice(&x.to_le_bytes());
         }
     }
@@ -510,45 +499,52 @@ fn read_blocks<'py>(
     ))
 }
 
+/// A piece as four little-endian u64 (32 bytes, what ranks exchange):
+/// `[chunk offset, (offset in the chunk) << 32 | length, checksum << 32 |
+/// expected checksum, key << 32 | algorithm (0 crc32, 1 crc32c) << 31 |
+/// chunk length]`, where `key` names the file (chunks of different keys are
+/// different chunks; [`read_blocks`] leaves it 0, the caller sets it). A Shared read returns
+/// pieces of chunks under 2 GiB only, so every field fits.
+fn piece_row(p: &chunks::Piece) -> [u64; 4] {
+    let algo = u64::from(p.algo == chunks::Algo::Crc32c);
+    [
+        p.chunk_offset,
+        (p.offset - p.chunk_offset) << 32 | p.len,
+        u64::from(p.sum) << 32 | u64::from(p.expected),
+        algo << 31 | p.chunk_len,
+    ]
+}
+
 /// Which pieces the pieces of all readers prove (see
-/// `tierstore_core::chunks::prove_pieces`): `rows` holds the rows
-/// [`read_blocks`] returns, with the last field set to a key naming the
-/// file (chunks of different keys are different chunks). Returns one byte
-/// per row, 1 where the row's bytes are proven.
+/// `tierstore_core::chunks::prove_pieces`): `rows` holds piece rows (see
+/// [`piece_row`]) of any number of readers, with their keys set. Returns
+/// one byte per row, 1 where the row's bytes are proven.
 #[pyfunction]
 fn prove_pieces<'py>(py: Python<'py>, rows: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
-    if rows.len() % 64 != 0 {
+    if rows.len() % 32 != 0 {
         return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "{} bytes of pieces are not whole rows of 64 bytes",
+            "{} bytes of pieces are not whole rows of 32 bytes",
             rows.len()
         )));
     }
-    let mut pieces = Vec::with_capacity(rows.len() / 64);
-    for r in rows.chunks_exact(64) {
+    let mut pieces = Vec::with_capacity(rows.len() / 32);
+    for r in rows.chunks_exact(32) {
         let w = |i: usize| u64::from_le_bytes(r[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
-        let algo = match w(6) {
-            0 => chunks::Algo::Crc32,
-            1 => chunks::Algo::Crc32c,
-            other => {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "a piece names checksum algorithm {other}"
-                )))
-            }
-        };
-        let (Ok(sum), Ok(expected)) = (u32::try_from(w(4)), u32::try_from(w(5))) else {
-            return Err(pyo3::exceptions::PyValueError::new_err(
-                "a piece's checksum does not fit 32 bits",
-            ));
+        let (at, span, sums, last) = (w(0), w(1), w(2), w(3));
+        let algo = if last >> 31 & 1 == 1 {
+            chunks::Algo::Crc32c
+        } else {
+            chunks::Algo::Crc32
         };
         pieces.push((
-            w(7),
+            last >> 32,
             chunks::Piece {
-                chunk_offset: w(0),
-                chunk_len: w(1),
-                offset: w(2),
-                len: w(3),
-                sum,
-                expected,
+                chunk_offset: at,
+                chunk_len: last & 0x7fff_ffff,
+                offset: at.saturating_add(span >> 32),
+                len: span & 0xffff_ffff,
+                sum: (sums >> 32) as u32,
+                expected: sums as u32,
                 algo,
             },
         ));
