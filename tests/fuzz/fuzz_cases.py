@@ -2440,6 +2440,70 @@ def sharded_file_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[s
     ]
 
 
+def _half(name: str, shape: tuple[int, ...], rank: int) -> Layout | None:
+    """Rank ``rank``'s half of a tensor: a column half (short runs in every
+    row, sharing chunks with the other rank's), or a flat half of a 1-D one."""
+    numel = math.prod(shape)
+    if not shape or numel < 2:
+        return None
+    if len(shape) >= 2 and shape[-1] >= 2:
+        c = shape[-1] // 2
+        offs = (0,) * (len(shape) - 1) + (rank * c,)
+        lens = (*shape[:-1], c if rank == 0 else shape[-1] - c)
+        return Layout.block(name, shape, offs, lens)
+    half = numel // 2
+    return Layout.flat(name, shape, rank * half, half if rank == 0 else numel - half)
+
+
+def _shared_rank(rank: int, world: int, d: str, globals_: dict[str, torch.Tensor], pol: Any) -> dict[str, Any]:
+    tgt: dict[str, Any] = {}
+    exp: dict[str, Any] = {}
+    for name, gt in globals_.items():
+        lay = _half(name, tuple(gt.shape), rank)
+        if lay is None:
+            tgt[name], exp[name] = poisoned(tuple(gt.shape), gt.dtype), gt
+        else:
+            tgt[name], exp[name] = target_for(lay, globals_, gt.dtype)
+    try:
+        tierstore.load_sharded(d, tgt, verify="shared", per_rank_policy=pol)
+    except TierstoreError as e:
+        return {"error": fmt_exc(e), "clean": True}
+    except Exception as e:
+        return {"error": fmt_exc(e), "clean": False}
+
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+    bad = [k for k in exp if tgt[k].shape != exp[k].shape or not torch.equal(raw(tgt[k]), raw(exp[k]))]
+    return {"differs": bad}
+
+
+def shared_load(d: Path, sh: Sharded) -> list[dict[str, Any]]:
+    """Two ranks load halves of every tensor with ``verify="shared"``;
+    a rank's TierstoreError is raised here (the other rank's result must
+    still be exact or an error of its own)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from dist_util import run_world
+
+    got = run_world(2, _shared_rank, str(d), sh.globals, sh.policy, timeout=120)
+    if any("error" in r and not r["clean"] for r in got):
+        raise RuntimeError("; ".join(r["error"] for r in got if "error" in r))
+    return got
+
+
+def shared_check(sh: Sharded) -> Callable[..., tuple[str, str]]:
+    def check(value: Any, _w: list[Any]) -> tuple[str, str]:
+        differ = [(r, x["differs"]) for r, x in enumerate(value) if x.get("differs")]
+        if differ:
+            return SILENT, f"rank {differ[0][0]} loaded {differ[0][1][:3]} with different bytes"
+        errors = [x["error"] for x in value if "error" in x]
+        if errors:
+            return CLEAN, errors[0][:300]
+        return EQUAL, ""
+
+    return check
+
+
 def case_sharded(ctx: Ctx) -> None:
     d = ctx.dir / "ck"
     sh = sharded_build(ctx, d)
@@ -2476,6 +2540,10 @@ def case_sharded(ctx: Ctx) -> None:
                 return tierstore.load_sharded(str(d), tgt, verify=verify, per_rank_policy=pol)
 
             ctx.op(f"load_{which}_{verify}", run, ctx.same_check(exp, ordered=False))
+    # A quarter of the cases: two real ranks (gloo) load column halves with
+    # verify="shared", proving the chunks they share from each other's pieces.
+    if rng.random() < 0.25:
+        ctx.op("load_cols_shared", lambda: shared_load(d, sh), shared_check(sh))
     # What a Checkpointer's restore asks before it fetches files from peers:
     # the files a load of the target plans to read, from the metadata alone.
     # It may say "all" (None) or raise a TierstoreError; any name it gives
