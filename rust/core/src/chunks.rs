@@ -14,7 +14,10 @@
 //! [`Coverage::Full`]):
 //!
 //! - a chunk that exactly one range covers entirely is read straight into
-//!   that range's memory and checksummed there (no copy);
+//!   that range's memory and checksummed there (no copy), where such chunks
+//!   follow one another for at least 64 KiB (a lone chunk inside a short
+//!   run is checked in the mapping with its neighbours, below, rather than
+//!   read by a 4 KiB request of its own);
 //! - any other touched chunk (the partial chunks at the ends of a range, the
 //!   chunks that many short ranges share in a column shard) is checksummed
 //!   whole in a read-only mapping of the file, and the ranges' parts of it
