@@ -121,3 +121,33 @@ def test_a_rank_that_fails_early_leaves_no_rank_waiting(rows_ckpt: str) -> None:
     got = run_world(4, early_failure_job, rows_ckpt, timeout=60)
     assert got[1] != "no error" and got[1] != "loaded"
     assert [got[r] for r in (0, 2, 3)] == ["loaded"] * 3
+
+
+def broken_rank_job(rank: int, world: int, path: str, where: str) -> str:
+    """Rank 1 fails inside the load: while reading (an error no TierstoreError
+    wraps, or an interrupt) or while proving the other ranks' pieces."""
+    if rank == 1:
+        import tierstore._sharded_read as sr
+        from tierstore import _core
+
+        def boom(*_a: Any, **_k: Any) -> Any:
+            raise KeyboardInterrupt if where == "interrupt" else RuntimeError("injected")
+
+        if where == "prove":
+            _core.prove_pieces = boom  # type: ignore[attr-defined]
+        else:
+            sr.read_plan = boom  # type: ignore[assignment]
+        try:
+            load_job(rank, world, path, "shared", world)
+        except (RuntimeError, KeyboardInterrupt) as e:
+            return type(e).__name__
+        return "no error"
+    load_job(rank, world, path, "shared", world)  # checks its bytes
+    return "loaded"
+
+
+@pytest.mark.parametrize("where", ["read", "interrupt", "prove"])
+def test_a_rank_that_fails_mid_load_leaves_no_rank_waiting(rows_ckpt: str, where: str) -> None:
+    got = run_world(4, broken_rank_job, rows_ckpt, where, timeout=60)
+    assert got[1] == ("KeyboardInterrupt" if where == "interrupt" else "RuntimeError")
+    assert [got[r] for r in (0, 2, 3)] == ["loaded"] * 3

@@ -5,6 +5,7 @@ non-tensor state. ``tierstore.sharded`` re-exports its public names."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -305,18 +306,24 @@ def read_sharded(
     if verify is True:
         verify = "touched"
     if verify not in VERIFY_MODES:
-        raise InvalidArgumentError(f"verify must be 'touched', 'full' or False, not {verify!r}")
+        raise InvalidArgumentError(f"verify must be 'touched', 'full', 'shared' or False, not {verify!r}")
     rank, world, pg = _dist.group_info(process_group)
     from tierstore import dcp
 
     shared = verify == "shared" and world > 1
     if verify == "shared" and not shared:
         verify = "touched"
-    if not (Path(path) / MANIFEST).exists() and dcp.is_dcp(path):
-        # Every rank of a shared load gets here (the same directory): DCP's files have no chunk checksums.
-        return _load_from_dcp(path, state_dict, world, weights_only, stats, "touched" if shared else verify)
     pending: list[_shared_verify.FilePieces] | None = []
     try:
+        if not (Path(path) / MANIFEST).exists() and dcp.is_dcp(path):
+            # DCP's files have no chunk checksums: each rank checks its own (and
+            # tells the others, which may have found a tierstore checkpoint here).
+            if shared:
+                shared = False
+                _shared_verify.settle(None, world, pg)
+            return _load_from_dcp(
+                path, state_dict, world, weights_only, stats, "touched" if verify == "shared" else verify
+            )
         ck = checkpoint if checkpoint is not None else Checkpoint(path)
         targets, objects_wanted = _targets(ck, path, state_dict, world)
         t_plan = time.perf_counter()
@@ -324,9 +331,11 @@ def read_sharded(
         plan_seconds = time.perf_counter() - t_plan
         plan = expand_plan(the_plan, targets, ck)
         read, checked, blocks = read_plan(ck, plan, verify, pending)
-    except Exception:
+    except BaseException:
         if shared:
-            _shared_verify.settle(None, world, pg)  # the other ranks check alone rather than wait
+            # The other ranks check their chunks alone rather than wait for this one.
+            with contextlib.suppress(Exception):
+                _shared_verify.settle(None, world, pg)
         raise
     if shared:
         proven, r, c = _shared_verify.settle(pending, world, pg)

@@ -986,19 +986,22 @@ pub fn prove_pieces(pieces: &[(u64, Piece)]) -> Vec<bool> {
         if !same {
             continue;
         }
-        let end = first.chunk_offset + first.chunk_len;
+        let Some(end) = first.chunk_offset.checked_add(first.chunk_len) else {
+            continue; // rows no reader could have sent
+        };
         let (mut at, mut acc) = (first.chunk_offset, 0u32);
-        let mut used: Vec<usize> = Vec::new();
+        let mut used: std::collections::HashSet<(u64, u64, u32)> = std::collections::HashSet::new();
         let mut gap = false;
         for &k in group {
             let p = &pieces[k].1;
-            if p.offset == at && p.len > 0 && p.offset + p.len <= end {
+            let fits = p.offset.checked_add(p.len).is_some_and(|e| e <= end);
+            if p.offset == at && p.len > 0 && fits {
                 acc = match p.algo {
                     Algo::Crc32 => crc32.combine(acc, p.sum, p.len),
                     Algo::Crc32c => crc32c::crc32c_combine(acc, p.sum, p.len as usize),
                 };
                 at += p.len;
-                used.push(k);
+                used.insert((p.offset, p.len, p.sum));
             } else if p.offset > at {
                 gap = true;
                 break;
@@ -1009,10 +1012,7 @@ pub fn prove_pieces(pieces: &[(u64, Piece)]) -> Vec<bool> {
         }
         for &k in group {
             let p = &pieces[k].1;
-            proven[k] = used.iter().any(|&u| {
-                let q = &pieces[u].1;
-                (q.offset, q.len, q.sum) == (p.offset, p.len, p.sum)
-            });
+            proven[k] = used.contains(&(p.offset, p.len, p.sum));
         }
     }
     proven

@@ -1551,27 +1551,40 @@ fn verified_read(
     (r, dests)
 }
 
-/// A [`Coverage::Shared`] read of `ranges` as one of two readers: a second
-/// reader reads the rest of every chunk the first read in part, the pieces
-/// of both are proven together, and the first re-reads, checking whole
-/// chunks, what was not proven (as a sharded load does across ranks).
-fn shared_read(
-    engine: &Arc<Engine>,
-    path: &Path,
-    ranges: &[(usize, u64, usize)],
+/// How the second reader of [`shared_read`] departs from reading exactly
+/// the rest of each chunk.
+#[derive(Clone, Copy, Debug)]
+enum Other {
+    /// The exact complement: every piece can be proven.
+    Exact,
+    /// One of its spans left out (a gap).
+    Drop,
+    /// One of its spans one byte longer at the front (an overlap).
+    Overlap,
+    /// One of its spans read twice.
+    Twice,
+    /// One of its pieces reported with a different checksum (its bytes
+    /// differed, as a failing read would make them).
+    Differs,
+}
+
+/// The record of `tables` holding file offset `off`.
+fn table_at(tables: &[ChunkTable], off: u64) -> usize {
+    tables
+        .iter()
+        .position(|t| off >= t.data_offset && off < t.data_offset + t.size)
+        .expect("a piece inside a record")
+}
+
+/// What the second reader of [`shared_read`] reads: the rest of every chunk
+/// `v` read in part, changed as `other_mode` says.
+fn rest_of_chunks(
+    v: &Verified,
     tables: &[ChunkTable],
-) -> (Result<Verified, Error>, Dests) {
-    let (r, dests) = verified_read(engine, path, ranges, tables, Coverage::Shared);
-    let v = match r {
-        Ok(v) => v,
-        Err(e) => return (Err(e), dests),
-    };
-    let table_of = |off: u64| {
-        tables
-            .iter()
-            .position(|t| off >= t.data_offset && off < t.data_offset + t.size)
-            .expect("a piece inside a record")
-    };
+    other_mode: Other,
+    pick: Index,
+) -> Vec<(usize, u64, usize)> {
+    let table_of = |off: u64| table_at(tables, off);
     let mut by_chunk: std::collections::BTreeMap<u64, (u64, Vec<(u64, u64)>)> =
         std::collections::BTreeMap::new();
     for p in &v.pieces {
@@ -1595,19 +1608,68 @@ fn shared_read(
             }
             at = at.max(e);
         }
-        assert!(at < c + *len || !spans.is_empty());
+        // The first reader's pieces of a chunk are disjoint spans.
+        assert!(
+            spans.windows(2).all(|w| w[0].1 <= w[1].0),
+            "overlapping pieces {spans:?}"
+        );
         if at < c + *len {
             other.push((table_of(c), at, (c + *len - at) as usize));
         }
     }
-    let (r2, _rest) = verified_read(engine, path, &other, tables, Coverage::Shared);
-    let v2 = match r2 {
-        Ok(v2) => v2,
-        Err(e) => return (Err(e), dests),
+    if !other.is_empty() {
+        let k = pick.index(other.len());
+        match other_mode {
+            Other::Exact | Other::Differs => {}
+            Other::Drop => {
+                other.remove(k);
+            }
+            Other::Overlap => {
+                let (t, off, len) = other[k];
+                if off > tables[t].data_offset {
+                    other[k] = (t, off - 1, len + 1);
+                }
+            }
+            Other::Twice => other.push(other[k]),
+        }
+    }
+    other
+}
+
+/// A [`Coverage::Shared`] read of `ranges` as one of two readers: a second
+/// reader reads the rest of every chunk the first read in part (as `other`
+/// says), the pieces of both are proven together, and the first re-reads,
+/// checking whole chunks, what was not proven (as a sharded load does
+/// across ranks). Also returns how many of the first reader's pieces were
+/// proven.
+fn shared_read(
+    engine: &Arc<Engine>,
+    path: &Path,
+    ranges: &[(usize, u64, usize)],
+    tables: &[ChunkTable],
+    other_mode: Other,
+    pick: Index,
+) -> (Result<Verified, Error>, Dests, usize) {
+    let (r, dests) = verified_read(engine, path, ranges, tables, Coverage::Shared);
+    let v = match r {
+        Ok(v) => v,
+        Err(e) => return (Err(e), dests, 0),
     };
+    let table_of = |off: u64| table_at(tables, off);
+    let other = rest_of_chunks(&v, tables, other_mode, pick);
+    let (r2, _rest) = verified_read(engine, path, &other, tables, Coverage::Shared);
+    let mut v2 = match r2 {
+        Ok(v2) => v2,
+        Err(e) => return (Err(e), dests, 0),
+    };
+    if let (Other::Differs, false) = (other_mode, v2.pieces.is_empty()) {
+        let k = pick.index(v2.pieces.len());
+        v2.pieces[k].sum ^= 0x0400_0000;
+    }
     let all: Vec<(u64, chunks::Piece)> =
         v.pieces.iter().chain(&v2.pieces).map(|p| (7, *p)).collect();
     let proven = chunks::prove_pieces(&all);
+    let proven_mine = proven[..v.pieces.len()].iter().filter(|&&x| x).count();
     let unproven: std::collections::BTreeSet<u64> = v
         .pieces
         .iter()
@@ -1644,7 +1706,7 @@ fn shared_read(
         dests.guards_intact(),
         "a write outside the destination memory"
     );
-    (again.map(|_| v), dests)
+    (again.map(|_| v), dests, proven_mine)
 }
 
 fn chunk_len(t: &ChunkTable, i: u64) -> u64 {
@@ -1731,6 +1793,7 @@ fn assert_ranges_read(dests: &Dests, file_ranges: &[(usize, u64, usize)], bytes:
 }
 
 #[test]
+#[allow(clippy::too_many_lines)]
 fn fuzz_chunks_verified_reads() {
     #[derive(Clone, Copy, Debug, Default)]
     struct Counts {
@@ -1743,97 +1806,113 @@ fn fuzz_chunks_verified_reads() {
     let s = (
         arb_setup(),
         prop::collection::vec(arb_range(), 0..12),
-        0usize..4,
+        (0usize..4, 0usize..5, any::<Index>()),
         prop_oneof![1 => Just(None), 2 => (any::<Index>(), 1u8..=255).prop_map(Some)],
         any::<Index>(),
     );
-    run(1500, s, |(setup, specs, mode, damage, engine)| {
-        let mut f = make_file(&setup);
-        let coverage = [
-            Coverage::Touched,
-            Coverage::Full,
-            Coverage::None,
-            Coverage::Shared,
-        ][mode];
-        let full = coverage == Coverage::Full;
-        // Record-relative ranges per table, then file ranges.
-        let mut rel: Vec<(usize, u64, u64)> = Vec::new();
-        for (ti, spec) in &specs {
-            let t = ti.index(f.tables.len());
-            let tab = &f.tables[t];
-            for (s, e) in resolve_range(spec, tab.size, tab.chunk.min(tab.size.max(1))) {
-                assert!(s <= e && e <= tab.size);
-                rel.push((t, s, e));
+    run(
+        1500,
+        s,
+        |(setup, specs, (mode, other, pick), damage, engine)| {
+            let other = [
+                Other::Exact,
+                Other::Drop,
+                Other::Overlap,
+                Other::Twice,
+                Other::Differs,
+            ][other];
+            let mut f = make_file(&setup);
+            let coverage = [
+                Coverage::Touched,
+                Coverage::Full,
+                Coverage::None,
+                Coverage::Shared,
+            ][mode];
+            let full = coverage == Coverage::Full;
+            // Record-relative ranges per table, then file ranges.
+            let mut rel: Vec<(usize, u64, u64)> = Vec::new();
+            for (ti, spec) in &specs {
+                let t = ti.index(f.tables.len());
+                let tab = &f.tables[t];
+                for (s, e) in resolve_range(spec, tab.size, tab.chunk.min(tab.size.max(1))) {
+                    assert!(s <= e && e <= tab.size);
+                    rel.push((t, s, e));
+                }
             }
-        }
-        let file_ranges: Vec<(usize, u64, usize)> = rel
-            .iter()
-            .map(|&(t, s, e)| (t, f.tables[t].data_offset + s, (e - s) as usize))
-            .collect();
-        let (checked, want_checked, touched_bytes) = expected_checks(&f.tables, &rel, full);
-        let original = f.bytes.clone();
-        let mut hit = false;
-        if let Some((at, x)) = &damage {
-            let q = at.index(f.bytes.len());
-            f.bytes[q] ^= x;
-            std::fs::write(&f.path, &f.bytes).unwrap();
-            let q = q as u64;
-            hit = f.tables.iter().enumerate().any(|(ti, t)| {
-                q >= t.data_offset
-                    && q < t.data_offset + t.size
-                    && checked[ti][((q - t.data_offset) / t.chunk) as usize]
-            });
-        }
-        let eng = &engines()[engine.index(engines().len())];
-        let (r, dests) = if coverage == Coverage::Shared {
-            shared_read(eng, &f.path, &file_ranges, &f.tables)
-        } else {
-            verified_read(eng, &f.path, &file_ranges, &f.tables, coverage)
-        };
-        let mut c = counts.get();
-        c.cases += 1;
-        if coverage == Coverage::None {
-            check_unverified(r, &dests, &file_ranges, &f.bytes);
-            c.ok += 1;
-            counts.set(c);
-            return;
-        }
-        if hit {
-            c.detected += 1;
-            assert!(
-                matches!(r, Err(Error::ChunkChecksum { .. } | Error::Checksum { .. })),
-                "damage in a checked chunk went unnoticed: {r:?}"
-            );
-        } else {
-            let v = r.unwrap_or_else(|e| panic!("no damage read: {e}"));
-            c.ok += 1;
-            if damage.is_some() {
-                c.damaged_unread += 1;
+            let file_ranges: Vec<(usize, u64, usize)> = rel
+                .iter()
+                .map(|&(t, s, e)| (t, f.tables[t].data_offset + s, (e - s) as usize))
+                .collect();
+            let (checked, want_checked, touched_bytes) = expected_checks(&f.tables, &rel, full);
+            let original = f.bytes.clone();
+            let mut hit = false;
+            if let Some((at, x)) = &damage {
+                let q = at.index(f.bytes.len());
+                f.bytes[q] ^= x;
+                std::fs::write(&f.path, &f.bytes).unwrap();
+                let q = q as u64;
+                hit = f.tables.iter().enumerate().any(|(ti, t)| {
+                    q >= t.data_offset
+                        && q < t.data_offset + t.size
+                        && checked[ti][((q - t.data_offset) / t.chunk) as usize]
+                });
             }
-            if coverage == Coverage::Shared {
-                // Every touched chunk is checked here or read in part (its
-                // pieces proven with the other reader's).
-                let partial: std::collections::BTreeMap<u64, u64> = v
-                    .pieces
-                    .iter()
-                    .map(|p| (p.chunk_offset, p.chunk_len))
-                    .collect();
-                assert_eq!(
-                    v.checked + partial.values().sum::<u64>(),
-                    want_checked,
-                    "{v:?}"
+            let eng = &engines()[engine.index(engines().len())];
+            let (r, dests, proven) = if coverage == Coverage::Shared {
+                shared_read(eng, &f.path, &file_ranges, &f.tables, other, pick)
+            } else {
+                let (r, d) = verified_read(eng, &f.path, &file_ranges, &f.tables, coverage);
+                (r, d, 0)
+            };
+            let mut c = counts.get();
+            c.cases += 1;
+            if coverage == Coverage::None {
+                check_unverified(r, &dests, &file_ranges, &f.bytes);
+                c.ok += 1;
+                counts.set(c);
+                return;
+            }
+            if hit {
+                c.detected += 1;
+                assert!(
+                    matches!(r, Err(Error::ChunkChecksum { .. } | Error::Checksum { .. })),
+                    "damage in a checked chunk went unnoticed: {r:?}"
                 );
             } else {
-                assert_eq!(v.checked, want_checked, "checked bytes");
-                assert!(
-                    v.checked >= touched_bytes && v.read >= touched_bytes,
-                    "{v:?}"
-                );
+                let v = r.unwrap_or_else(|e| panic!("no damage read: {e}"));
+                c.ok += 1;
+                if damage.is_some() {
+                    c.damaged_unread += 1;
+                }
+                if coverage == Coverage::Shared {
+                    // Every touched chunk is checked here or read in part (its
+                    // pieces proven with the other reader's).
+                    let partial: std::collections::BTreeMap<u64, u64> = v
+                        .pieces
+                        .iter()
+                        .map(|p| (p.chunk_offset, p.chunk_len))
+                        .collect();
+                    assert_eq!(
+                        v.checked + partial.values().sum::<u64>(),
+                        want_checked,
+                        "{v:?}"
+                    );
+                    // With the exact complement and no damage, every piece is proven.
+                    if matches!(other, Other::Exact) && damage.is_none() {
+                        assert_eq!(proven, v.pieces.len(), "{v:?}");
+                    }
+                } else {
+                    assert_eq!(v.checked, want_checked, "checked bytes");
+                    assert!(
+                        v.checked >= touched_bytes && v.read >= touched_bytes,
+                        "{v:?}"
+                    );
+                }
+                assert_ranges_read(&dests, &file_ranges, &original);
             }
-            assert_ranges_read(&dests, &file_ranges, &original);
-        }
-        counts.set(c);
-    });
+            counts.set(c);
+        },
+    );
     eprintln!("verified reads: {:?}", counts.get());
 }
 
