@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierstore import _core, _dist, _limits, _paths, _shared_verify, _tier_codec, _tree, gpu
+from tierstore import _core, _dist, _gc, _limits, _paths, _shared_verify, _tier_codec, _tree, gpu
 from tierstore._engine import get_engine
 from tierstore._leaves import flatten, is_dtensor, tensor_and_layout
 from tierstore.errors import (
@@ -247,6 +247,7 @@ def _subtree(
     return root["_"], tensors, places
 
 
+@_gc.paused
 def load_sharded(
     path: str | os.PathLike[str],
     state_dict: MutableMapping[str, Any],

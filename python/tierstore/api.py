@@ -22,7 +22,7 @@ from typing import IO, Any
 
 import torch
 
-from tierstore import _core, _load, _lossy, _pickle, _progress, gpu, manifest
+from tierstore import _core, _gc, _load, _lossy, _pickle, _progress, gpu, manifest
 from tierstore import codec as _codec
 from tierstore._engine import get_engine
 from tierstore.errors import (
@@ -155,6 +155,7 @@ def _skip_data() -> bool:
     return bool(getattr(tls, "skip_data", False))
 
 
+@_gc.paused
 def save(
     obj: Any,
     f: FileLike,
@@ -651,6 +652,7 @@ def _save_stream(
         flush()
 
 
+@_gc.paused
 def load(
     f: FileLike,
     map_location: MapLocation = None,

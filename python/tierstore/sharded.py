@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from tierstore import _dist, _tree, api
+from tierstore import _dist, _gc, _tree, api
 from tierstore._fs import make_dir
 from tierstore._leaves import PerRank, flatten, is_dtensor, tensor_and_layout
 from tierstore._sharded_read import (
@@ -338,6 +338,7 @@ def tensor_file_info(fname: str, written: api.Written, layouts: Mapping[str, dic
     return out
 
 
+@_gc.paused
 def save_sharded(
     state_dict: Mapping[str, Any],
     path: str | os.PathLike[str],
