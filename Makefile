@@ -27,7 +27,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
 
-.PHONY: gpu-toolchains help setup demo test test-rust test-py lint bench bench-checkpoint bench-capture-cpu bench-codec bench-tier-codec bench-lossy-resume bench-scale bench-nodes bench-offload bench-reshard fuzz clean gpu-check
+.PHONY: gpu-toolchains help setup demo test test-rust test-py lint bench bench-tools bench-checkpoint bench-capture-cpu bench-codec bench-tier-codec bench-lossy-resume bench-scale bench-nodes bench-offload bench-reshard fuzz clean gpu-check
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -108,8 +108,18 @@ lint: setup ## rustfmt, clippy, ruff, mypy, stubtest
 	$(VPY) -m mypy
 	$(VPY) -m mypy.stubtest tierstore._core --allowlist .stubtest-allowlist
 
-bench: setup ## save/load benchmark against torch.save, torch.load and safetensors
+bench: setup bench-tools ## save/load benchmark against torch.save, torch.load and safetensors
 	$(VPY) benches/bench_save_load.py
+
+bench-tools: ## fio (apt), the device-ceiling probe of the save/load benchmark
+	@command -v fio >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing fio (apt)"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -q --no-install-recommends fio >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends fio >/dev/null; } || \
+	      echo "warning: fio could not be installed; the ceiling probe falls back to Python at queue depth 1"; \
+	  else echo "warning: fio is missing and apt needs root; the ceiling probe falls back to Python at queue depth 1"; fi; }
 
 bench-checkpoint: setup ## training loop with torch.save, DCP async_save and the Checkpointer
 	$(VPY) benches/bench_checkpoint.py --workloads gpt,mlp --rounds 3 --steps 24 --paired 8 --perf \

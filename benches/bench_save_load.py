@@ -404,7 +404,7 @@ def targets(results: list[Result]) -> list[tuple[str, bool, str]]:
         return next((r for r in results if r.dataset == ds and r.op == op and r.system == system), None)
 
     out = []
-    for ds, save_ceil, load_ceil, load_torch in (("large", 0.8, 0.9, None), ("small", 0.6, 0.8, 2.0)):
+    for ds, save_ceil, load_ceil, load_torch in (("large", 0.8, 0.9, None), ("small", 0.75, 0.8, 2.0)):
         s, ts = get(ds, "save", "tierstore"), get(ds, "save", "torch.save")
         ld, tl = get(ds, "load", "tierstore"), get(ds, "load", "torch.load")
         if s is None or ld is None:
