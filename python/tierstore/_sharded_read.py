@@ -291,6 +291,7 @@ def load_sharded(
         )
 
 
+@_gc.paused
 def read_sharded(
     path: str | os.PathLike[str],
     state_dict: MutableMapping[str, Any],
