@@ -247,7 +247,6 @@ def _subtree(
     return root["_"], tensors, places
 
 
-@_gc.paused
 def load_sharded(
     path: str | os.PathLike[str],
     state_dict: MutableMapping[str, Any],
