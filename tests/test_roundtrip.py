@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import collections
 import io
+import json
 import pathlib
 import zipfile
 from typing import Any
 
 import hypothesis.strategies as st
+import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,7 @@ from conftest import tensors_equal
 from hypothesis import HealthCheck, given, settings
 
 import tierstore
+from tierstore import manifest
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -261,6 +264,20 @@ def test_a_save_of_many_tensors_written_in_batches_is_the_one_file(tmp_path: pat
         assert names_a == names_b
         for n in names_a:
             assert a.read(f"{pa.split('/')[0]}/{n}") == b.read(f"{pb.split('/')[0]}/{n}"), n
+        # The path save prepares the manifest's entries of the last batch
+        # while it is written and puts the CRCs in after: the same entries as
+        # the file-object save builds at the end, each true to the zip.
+        ma = json.loads(a.read(pa.replace("data.pkl", manifest.MANIFEST_NAME)))
+        mb = json.loads(b.read(pb.replace("data.pkl", manifest.MANIFEST_NAME)))
+        jsonschema.validate(ma, manifest.schema())
+        ra = {r["name"]: r for r in ma["records"]}
+        rb = {r["name"]: r for r in mb["records"]}
+        assert set(ra) == set(rb) == {n.split("/", 1)[1] for n in a.namelist()} - {manifest.MANIFEST_NAME}
+        for name, r in ra.items():
+            info = a.getinfo(f"{pa.split('/')[0]}/{name}")
+            assert (r["size"], r["crc32"]) == (info.file_size, info.CRC), name
+            same = {k: v for k, v in r.items() if k not in ("offset", "crc32")}  # the serialization id differs
+            assert same == {k: v for k, v in rb[name].items() if k not in ("offset", "crc32")}, name
     got = tierstore.load(path, weights_only=False)
     for k, v in state.items():
         if k != "hidden":

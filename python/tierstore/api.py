@@ -9,6 +9,7 @@ reads land directly in the memory that becomes each tensor's storage.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import secrets
@@ -337,6 +338,47 @@ class _ManifestParts:
         self.tensors = _tensor_entries(found, collector, layouts)
         self.tensors_json = manifest.dump_tensors(self.tensors)
         self.records: list[dict[str, Any]] = []
+        # From :meth:`prepare`: the first records (names, dicts) and their
+        # JSON cut where each one's CRC goes.
+        self._early: tuple[list[str], list[dict[str, Any]], list[str]] | None = None
+
+    def record(
+        self,
+        e: _core.PlannedRecord,
+        crc: int,
+        chunks: dict[str, dict[str, Any]] | None = None,
+        encoded: Mapping[str, _codec.Encoded] | None = None,
+    ) -> dict[str, Any]:
+        """The manifest's entry of the record ``e``."""
+        rel = e.name[len(self.prefix) + 1 :]
+        rec: dict[str, Any] = {"name": rel, "offset": e.data_offset, "size": e.size, "crc32": crc}
+        if rel.startswith("data/"):
+            s = self.collector.storages[rel[5:]]
+            rec["kind"] = "storage"
+            rec["dtype"] = _dtype_name(s.dtype)
+            rec["numel"] = s.numel
+            rec["location"] = s.location
+            rec["codec"] = "raw"
+            rec["delta_base"] = None
+            if encoded is not None and rel[5:] in encoded:
+                rec.update(encoded[rel[5:]].fields)
+            if chunks is not None and rel in chunks:
+                rec["chunks"] = chunks[rel]
+        elif encoded is not None and rel == "data.pkl":
+            rec["kind"] = "guard"  # torch.load's entry: it says the file is compressed
+        else:
+            rec["kind"] = "pickle" if rel in ("data.pkl", _codec.PICKLE_NAME) else "meta"
+        return rec
+
+    def prepare(self, entries: list[_core.PlannedRecord]) -> None:
+        """Builds the entries of these records (placed, not yet written)
+        and their JSON while the data is written; :meth:`build` then only
+        puts in the CRCs. A state of many small tensors spent a tenth of its
+        save on this after the last byte was written."""
+        recs = [self.record(e, _CRC_SLOT) for e in entries]
+        cut = json.dumps(recs, separators=(",", ":"))[1:-1].split(f'"crc32":{_CRC_SLOT}')
+        if len(cut) == len(recs) + 1:  # the mark occurs nowhere else (it cannot inside a string)
+            self._early = ([e.name for e in entries], recs, cut)
 
     def build(
         self,
@@ -347,39 +389,43 @@ class _ManifestParts:
     ) -> bytes:
         from tierstore import __version__
 
-        records = []
-        cut = len(self.prefix) + 1
-        storages = self.collector.storages
-        for e in entries:
-            rel = e.name[cut:]
-            rec: dict[str, Any] = {"name": rel, "offset": e.data_offset, "size": e.size, "crc32": crcs[e.name]}
-            if rel.startswith("data/"):
-                s = storages[rel[5:]]
-                rec["kind"] = "storage"
-                rec["dtype"] = _dtype_name(s.dtype)
-                rec["numel"] = s.numel
-                rec["location"] = s.location
-                rec["codec"] = "raw"
-                rec["delta_base"] = None
-                if encoded is not None and rel[5:] in encoded:
-                    rec.update(encoded[rel[5:]].fields)
-                if chunks is not None and rel in chunks:
-                    rec["chunks"] = chunks[rel]
-            elif encoded is not None and rel == "data.pkl":
-                rec["kind"] = "guard"  # torch.load's entry: it says the file is compressed
-            else:
-                rec["kind"] = "pickle" if rel in ("data.pkl", _codec.PICKLE_NAME) else "meta"
-            records.append(rec)
+        early = self._early
+        n = 0
+        if early is not None and chunks is None and encoded is None:
+            names = early[0]
+            n = len(names)
+            if len(entries) < n or any(e.name != m for e, m in zip(entries, names, strict=False)):
+                n = 0  # not the records prepared: built afresh
+        if n:
+            names, recs, cut = early  # type: ignore[misc]
+            parts = [cut[0]]
+            for name, rec, after in zip(names, recs, cut[1:], strict=True):
+                crc = crcs[name]
+                rec["crc32"] = crc
+                parts.append(f'"crc32":{crc}')
+                parts.append(after)
+            rest = [self.record(e, crcs[e.name]) for e in entries[n:]]
+            tail = json.dumps(rest, separators=(",", ":"))[1:-1]
+            records_json = "[" + "".join(parts) + ("," + tail if tail else "") + "]"
+            records = recs + rest
+        else:
+            records = [self.record(e, crcs[e.name], chunks, encoded) for e in entries]
+            records_json = json.dumps(records, separators=(",", ":"))
         self.records = records
         return manifest.build(
             archive=self.prefix,
             alignment=self.align,
-            records=records,
+            records_json=records_json,
             tensors_json=self.tensors_json,
             writer=f"tierstore {__version__}",
             torch_version=torch.__version__,
             extra={**self.extra, **({} if encoded is None else {"codec": _codec.CODEC, "pickle": _codec.PICKLE_NAME})},
         )
+
+
+# Stands for a record's CRC in the JSON prepared before it is known (no CRC
+# is negative).
+_CRC_SLOT = -1
 
 
 def _add_storages(
@@ -401,6 +447,23 @@ def _add_storages(
             target.add_memory(name, st.data_ptr(), n, st, gate, at)
         else:
             target.add_memory(name, st.data_ptr(), n, st)
+
+
+# A memory record for ``Writer.add_memories``: name, address, size, owner.
+_Record = tuple[str, int, int, torch.UntypedStorage]
+# Storages to add to a writer: (key, storage) pairs, their gates, their
+# records when none is gated, their size in bytes.
+_Batch = tuple[list[tuple[str, torch.UntypedStorage]], Gates, list[_Record] | None, int]
+
+
+def _memory_records(
+    prefix: str, storages: list[tuple[str, torch.UntypedStorage]], gates: Gates | None
+) -> list[_Record] | None:
+    """The writer's records of ``storages`` (as :func:`_add_storages` adds
+    them), or None when one of them is gated (still being filled)."""
+    if gates and any(st.data_ptr() in gates for _k, st in storages):
+        return None
+    return [(f"{prefix}/data/{key}", st.data_ptr(), st.nbytes(), st) for key, st in storages]
 
 
 def _save_path(
@@ -426,37 +489,63 @@ def _save_path(
     keep: list[tuple[str, torch.UntypedStorage]] = []
     staged: list[gpu.Staged] = []
 
-    def add_new() -> int:
+    def find_new() -> _Batch:
+        """The storages registered since the last call (GPU ones being
+        staged), the gates of those still being filled, when none is their
+        records ready for the writer, and their size."""
         n_staged = len(staged)
         new = _host_storages(collector, added, staged)
         all_gates = dict(gates or {})
         for sg in staged[n_staged:]:
             all_gates.update(sg.gates())
-        _add_storages(w, prefix, new, all_gates)
-        keep.extend(new)
         added.update(k for k, _st in new)
-        return sum(st.nbytes() for _k, st in new)
+        keep.extend(new)
+        return new, all_gates, _memory_records(prefix, new, all_gates), sum(st.nbytes() for _k, st in new)
+
+    def add(batch: _Batch) -> int:
+        new, all_gates, records, nbytes = batch
+        if records is not None:
+            w.add_memories(records)
+        else:
+            _add_storages(w, prefix, new, all_gates)
+        return nbytes
+
+    def add_new() -> int:
+        return add(find_new())
 
     try:
         total = add_new()
         enabled = _progress.wanted(progress) and (total > 0 or not pickler.registered_all)
-        with _progress.bar(enabled, f"saving {path}") as cb:
+        # The records placed before the last batch starts to be written,
+        # whose manifest entries are then prepared while it is written.
+        placed: list[_core.PlannedRecord] = []
+
+        def start() -> None:
+            if pickler.registered_all and not chunk_checksums:
+                placed[:] = w.entries()
             w.start_data()
+
+        with _progress.bar(enabled, f"saving {path}") as cb:
+            start()
             # The tensors not registered yet are registered in growing batches,
             # each while the engine writes the one before (a state of many
-            # small tensors would otherwise wait for all of them).
+            # small tensors would otherwise wait for all of them); only adding
+            # them to the writer waits for that write.
             written = 0
             batch = 4 * _FIRST_BATCH
             while pickler.register_more(batch):
+                nxt = find_new()
                 w.wait_data(_after(cb, written))
                 written += total
-                total = add_new()
-                w.start_data()
+                total = add(nxt)
+                start()
                 batch *= 4
             # Pickling and most of the manifest are done while the engine writes.
             data_pkl = pickler.run()
             late = [key for key in collector.storages if key not in added]
             parts = _ManifestParts(prefix, collector, found, align, layouts, extra)
+            if placed:
+                parts.prepare(placed)
             w.wait_data(_after(cb, written))
             if late:  # storages only the pickler found (inside custom objects)
                 add_new()

@@ -120,6 +120,30 @@ impl Writer {
         Ok(i)
     }
 
+    /// Appends one memory record per `(name, address, nbytes, owner)`, as
+    /// `add_memory` does for each, in one call (a state of many small
+    /// tensors adds them between two writes: one call, not one per tensor).
+    fn add_memories(
+        &mut self,
+        py: Python<'_>,
+        records: Vec<(String, usize, usize, Py<PyAny>)>,
+    ) -> PyResult<()> {
+        let w = self.inner.as_mut().ok_or_else(closed)?;
+        self.owners.reserve(records.len());
+        for (name, address, nbytes, owner) in records {
+            let src = if nbytes == 0 {
+                Source::Bytes(Arc::from(&[][..]))
+            } else {
+                // SAFETY: as for `add_memory`: `owner` keeps the memory alive
+                // and is held in `self.owners` until the writer is gone.
+                unsafe { Source::mem(address as *const u8, nbytes) }
+            };
+            w.add(&name, src).py_err(py)?;
+            self.owners.push(owner);
+        }
+        Ok(())
+    }
+
     /// Starts writing every record added so far in the background and
     /// returns at once; `wait_data` waits for it. Python code (e.g. pickling)
     /// runs meanwhile; the records' memory must not change until then.
