@@ -28,7 +28,13 @@ use crate::task::{Task, TaskState};
 /// The shortest part of a record written straight from its memory when a
 /// chunk holds several records (shorter ones are copied with their
 /// neighbours into the chunk's staging buffer: one request instead of many).
-const DIRECT_MIN: u64 = 64 << 10;
+/// At 64 KiB, a state of 20,000 tensors of 4-256 KiB (a tenth of them at
+/// addresses the disk's direct I/O accepts) went out in 6,000 requests of a
+/// record or less, and every record next to one written from its memory had
+/// its header deferred to the commit (2,200 more): its data took 1.3 s
+/// against 0.87 s for the same bytes as one record. At 1 MiB: 0.96 s, 318
+/// deferred headers (the records over chunk boundaries).
+const DIRECT_MIN: u64 = 1 << 20;
 
 /// The largest staging buffer for a chunk's gaps taken from the heap rather
 /// than the engine's pool.
