@@ -68,3 +68,32 @@ def test_pauses_nest_across_threads() -> None:
     release.set()
     t.join()
     assert gc.isenabled()
+
+
+class _Probe:
+    """Records, each time it is pickled (or deep-copied), the thread and
+    whether the collector was on; the copy is a probe again."""
+
+    seen: list[tuple[str, bool]] = []
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        _Probe.seen.append((threading.current_thread().name, gc.isenabled()))
+        return (_Probe, ())
+
+
+def test_the_checkpointer_writes_a_snapshot_with_the_collector_paused(tmp_path: pathlib.Path) -> None:
+    """The flush thread allocates enough (pickle, manifest, layout rules) to
+    start collections that walk every object of the process while holding
+    the GIL the training thread needs: it pauses the collector while it
+    writes a snapshot, and the collector is back on once it is done."""
+    _Probe.seen.clear()
+    assert gc.isenabled()
+    tiers = [tierstore.HostTier("64MiB"), tierstore.DiskTier(str(tmp_path / "disk"))]
+    with tierstore.Checkpointer(tmp_path / "ck", tiers=tiers) as ck:
+        h = ck.save(1, {"w": torch.ones(8), "probe": _Probe()})
+        h.wait()
+        flushed = [on for name, on in _Probe.seen if name != "MainThread"]  # the flush or its pickler
+        assert flushed and not any(flushed), _Probe.seen  # pickled by the flush, the collector off
+    # On again once the flush is over (it ends shortly after the snapshot
+    # is durable; close waited for it).
+    assert gc.isenabled()

@@ -27,7 +27,6 @@ moment leaves the previous checkpoints loadable.
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import os
 import queue
@@ -41,7 +40,7 @@ from typing import Any
 
 import torch
 
-from tierstore import _threads
+from tierstore import _gc, _threads
 from tierstore._ckpt_capture import Capturer
 from tierstore._ckpt_cascade import Cascade, drop_offload_pins
 from tierstore._ckpt_peers import ring
@@ -268,6 +267,9 @@ class Checkpointer:
             return step % self.interval == 0
         return step - self._last_step >= self.interval
 
+    # A collection in the middle of a save would add its pause to the
+    # training loop; the save allocates little, so it waits until after.
+    @_gc.paused
     def save(self, step: int, state: Mapping[str, Any]) -> CheckpointHandle:
         """Starts a checkpoint of ``state`` at ``step`` and returns at once.
 
@@ -275,15 +277,7 @@ class Checkpointer:
         returns (or, with :meth:`attach`, until the optimizer step), the caller
         must not modify them. Non-tensor values are copied now.
         """
-        # A collection in the middle of a save would add its pause to the
-        # training loop; the save allocates little, so it waits until after.
-        gc_on = gc.isenabled()
-        gc.disable()
-        try:
-            return self._save(step, state)
-        finally:
-            if gc_on:
-                gc.enable()
+        return self._save(step, state)
 
     def _save(self, step: int, state: Mapping[str, Any]) -> CheckpointHandle:
         t0 = time.perf_counter()
