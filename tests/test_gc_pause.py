@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import pathlib
 import threading
+from typing import ClassVar
 
 import pytest
 import torch
@@ -74,7 +75,7 @@ class _Probe:
     """Records, each time it is pickled (or deep-copied), the thread and
     whether the collector was on; the copy is a probe again."""
 
-    seen: list[tuple[str, bool]] = []
+    seen: ClassVar[list[tuple[str, bool]]] = []
 
     def __reduce__(self) -> tuple[type, tuple[()]]:
         _Probe.seen.append((threading.current_thread().name, gc.isenabled()))
