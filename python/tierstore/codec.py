@@ -680,7 +680,7 @@ def convert_plain(src: str, dst: str, *, delta_base: str | None = None, durable:
         built = manifest.build(
             archive=prefix,
             alignment=int(m.get("alignment", 4096)),
-            records=records,
+            records_json=json.dumps(records, separators=(",", ":")),
             tensors_json=json.dumps(m.get("tensors", []), separators=(",", ":")),
             writer=str(m.get("writer", "tierstore")),
             torch_version=str(m.get("torch_version", torch.__version__)),

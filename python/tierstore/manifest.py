@@ -60,17 +60,14 @@ def build(
     *,
     archive: str,
     alignment: int,
-    records: list[dict[str, Any]] | None = None,
-    records_json: str | None = None,
+    records_json: str,
     tensors_json: str,
     writer: str,
     torch_version: str,
     extra: dict[str, Any] | None = None,
 ) -> bytes:
-    """The manifest's bytes. ``records``: the record entries, or
-    ``records_json``: their JSON list, rendered already."""
-    if (records is None) == (records_json is None):
-        raise InvalidArgumentError("manifest.build: give records or records_json, one of them")
+    """The manifest's bytes; ``records_json`` and ``tensors_json`` are the
+    JSON lists of its records and tensors, rendered already."""
     m: dict[str, Any] = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -80,19 +77,12 @@ def build(
         "archive": archive,
         "alignment": alignment,
         "checksum": "crc32",
-        "records": records if records is not None else _RECORDS_SLOT,
         "shard": None,
     }
     if extra:
         m.update(extra)
     head = json.dumps(m, separators=(",", ":"))
-    if records_json is not None:
-        head = head.replace(json.dumps(_RECORDS_SLOT), records_json, 1)
-    return (head[:-1] + ',"tensors":' + tensors_json + "}").encode()
-
-
-# Where ``build`` puts records rendered already (the first string value of the head).
-_RECORDS_SLOT = "\x00records\x00"
+    return (head[:-1] + ',"records":' + records_json + ',"tensors":' + tensors_json + "}").encode()
 
 
 def _fail(path: str, detail: str) -> ManifestError:
