@@ -241,7 +241,7 @@ def main() -> int:
     nbytes = spec_bytes(spec)
     res: dict[str, Any] = {}
     engine_start_s = None
-    if system == "tierstore":
+    if system.startswith("tierstore"):
         import tierstore
 
         t0 = time.perf_counter()
@@ -275,6 +275,7 @@ def main() -> int:
     else:
         loaders = {
             "tierstore": lambda: tierstore.load(path),
+            "tierstore mmap": lambda: tierstore.load(path, mmap=True),
             "torch.load": lambda: torch.load(path),
             "torch.load mmap": lambda: torch.load(path, mmap=True),
             "safetensors": lambda: st.load_file(str(path)),
@@ -320,7 +321,7 @@ def main() -> int:
         write_bytes=io1["write_bytes"] - io0["write_bytes"],
         rchar=io1["rchar"] - io0["rchar"],
     )
-    if system == "tierstore":
+    if system.startswith("tierstore"):
         res["engine_start_s"] = engine_start_s
         res["engine_pool_allocated_bytes"] = tierstore.get_engine().info()["pool_allocated_bytes"]
     if op == "load":
