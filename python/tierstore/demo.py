@@ -358,13 +358,15 @@ def _lazy_part(con: Any, d: Path, args: argparse.Namespace, state: dict[str, Any
 
         stager = DefaultStager(StagingOptions(False, False, True, False))
         t = time.perf_counter()
+        # "assuming the intent is to save in a single process": DCP warns from
+        # its upload thread too, so the filter stays until the upload is done.
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore")
             resp = async_save(state, checkpoint_id=str(d / "dcp"), async_stager=stager, no_dist=True)
-        assert isinstance(resp, AsyncSaveResponse)
-        resp.staging_completion.result()  # the step must wait for staging
-        dt = time.perf_counter() - t
-        resp.upload_completion.result()
+            assert isinstance(resp, AsyncSaveResponse)
+            resp.staging_completion.result()  # the step must wait for staging
+            dt = time.perf_counter() - t
+            resp.upload_completion.result()
         return dt
 
     table = Table(title=f"training time blocked per checkpoint of {nbytes / 2**20:.0f} MiB")
