@@ -29,4 +29,8 @@ def test_the_demo_runs_its_checks_and_prints_no_warnings(tmp_path: Path) -> None
     ):
         assert check in out, f"{check!r} missing from the demo's output:\n{out}"
     assert "NO" not in out.split(), out
+    # What a checkpoint costs the loop, by the loop's clock, for each method.
+    assert "what it costs the training loop" in out, out
+    for method in ("no checkpoint", "torch.save + fsync", "DCP async_save", "tierstore.Checkpointer"):
+        assert method in out, out
     assert "Warning" not in p.stderr and "Warning" not in out, p.stderr
