@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
         n, _ = _archive.verify(str(ts_file))
         con.print(f"tierstore verify {ts_file.name}: OK, {n} records checked")
-        resumed = _lazy_part(con, d, args, state, nbytes)
+        resumed = _lazy_part(con, d, args, nbytes)
         offloaded = _offload_part(con, d, args)
         return 0 if ok and tied and resumed and offloaded else 1
     finally:
@@ -267,7 +267,7 @@ def _remote_stats(con: Any, remote: Path) -> None:
         con.print("  remote tier: no checkpoint promoted there before the kill")
 
 
-def _lazy_part(con: Any, d: Path, args: argparse.Namespace, state: dict[str, Any], nbytes: int) -> bool:
+def _lazy_part(con: Any, d: Path, args: argparse.Namespace, nbytes: int) -> bool:
     con.print("\n[bold]lazy checkpoints while training, an interruption, a resume on another layout[/bold]")
     cmd = [sys.executable, "-m", "tierstore.demo", "--child", str(d), "--layers", str(args.layers)]
     p = subprocess.Popen([*cmd, "--width", str(args.width)], stdout=subprocess.PIPE, text=True)
@@ -398,9 +398,9 @@ def _loop_cost(con: Any, d: Path, args: argparse.Namespace, nbytes: int) -> None
     warm, steps_each = 3, 4
     step = 0
     results: dict[str, tuple[float, float]] = {}
-    # DCP warns from its threads that it assumes a single process.
+    # DCP warns, from its threads too, that it assumes a single process.
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
         for name, save in methods:
             times, blocked = [], []
             for i in range(warm + steps_each):
