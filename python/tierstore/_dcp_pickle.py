@@ -2,8 +2,9 @@
 allow-list of the classes DCP writes, an opcode scanner that refuses what
 would make CPython's unpickler allocate or recurse without bound (used for
 torch's ``data.pkl`` too), and the restricted unpickler. It imports no other
-tierstore module but the errors, so that both the loader (``api``) and the
-DCP reader (``dcp``) can use it."""
+tierstore module but the errors and the collector's pause (``_gc``, which
+imports none), so that both the loader (``api``) and the DCP reader
+(``dcp``) can use it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from tierstore import _gc
 from tierstore.errors import ManifestError, TierstoreError, UnsafeObjectError
 
 #: Nesting deeper than this is refused before unpickling: CPython hashes
@@ -237,8 +239,6 @@ def _scan(data: bytes, where: str, strict: bool, what: str = "DCP metadata pickl
     opcode; for a global, ``(module, name)``) or a node ``[depth, kind,
     sealed]``, sealed once it is inside another node.
     """
-    import gc
-
     table = allowed_globals()
     dcp_classes = _dcp_classes
     ops = _OPS
@@ -305,8 +305,7 @@ def _scan(data: bytes, where: str, strict: bool, what: str = "DCP metadata pickl
             bad(f"{name} with a memo index that is not a small number")
         return int(raw)
 
-    gc_was = gc.isenabled()
-    gc.disable()  # millions of small lists, none in a cycle
+    _gc.begin()  # millions of small lists, none in a cycle
     try:
         while True:
             if pos >= n:
@@ -488,8 +487,7 @@ def _scan(data: bytes, where: str, strict: bool, what: str = "DCP metadata pickl
                 if name != "READONLY_BUFFER":
                     stack.append(None)
     finally:
-        if gc_was:
-            gc.enable()
+        _gc.end()
 
 
 def scan_pickle(data: bytes, where: str, *, strict: bool = False) -> None:

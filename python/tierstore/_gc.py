@@ -13,10 +13,11 @@ when the last one ends, and only if it was enabled when the first began.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
 _P = ParamSpec("_P")
@@ -27,7 +28,8 @@ _depth = 0
 _was_enabled = False
 
 
-def _enter() -> None:
+def begin() -> None:
+    """Starts a pause (each ``begin`` needs its ``end``; prefer :func:`pausing`)."""
     global _depth, _was_enabled
     with _lock:
         if _depth == 0:
@@ -36,7 +38,8 @@ def _enter() -> None:
         _depth += 1
 
 
-def _exit() -> None:
+def end() -> None:
+    """Ends a pause started by :func:`begin`."""
     global _depth
     with _lock:
         _depth -= 1
@@ -44,15 +47,27 @@ def _exit() -> None:
             gc.enable()
 
 
+@contextlib.contextmanager
+def pausing() -> Iterator[None]:
+    """The collector paused for the ``with`` block (nesting with every other
+    pause, in any thread: a bare ``gc.disable()``/``gc.enable()`` pair would
+    re-enable it under a pause still running elsewhere)."""
+    begin()
+    try:
+        yield
+    finally:
+        end()
+
+
 def paused(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """``fn`` with the collector paused while it runs."""
 
     @functools.wraps(fn)
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        _enter()
+        begin()
         try:
             return fn(*args, **kwargs)
         finally:
-            _exit()
+            end()
 
     return run

@@ -9,7 +9,6 @@ views of one storage share it again after loading.
 
 from __future__ import annotations
 
-import gc
 import io
 import pickle
 import pickletools
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tierstore import _gc
 from tierstore.errors import CorruptFileError, InvalidArgumentTypeError, UnsupportedObjectError, UsageError
 
 DEFAULT_PROTOCOL = 2
@@ -332,15 +332,10 @@ def fast_weights_only(data: bytes, persistent_load: Any) -> Any:
     # Building many small objects triggers the cyclic collector again and
     # again (a sixth of a 20,000-tensor load); the graph the fast path builds
     # runs no code of the file's, and what it makes is collected afterwards.
-    gc_on = gc.isenabled()
-    gc.disable()
-    try:
+    with _gc.pausing():
         return _core.fast_weights_only_load(
             data, allowed, blocked, OrderedDict, Counter, deferred, persistent_load, substitute
         )
-    finally:
-        if gc_on:
-            gc.enable()
 
 
 def no_fake_mode() -> bool:
