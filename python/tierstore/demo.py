@@ -469,7 +469,9 @@ def _offload_part(con: Any, d: Path, args: argparse.Namespace) -> bool:
         ),
     }  # fmt: skip
     times: dict[str, list[float]] = {k: [] for k in opts}
-    for step in range(4):
+    # Six steps, the first left out of the medians (first-touch of the
+    # buffers): three were too few for a stable median on a shared machine.
+    for step in range(6):
         for k, m in models.items():
             loss = _loss(m, step)
             loss.backward()
@@ -504,7 +506,7 @@ def _offload_part(con: Any, d: Path, args: argparse.Namespace) -> bool:
 
     # A checkpoint of the offloaded optimizer, taken from the tiers, restored into a fresh one.
     ck = tierstore.Checkpointer(d / "offload-job", tiers=[tierstore.HostTier("1GiB"), tierstore.DiskTier("local")])
-    ck.save(4, {"model": models["tierstore"].state_dict(), "optim": opts["tierstore"]})
+    ck.save(6, {"model": models["tierstore"].state_dict(), "optim": opts["tierstore"]})
     ck.wait()
     torch.manual_seed(1)
     fresh = TinyGPT(VOCAB, args.width, args.layers, heads=8, ctx=CTX)
@@ -512,7 +514,7 @@ def _offload_part(con: Any, d: Path, args: argparse.Namespace) -> bool:
         torch.optim.AdamW, fresh.parameters(), lr=3e-4, fused=True, tiers=tiers, subgroup_bytes="16MiB"
     )
     ck.load_latest(into={"model": fresh.state_dict(), "optim": fresh_opt})
-    for step in range(4, 6):
+    for step in range(6, 8):
         for m, o in ((models["memory"], opts["memory"]), (fresh, fresh_opt)):
             _loss(m, step).backward()
             o.step()
