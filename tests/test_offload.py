@@ -210,7 +210,11 @@ def test_split_masters_are_rebuilt_exactly(tmp_path: Path) -> None:
     stored_w, stored_s = sum(whole.placement().values()), sum(split.placement().values())
     numel = sum(p.numel() for p in pw)
     assert stored_w >= 12 * numel and stored_s < 10.5 * numel  # 4 + 4 + 4 bytes, against 2 + 4 + 4
-    assert split.stats["read_bytes"] < 0.9 * whole.stats["read_bytes"]
+    # Fewer bytes per subgroup read (counted per read: how many reads a step
+    # makes depends on timing, which write-backs are still in flight).
+    per_read_w = whole.stats["read_bytes"] / whole.stats["reads"]
+    per_read_s = split.stats["read_bytes"] / split.stats["reads"]
+    assert per_read_s < 0.9 * per_read_w, (split.stats, whole.stats)
     sdw, sds = whole.state_dict(), split.state_dict()
     for i, st in sdw["state"].items():
         assert all(torch.equal(sds["state"][i][k], v) for k, v in st.items())

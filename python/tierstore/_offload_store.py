@@ -208,6 +208,7 @@ class SubgroupStore:
         old_file = sg.file
         with self.memory.cond:
             self.stats["write_bytes"] += sg.nbytes
+            self.stats["writes"] += 1
             self.stats["write_s"] += dt
         if old_file is not None and old_file != f:
             old_file.unlink(missing_ok=True)  # a checkpoint's pin keeps its own link
@@ -243,6 +244,7 @@ class SubgroupStore:
         p.observe("read", sg.nbytes, dt)
         with self.memory.cond:
             self.stats["read_bytes"] += sg.nbytes
+            self.stats["reads"] += 1
             self.stats["read_s"] += dt
 
     def write_sync(self, sg: Subgroup) -> None:

@@ -192,6 +192,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.stats: dict[str, float] = {
             "read_bytes": 0,
             "write_bytes": 0,
+            "reads": 0,  # subgroup transfers
+            "writes": 0,
             "read_s": 0.0,
             "write_s": 0.0,
             "wait_s": 0.0,
