@@ -53,6 +53,7 @@ CLASSES = [
     "code_executed",
     "read_outside",
     "other_error",
+    "collector_left_off",
     "control_failed",
     "harness_error",
 ]
@@ -68,6 +69,7 @@ SHORT = {
     "code_executed": "CODE",
     "read_outside": "OUTSIDE",
     "other_error": "other",
+    "collector_left_off": "GC_OFF",
     "control_failed": "CONTROL",
     "harness_error": "HARNESS",
 }
@@ -79,6 +81,7 @@ BAD = {
     "memory_limit",
     "code_executed",
     "read_outside",
+    "collector_left_off",
     "control_failed",
     "harness_error",
 }

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import io
 import json
 import math
@@ -48,7 +49,7 @@ import tierstore
 import tierstore.checkpointer
 import tierstore.dcp
 import tierstore.sharded
-from tierstore import Layout, attach, cli
+from tierstore import Layout, _gc, attach, cli
 from tierstore.errors import TierstoreError, UnsafeObjectError
 from tierstore.layout import zero_partition
 
@@ -70,6 +71,10 @@ CODE = "code_executed"
 OUTSIDE = "read_outside"
 CONTROL = "control_failed"
 HARNESS = "harness_error"
+# The cyclic collector left switched off (or a pause left open) after a case:
+# a load's error path that skipped its pause's end would leave every later
+# allocation of the process uncollected.
+GC_OFF = "collector_left_off"
 
 PRECEDENCE = [
     CODE,
@@ -79,6 +84,7 @@ PRECEDENCE = [
     MEMORY,
     SILENT,
     CLI_OK,
+    GC_OFF,
     CONTROL,
     HARNESS,
     OTHER,
@@ -3519,7 +3525,7 @@ KINDS: dict[str, Callable[[Ctx], None]] = {
 }
 
 
-SELFTESTS = ("__hang__", "__crash__", "__memory__", "__code__", "__outside__", "__silent__", "__other__")
+SELFTESTS = ("__hang__", "__crash__", "__memory__", "__code__", "__outside__", "__silent__", "__other__", "__gc_off__")
 
 
 def selftest(ctx: Ctx, what: str) -> None:
@@ -3537,6 +3543,7 @@ def selftest(ctx: Ctx, what: str) -> None:
         "__outside__": lambda: {"t": torch.frombuffer(bytearray(ctx.secret.read_bytes()[:64]), dtype=torch.uint8)},
         "__silent__": lambda: {"t": torch.ones(3)},
         "__other__": lambda: {}["missing"],
+        "__gc_off__": lambda: (_gc.begin(), {"t": torch.zeros(3)})[1],  # a pause never ended
     }
     want = {"t": torch.zeros(3)}
     ctx.op("selftest", actions[what], ctx.same_check(want))
@@ -3549,8 +3556,8 @@ def run_case(env: Env, kind: str, seed: int) -> dict[str, Any]:
         forced = env.cache.get("force_mutator")
         if forced in SELFTESTS:
             selftest(ctx, forced)
-            return ctx.verdict()
-        KINDS[kind](ctx)
+        else:
+            KINDS[kind](ctx)
     except BaseException as e:  # the harness itself (building or mutating)
         ctx.ops.append(
             {
@@ -3563,6 +3570,10 @@ def run_case(env: Env, kind: str, seed: int) -> dict[str, Any]:
         )
         if env.verbose:
             traceback.print_exc()
+    if not gc.isenabled():
+        off = "gc.isenabled() is False after the case"
+        ctx.ops.append({"op": "collector", "load": False, "outcome": GC_OFF, "exc": off})
+        gc.enable()  # the next case starts as this one did
     return ctx.verdict()
 
 

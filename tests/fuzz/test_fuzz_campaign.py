@@ -69,3 +69,21 @@ def test_campaign_detects_every_bad_outcome(tmp_path: Path) -> None:
     }, campaign.report(summary, mutators=False)
     assert summary["worker_restarts"] == 2
     assert not summary["ok"]
+
+
+def test_campaign_detects_a_collector_left_off(tmp_path: Path) -> None:
+    """A case after which Python's cyclic collector is off (a pause of
+    ``tierstore._gc`` begun and never ended, as an error path could leave
+    it) is a bad outcome of its own."""
+    summary = campaign.run_campaign(
+        cases=1,
+        seed=1,
+        kinds=["single"],
+        workers=1,
+        workdir=tmp_path,
+        case_timeout=10.0,
+        mutator=["__gc_off__"],
+        log=lambda _m: None,
+    )
+    assert [r["class"] for r in summary["results"]] == ["collector_left_off"], campaign.report(summary)
+    assert not summary["ok"]
