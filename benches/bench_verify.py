@@ -2,7 +2,8 @@
 
 A row-sharded fp32 tensor (300 MiB by default, rows of 5 KiB) is saved as a
 sharded checkpoint; one process then loads column shards of it (1/2, 1/4,
-1/8 of the columns: every 4 KiB chunk of the record is touched) and a row
+1/8 of the columns: the checksum chunks at the edges of every row's slice
+are touched in part) and a row
 block (chunks read straight into place) with ``verify="touched"``,
 ``"full"`` and ``False``, interleaved in alternating order over ``--rounds``
 rounds, page cache dropped before each load (cold) and then without dropping

@@ -84,13 +84,16 @@ def _shard_manifest(d: pathlib.Path) -> dict:
 
 
 def test_sharded_checkpoints_with_crc32c_chunk_tables_still_load(tmp_path: pathlib.Path) -> None:
-    """Shard files written before the chunk tables became CRC-32 (tests/data/
-    sharded_crc32c, by 0.1.0 at a0cfe34) name CRC-32C: they load whole and in
+    """Shard files written before the chunk tables became CRC-32 over 512-byte
+    chunks (tests/data/sharded_crc32c, by 0.1.0 at a0cfe34) name CRC-32C over
+    4 KiB chunks: they load whole and in
     parts (every chunk a partial read touches is verified under its own
     algorithm), and a flipped byte is still caught."""
     d = tmp_path / "ck"
     shutil.copytree(DATA / "sharded_crc32c", d)
-    assert {c["algo"] for r in _shard_manifest(d)["records"] if "chunks" in r for c in [r["chunks"]]} == {"crc32c"}
+    tables = [r["chunks"] for r in _shard_manifest(d)["records"] if "chunks" in r]
+    # Written before the chunks became 512 bytes: CRC-32C over 4 KiB chunks, read as the tables say.
+    assert {c["algo"] for c in tables} == {"crc32c"} and {c["size"] for c in tables} == {4096}
     g = torch.Generator().manual_seed(1234)
     want_w, want_b = torch.randn(64, 96, generator=g), torch.arange(1000, dtype=torch.float64)
     w = torch.empty(64, 96)
@@ -112,23 +115,24 @@ def test_sharded_checkpoints_with_crc32c_chunk_tables_still_load(tmp_path: pathl
 
 
 def test_new_chunk_tables_are_crc32_from_the_write_pass(tmp_path: pathlib.Path) -> None:
-    """The chunk table names CRC-32 and holds zip's CRC-32 of every 4 KiB
+    """The chunk table names CRC-32 and holds zip's CRC-32 of every 512-byte
     chunk of each storage (the writer derives the record CRC from them)."""
     import zlib
 
-    x = torch.randn(3 * 1024 + 17)
+    assert manifest.CHUNK_BYTES == 512
+    x = torch.randn(3 * 1024 + 17)  # 12,356 bytes: 24 whole chunks and a short one
     tierstore.save_sharded({"x": x}, tmp_path / "ck")
     (rank,) = (tmp_path / "ck").glob("rank-*.pt")
     m = _shard_manifest(tmp_path / "ck")
     rec = next(r for r in m["records"] if "chunks" in r)
-    assert rec["chunks"]["algo"] == "crc32" and rec["chunks"]["count"] == 4
+    assert rec["chunks"]["algo"] == "crc32" and rec["chunks"]["size"] == 512 and rec["chunks"]["count"] == 25
     with zipfile.ZipFile(rank) as z:
         table = z.read(next(n for n in z.namelist() if n.endswith(manifest.CHUNKS_NAME)))
         data = z.read(next(n for n in z.namelist() if n.endswith("/" + rec["name"])))
         assert zlib.crc32(data) == z.getinfo(next(n for n in z.namelist() if n.endswith("/" + rec["name"]))).CRC
     at = rec["chunks"]["at"]
     sums = struct.unpack(f"<{rec['chunks']['count']}I", table[at : at + 4 * rec["chunks"]["count"]])
-    assert list(sums) == [zlib.crc32(data[i : i + 4096]) for i in range(0, len(data), 4096)]
+    assert list(sums) == [zlib.crc32(data[i : i + 512]) for i in range(0, len(data), 512)]
 
 
 def _enough(gib: int) -> bool:

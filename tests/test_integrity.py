@@ -126,6 +126,26 @@ def test_every_flip_in_a_column_shard_is_caught(tmp_path: Path, verify: str) -> 
     assert caught >= 10, "most flips land in columns every target touches (chunks span rows)"
 
 
+def test_a_flip_among_chunks_checked_together_names_its_own_chunk(tmp_path: Path) -> None:
+    """Consecutive 512-byte chunks are checked a few at a time (one span of
+    the mapping): a flip inside such a span is reported as its own chunk,
+    with that chunk's bytes, whether a short read touches it (``"touched"``)
+    or no read does (``"full"``, every chunk of a record read from)."""
+    d, _full = _rows(tmp_path, 4, (256, 384))  # rows of 1,536 bytes; record 2 holds rows 128-191
+    f = _data_file(d)
+    original = f.read_bytes()
+    lo, _hi = sorted(_stored_ranges(d))[2]
+    block = Layout.block("w", (256, 384), (128, 0), (8, 384))  # 8 rows: 12 KiB, chunks 0-23 of record 2
+    for verify, chunk in (("touched", 1), ("touched", 20), ("full", 37), ("full", 150)):
+        f.write_bytes(original)
+        _flip(f, lo + 512 * chunk + 100)
+        with pytest.raises(ChecksumError, match=rf"bytes \[{512 * chunk}, {512 * chunk + 512}\) \(chunk {chunk};"):
+            tierstore.load_sharded(d, {"w": attach(torch.zeros(8, 384), block)}, verify=verify)
+    # Outside the rows read, "touched" does not look (and loads), "full" does.
+    tierstore.load_sharded(d, {"w": attach(torch.zeros(8, 384), block)}, verify="touched")
+    f.write_bytes(original)
+
+
 def test_tp_target_load_misses_no_flip(tmp_path: Path) -> None:
     d, _full = _rows(tmp_path, 2, (128, 256))
     f = _data_file(d)

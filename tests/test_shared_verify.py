@@ -15,7 +15,7 @@ from dist_util import run_world
 import tierstore
 from tierstore import ChecksumError, Layout, attach
 
-ROWS, COLS = 96, 1280  # rows of 5,120 bytes: every 4 KiB chunk holds parts of several column shards
+ROWS, COLS = 96, 1280  # rows of 5,120 bytes: a 512-byte chunk at each edge of a column shard's 1,280
 
 
 def full(name: str) -> torch.Tensor:
@@ -54,8 +54,10 @@ def test_column_shards_read_only_their_bytes_and_are_verified(rows_ckpt: str) ->
     touched = run_world(4, load_job, rows_ckpt, "touched", 4)
     for s, t in zip(shared, touched, strict=True):
         need = s["bytes_needed"]
-        # Alone, a rank reads every chunk it touches whole: about the whole tensors.
-        assert t["bytes_read"] >= 3 * need
+        # Alone, a rank reads every chunk it touches whole: each 1,280-byte
+        # slice of a row touches three 512-byte chunks (1,536 bytes).
+        assert t["bytes_read"] == pytest.approx(1.2 * need, rel=0.01), t
+        assert t["bytes_verified"] == t["bytes_read"], t
         # Together, each reads its own bytes (within a few partial pages) ...
         assert s["bytes_read"] <= 1.1 * need, s
         # ... and every one of them is covered by a checksum that matched.
@@ -78,15 +80,18 @@ def test_one_rank_is_the_same_as_touched(rows_ckpt: str) -> None:
     assert stats["bytes_verified"] == stats["bytes_read"] >= stats["bytes_needed"]
 
 
-def damaged_job(rank: int, world: int, path: str) -> str:
+def damaged_job(rank: int, world: int, path: str, verify: str) -> str:
     try:
-        load_job(rank, world, path, "shared", world)
+        load_job(rank, world, path, verify, world)
     except ChecksumError as e:
         return str(e)
     return "no error"
 
 
-def test_damage_is_reported_by_every_rank_that_needs_the_chunk(rows_ckpt: str, tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("verify", ["shared", "touched"])
+def test_damage_is_reported_by_every_rank_that_needs_the_chunk(
+    rows_ckpt: str, tmp_path: pathlib.Path, verify: str
+) -> None:
     import shutil
 
     path = tmp_path / "damaged"
@@ -95,14 +100,18 @@ def test_damage_is_reported_by_every_rank_that_needs_the_chunk(rows_ckpt: str, t
     data, at = next(
         (p, p.read_bytes().find(rows)) for p in sorted(path.rglob("*")) if rows in p.read_bytes()[: 1 << 24]
     )
-    with open(data, "r+b") as f:  # one bit, in a chunk that all four column shards share
-        f.seek(at + 5 * 4096 + 2000)
+    # One bit of row 5, byte 1,100: in column shard 0's bytes, in chunk 52
+    # ([26,624, 27,136) of the record: bytes 1,024 to 1,536 of the row), which
+    # column shards 0 and 1 share; shards 2 and 3 never touch it.
+    with open(data, "r+b") as f:
+        f.seek(at + 5 * 5120 + 1100)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0x20]))
-    errors = run_world(4, damaged_job, str(path))
-    for e in errors:
-        assert data.name in e and "record 'rank-00001" in e and "(chunk 5;" in e, e
+    errors = run_world(4, damaged_job, str(path), verify)
+    for e in errors[:2]:
+        assert data.name in e and "record 'rank-00001" in e and "(chunk 52;" in e, e
+    assert errors[2:] == ["no error", "no error"], errors
 
 
 def early_failure_job(rank: int, world: int, path: str) -> str:

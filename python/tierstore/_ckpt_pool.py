@@ -155,7 +155,7 @@ def copy_host(dst: torch.Tensor, src: torch.Tensor, gate: _core.Gate | None = No
     """``dst.copy_(src)`` for the capture thread. Dense host tensors are
     copied on this one thread with the GIL released and start no OpenMP
     team: with ``gate`` (a flush may already be waiting to write ``dst``),
-    by the engine, which checksums each 4 KiB chunk in the same pass and
+    by the engine, which checksums each 512-byte chunk in the same pass and
     leaves the sums with the gate for position ``at`` so that the writer does
     not read the copy again; otherwise by libc's memmove (non-temporal stores
     for large sizes). Anything else goes through torch."""

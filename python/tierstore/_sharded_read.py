@@ -267,7 +267,7 @@ def load_sharded(
     0's) or a function of ``{rank: value}``.
 
     ``verify`` says which checksums are checked: ``"touched"`` (default)
-    every 4 KiB chunk a read touches, reading the rest of a chunk it touches
+    every 512-byte chunk a read touches, reading the rest of a chunk it touches
     in part; ``"full"`` every chunk of every record read from; ``"shared"``
     every chunk a read touches, where a chunk this rank needs only part of is
     proven together with the other ranks of ``process_group`` that read the

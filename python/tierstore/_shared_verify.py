@@ -3,9 +3,11 @@
 
 A resharding load often needs part of a checksum chunk on one rank and the
 rest on others: a column shard of a row-major matrix takes a slice of every
-row, so every 4 KiB chunk is shared by all the ranks of the TP group. To
-check such a chunk alone, a rank must read all of it (``verify="touched"``),
-several times the bytes it needs. Here each rank reads only its own bytes of
+row, so the checksum chunks at the edges of each rank's slice are shared
+with its neighbours in the TP group. To check such a chunk alone, a rank
+must read all of it (``verify="touched"``): with 512-byte chunks, about a
+chunk more per row than it needs (several times its bytes for the 4 KiB
+chunks of older files). Here each rank reads only its own bytes of
 such a chunk and checksums the spans it read (the engine returns them as
 pieces); the pieces go to the chunk's owner rank (a hash of the file and the
 chunk's offset, so the work spreads over the ranks), which combines the

@@ -28,7 +28,7 @@ MANIFEST_NAME = ".tierstore/manifest.json"
 # not CRC-32C: the writer computes each record's zip CRC from its chunks', in
 # one pass over the bytes. Files written before say "crc32c"; both are read.
 CHUNKS_NAME = ".tierstore/chunks"
-CHUNK_BYTES = 4096
+CHUNK_BYTES = 512
 CHUNK_ALGO = "crc32"
 # Readers refuse manifests larger than this (a damaged size field must not
 # make us allocate gigabytes).

@@ -11,7 +11,7 @@
 //! - [`zip`] / [`plan`]: the on-disk structures and the byte plan of a write.
 //! - [`file`]: O_DIRECT opening and the atomic-replace protocol.
 //! - [`copy`]: whole-file copies (reflink or engine requests) for tier promotion.
-//! - [`chunks`]: checksums per 4 KiB chunk of a record, and verified partial reads.
+//! - [`chunks`]: checksums per 512-byte chunk of a record, and verified partial reads.
 //! - [`gather`]: copy blocks (affine grids of byte runs) expanded into merged runs.
 //! - [`crc`]: a record's CRC-32 and its chunks' in one pass (CRC combination).
 //! - [`codec`]: the `tsz1` record codec (chunked byte planes, zstd, deltas against a reference).

@@ -204,7 +204,7 @@ pub struct Plan {
     layout: LayoutBuilder,
     sources: Vec<Source>,
     crcs: Vec<Option<u32>>,
-    /// Whether memory records get a CRC-32 per 4096-byte chunk (computed in
+    /// Whether memory records get a CRC-32 per 512-byte chunk (computed in
     /// the same pass as their CRC), and the tables once complete.
     chunk_sums: bool,
     chunk_tables: Vec<Option<Vec<u32>>>,
@@ -224,7 +224,7 @@ impl Plan {
         })
     }
 
-    /// Memory records (storages) also get a CRC-32 per 4096-byte chunk,
+    /// Memory records (storages) also get a CRC-32 per 512-byte chunk,
     /// computed in the pass that computes their CRC ([`Plan::chunk_table`]).
     pub fn set_chunk_sums(&mut self, on: bool) {
         self.chunk_sums = on;
@@ -317,7 +317,7 @@ impl Plan {
         matches!(self.chunk_tables.get(record), Some(Some(_)))
     }
 
-    /// The CRC-32 of every 4096-byte chunk of record `record`: the table the
+    /// The CRC-32 of every 512-byte chunk of record `record`: the table the
     /// write pass built, or (a record that pass did not see whole) computed
     /// now from its memory.
     pub fn chunk_table(&self, record: usize) -> Result<Vec<u32>> {
@@ -810,8 +810,8 @@ mod tests {
         );
         assert_eq!(p.chunks.len(), 3);
         // Pieces on the grid, as a writer cuts them, agree with the table.
-        let p = plan.piece(0, 4096, &mem[4096..n]);
-        assert_eq!(p.hasher.finalize(), crc32fast::hash(&src[4096..n]));
+        let p = plan.piece(0, crc::CHUNK as u64, &mem[crc::CHUNK..n]);
+        assert_eq!(p.hasher.finalize(), crc32fast::hash(&src[crc::CHUNK..n]));
         assert_eq!(p.chunks.len(), 3);
         // A failed gate gives no sums: the writer reads (and then fails).
         let g2 = Gate::new();

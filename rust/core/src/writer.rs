@@ -85,7 +85,7 @@ pub struct WriteOptions {
     /// fsync the file and its directory before returning.
     pub durable: bool,
     pub class: Class,
-    /// Also a CRC-32 per 4096-byte chunk of every memory record, computed in
+    /// Also a CRC-32 per 512-byte chunk of every memory record, computed in
     /// the pass that computes the record's CRC (see [`Plan::chunk_table`]).
     pub chunk_sums: bool,
 }

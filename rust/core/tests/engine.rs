@@ -510,7 +510,7 @@ fn chunks_over_several_records_write_each_records_interior_directly() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
     /// With chunk sums, the write pass gives every memory record the CRC-32
-    /// of each 4096-byte chunk (and its zip CRC) whatever the record sizes,
+    /// of each chunk (`chunks::CHUNK` bytes; and its zip CRC) whatever the record sizes,
     /// the memory's alignment and the backend: records written straight from
     /// memory, gathered with their neighbours, or split over staging chunks.
     #[test]
@@ -520,7 +520,7 @@ proptest! {
         seed in any::<u8>(),
     ) {
         use tierstore_core::buf::AlignedBuf;
-        use tierstore_core::chunks::{compute, Algo};
+        use tierstore_core::chunks::{compute, Algo, CHUNK};
         let d = tempfile::tempdir().unwrap();
         let mode = [Mode::Threads, Mode::Buffered][seed as usize % 2];
         let e = engine(mode);
@@ -546,7 +546,7 @@ proptest! {
         let w = w.write_data(TaskState::new()).unwrap().join().unwrap();
         for (i, (b, n)) in bufs.iter().enumerate() {
             let data = &b.as_slice()[shift..shift + n];
-            let want = compute(&[data], 4096, Algo::Crc32, 1).remove(0);
+            let want = compute(&[data], CHUNK as usize, Algo::Crc32, 1).remove(0);
             // Built by the write pass itself (not the fallback computing it afterwards).
             prop_assert!(*n == 0 || w.plan().chunk_table_built(i), "record {} of {} bytes", i, n);
             prop_assert_eq!(w.plan().chunk_table(i).unwrap(), want, "record {}", i);

@@ -202,7 +202,7 @@ impl Writer {
         self.owners.clear();
     }
 
-    /// The CRC-32 of every 4096-byte chunk of record `index`, little-endian
+    /// The CRC-32 of every 512-byte chunk of record `index`, little-endian
     /// u32s (from the write pass where it saw the record whole, else computed
     /// now from its memory).
     fn chunk_table<'py>(&self, py: Python<'py>, index: usize) -> PyResult<Bound<'py, PyBytes>> {
@@ -241,7 +241,7 @@ impl Writer {
 }
 
 /// Starts writing a container to `path` (atomically replaced on commit).
-/// With `chunk_sums`, memory records also get a CRC-32 per 4096-byte chunk
+/// With `chunk_sums`, memory records also get a CRC-32 per 512-byte chunk
 /// in the same pass as their CRC (`Writer.chunk_table`).
 #[pyfunction]
 #[pyo3(signature = (engine, path, *, align=4096, durable=true, background=false, chunk_sums=false))]
@@ -371,7 +371,7 @@ impl PyGate {
     }
 
     /// Copies `nbytes` from address `src` to address `dst` with the GIL
-    /// released, checksumming each 4096-byte chunk in the same pass, and
+    /// released, checksumming each 512-byte chunk in the same pass, and
     /// leaves the sums for the memory that becomes readable at `at` (the
     /// writer takes them instead of reading `dst` again). The caller keeps
     /// both ranges alive and advances the gate past `at` afterwards.
