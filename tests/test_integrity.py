@@ -798,3 +798,24 @@ def test_a_resealed_key_path_is_checked_against_the_files(tmp_path: Path, edit: 
     _reseal(d, m)
     with pytest.raises(ManifestError, match="key path"):
         tierstore.load_sharded(d, {"opt": {"state": {}}, "w": torch.zeros(4)})
+
+
+def test_damage_in_an_early_batch_of_a_long_read_stops_the_batches_in_flight(tmp_path: Path) -> None:
+    """A record read whole goes to the device in batches of 32 MiB, several
+    in flight while the oldest is verified: damage in the first batch fails
+    the load naming its chunk, the later batches are cancelled and joined
+    (they write into the caller's tensor), and the next load is unharmed."""
+    n = 40 * 2**20  # 160 MiB of float32: five batches
+    x = torch.arange(n, dtype=torch.float32)
+    d = tmp_path / "long"
+    tierstore.save_sharded({"x": x}, d)
+    f = _data_file(d)
+    (lo, _hi) = _stored_ranges(d)[0]
+    _flip(f, lo + 512 * 1000 + 7)
+    y = torch.empty(n)
+    with pytest.raises(ChecksumError, match=r"\(chunk 1000;"):
+        tierstore.load_sharded(d, {"x": y})
+    _flip(f, lo + 512 * 1000 + 7)
+    z = torch.empty(n)
+    tierstore.load_sharded(d, {"x": z})
+    assert torch.equal(z, x)

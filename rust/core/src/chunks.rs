@@ -285,8 +285,11 @@ pub struct TableRange {
     pub table: usize,
 }
 
-/// Bytes of direct reads per batch (verified while the next batch is read).
-const DIRECT_BATCH: usize = 8 << 20;
+/// Bytes of direct reads per batch (verified while the next ones are read).
+const DIRECT_BATCH: usize = 32 << 20;
+
+/// Batches of direct reads in flight beyond the one being verified.
+const DIRECT_AHEAD: usize = 3;
 
 /// Bytes of a window of [`stream`].
 const WINDOW: u64 = 8 << 20;
@@ -858,23 +861,42 @@ pub unsafe fn read_ranges_verified(
             t.verify(file, i, data)
         })
     };
-    let mut pending: Option<(crate::task::Task<u64>, std::ops::Range<usize>)> = None;
+    // Up to DIRECT_AHEAD batches are read while the oldest is verified (one
+    // batch ahead left the device idle at each batch's end). On an error the
+    // batches in flight are cancelled and joined before returning: they
+    // write into the caller's memory.
+    let mut pending: std::collections::VecDeque<(crate::task::Task<u64>, std::ops::Range<usize>)> =
+        std::collections::VecDeque::new();
+    let stop = |pending: &mut std::collections::VecDeque<(
+        crate::task::Task<u64>,
+        std::ops::Range<usize>,
+    )>| {
+        for (t, _) in pending.drain(..) {
+            t.cancel();
+            let _ = t.join();
+        }
+    };
     for (b, chunks) in batches {
-        let next = start(b);
-        if let Some((task, prev)) = pending.take() {
-            if let Err(e) = task.join().and_then(|_| verify_direct(prev)) {
-                if let Ok(n) = next {
-                    n.cancel();
-                    let _ = n.join();
-                }
+        match start(b) {
+            Ok(t) => pending.push_back((t, chunks)),
+            Err(e) => {
+                stop(&mut pending);
                 return Err(e);
             }
         }
-        pending = Some((next?, chunks));
+        if pending.len() > DIRECT_AHEAD {
+            let (task, prev) = pending.pop_front().expect("a batch in flight");
+            if let Err(e) = task.join().and_then(|_| verify_direct(prev)) {
+                stop(&mut pending);
+                return Err(e);
+            }
+        }
     }
-    if let Some((task, chunks)) = pending {
-        task.join()?;
-        verify_direct(chunks)?;
+    while let Some((task, prev)) = pending.pop_front() {
+        if let Err(e) = task.join().and_then(|_| verify_direct(prev)) {
+            stop(&mut pending);
+            return Err(e);
+        }
     }
     out.read += direct_bytes;
     out.checked += direct_bytes;
