@@ -415,10 +415,7 @@ fn read_unverified(
             short.push(r.range);
         }
     }
-    // Often in order already (one block's runs, chunks met in file order).
-    if !short.is_sorted_by_key(|r| r.offset) {
-        short.sort_unstable_by_key(|r| r.offset);
-    }
+    crate::ranges::sort_unless_sorted(&mut short, |r| r.offset);
     let mut units: Vec<Unit> = Vec::new();
     let mut parts: Vec<Part> = Vec::with_capacity(short.len());
     for r in &short {
@@ -782,10 +779,7 @@ pub unsafe fn read_ranges_verified(
         touch[ti].whole[i as usize] = false;
     }
     let direct_chunk = |ti: usize, i: usize| touch[ti].count[i] == 1 && touch[ti].whole[i];
-    // Often in order already (one block's runs, chunks met in file order).
-    if !staged.is_sorted_by_key(|&(ti, i, off, ..)| (ti, i, off)) {
-        staged.sort_unstable_by_key(|&(ti, i, off, ..)| (ti, i, off));
-    }
+    crate::ranges::sort_unless_sorted(&mut staged, |&(ti, i, off, ..)| (ti, i, off));
     // Chunks checked in the mapping, each with the staged parts it holds
     // (copied right after the chunk is verified, while it is in cache): the
     // shared and partial ones, and for full coverage every chunk no range
@@ -862,41 +856,21 @@ pub unsafe fn read_ranges_verified(
         })
     };
     // Up to DIRECT_AHEAD batches are read while the oldest is verified (one
-    // batch ahead left the device idle at each batch's end). On an error the
-    // batches in flight are cancelled and joined before returning: they
-    // write into the caller's memory.
-    let mut pending: std::collections::VecDeque<(crate::task::Task<u64>, std::ops::Range<usize>)> =
-        std::collections::VecDeque::new();
-    let stop = |pending: &mut std::collections::VecDeque<(
-        crate::task::Task<u64>,
-        std::ops::Range<usize>,
-    )>| {
-        for (t, _) in pending.drain(..) {
-            t.cancel();
-            let _ = t.join();
-        }
-    };
+    // batch ahead left the device idle at each batch's end). On an error,
+    // returning drops the batches still in flight, and a dropped task is
+    // cancelled and joined (it writes into the caller's memory).
+    let mut pending = std::collections::VecDeque::new();
     for (b, chunks) in batches {
-        match start(b) {
-            Ok(t) => pending.push_back((t, chunks)),
-            Err(e) => {
-                stop(&mut pending);
-                return Err(e);
-            }
-        }
+        pending.push_back((start(b)?, chunks));
         if pending.len() > DIRECT_AHEAD {
             let (task, prev) = pending.pop_front().expect("a batch in flight");
-            if let Err(e) = task.join().and_then(|_| verify_direct(prev)) {
-                stop(&mut pending);
-                return Err(e);
-            }
+            task.join()?;
+            verify_direct(prev)?;
         }
     }
     while let Some((task, prev)) = pending.pop_front() {
-        if let Err(e) = task.join().and_then(|_| verify_direct(prev)) {
-            stop(&mut pending);
-            return Err(e);
-        }
+        task.join()?;
+        verify_direct(prev)?;
     }
     out.read += direct_bytes;
     out.checked += direct_bytes;
@@ -978,10 +952,7 @@ pub unsafe fn read_ranges_verified(
             }
         }
     }
-    // Often in order already (one block's runs, chunks met in file order).
-    if !units.is_sorted_by_key(|u| u.off) {
-        units.sort_unstable_by_key(|u| u.off);
-    }
+    crate::ranges::sort_unless_sorted(&mut units, |u| u.off);
     if units.windows(2).any(|w| w[0].off + w[0].len > w[1].off) {
         return Err(Error::corrupt(
             &file.path,

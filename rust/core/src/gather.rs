@@ -146,10 +146,7 @@ pub fn expand(blocks: &[Block]) -> Result<Vec<Run>> {
             }
         }
     }
-    // Often in order already (one block's runs, chunks met in file order).
-    if !runs.is_sorted_by_key(|r| (r.dst, r.src)) {
-        runs.sort_unstable_by_key(|r| (r.dst, r.src));
-    }
+    crate::ranges::sort_unless_sorted(&mut runs, |r| (r.dst, r.src));
     let mut out: Vec<Run> = Vec::with_capacity(runs.len());
     for r in runs {
         match out.last_mut() {

@@ -298,3 +298,12 @@ pub unsafe fn copy_ranges_mapped(
     });
     Ok(total)
 }
+
+/// Sorts `v` by `key` unless it is in order already (the runs of a read
+/// usually are: one block's runs, chunks met in file order), which costs one
+/// pass instead of a sort.
+pub(crate) fn sort_unless_sorted<T, K: Ord>(v: &mut [T], key: impl Fn(&T) -> K) {
+    if !v.is_sorted_by_key(&key) {
+        v.sort_unstable_by_key(key);
+    }
+}
