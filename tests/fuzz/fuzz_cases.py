@@ -473,6 +473,36 @@ def inner_manifest_digit(path: Path, rng: random.Random) -> tuple[str, int] | No
     return f"its manifest record: digit {chr(old)} -> {chr(text[i])} in ...{around}... (record CRC fixed)", crc
 
 
+def inner_chunk_size(path: Path, rng: random.Random) -> tuple[str, int] | None:
+    """Forges the chunk size of one record's checksum table in the file's own
+    manifest (``"chunks":{"size":512`` to another value of three digits, in
+    place) and fixes that record's CRC in the zip: the table then describes
+    chunks it was not computed over (a size whose count no longer matches
+    must be refused; one that still matches must not let a wrong byte
+    through). Returns (what changed, the record's new CRC-32), or None."""
+    data = bytearray(path.read_bytes())
+    zm = zip_map(bytes(data))
+    ents = zm.by_suffix(".tierstore/manifest.json") if zm else []
+    if not ents or not ents[0].size:
+        return None
+    e = ents[0]
+    text = bytearray(data[e.data_off : e.data_off + e.size])
+    key = b'"chunks":{"size":'
+    spots = [m.end() for m in re.finditer(re.escape(key) + rb"\d{3}[,}]", bytes(text))]
+    if not spots:
+        return None
+    i = rng.choice(spots) - 1 - 3
+    old = bytes(text[i : i + 3])
+    new = str(rng.choice([v for v in (100, 256, 511, 513, 999, rng.randrange(100, 1000)) if str(v).encode() != old]))
+    text[i : i + 3] = new.encode()
+    data[e.data_off : e.data_off + e.size] = text
+    crc = zlib.crc32(bytes(text))
+    struct.pack_into("<I", data, e.cd_off + 16, crc)
+    struct.pack_into("<I", data, e.hdr_off + 14, crc)
+    path.write_bytes(bytes(data))
+    return f"its manifest record: a chunk table's size {old.decode()} -> {new} (record CRC fixed)", crc
+
+
 def inner_key_paths(path: Path, rng: random.Random) -> tuple[str, int] | None:
     """Forges the ``key_paths`` of the file's own manifest in place (same
     length): all of them dropped (the mapping blanked to ``{}`` and spaces),
@@ -2386,6 +2416,21 @@ def sharded_file_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[s
         ctx.sealed = True
         return f"{p.name}: {got[0]}; manifest.json updated and re-sealed"
 
+    def f_chunk_size() -> str:
+        # A rank file's chunk table forged to another chunk size, the file's
+        # manifest CRC fixed in it and in manifest.json, which is re-sealed.
+        p = one(ranks())
+        got = inner_chunk_size(p, rng)
+        if got is None:
+            return f_inner_manifest()
+        m, _old = read_json(mp)
+        for f in m.get("files", []):
+            if f.get("name") == p.name:
+                f["manifest_crc32"] = got[1]
+        write_json(mp, m, sealed=True, old=None)
+        ctx.sealed = True
+        return f"{p.name}: {got[0]}; manifest.json updated and re-sealed"
+
     def f_key_paths() -> str:
         # A data or objects file's own key paths forged, its CRC fixed in the
         # file and in manifest.json, which is re-sealed.
@@ -2442,6 +2487,7 @@ def sharded_file_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[s
         ("dir_symlink", 0.5, f_dir_symlink),
         ("inner_manifest_resealed", 4, f_inner_manifest),
         ("inner_key_paths_resealed", 2, f_key_paths),
+        ("chunk_size_resealed", 3, f_chunk_size),
         ("objects_hostile_resealed", 3, f_objects_hostile),
     ]
 
