@@ -12,6 +12,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,9 @@ from tierstore.shardmeta import (
 # of every record it reads from, every chunk its reads touch with the chunks
 # read in part proven with the other ranks' reads, or nothing.
 VERIFY_MODES = ("touched", "full", "shared", False)
+
+# Data files read at once by one load (see read_plan).
+_FILES_AT_ONCE = 4
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -443,6 +447,7 @@ def read_plan(
     engine = get_engine()
     read = checked = blocks = 0
     mode = "none" if verify is False else str(verify)
+    reads: list[tuple[int, str, FileBlocks, list[Any]]] = []
     for f, fb in plan.items():
         tables = ck.check_file(f)
         # An encoded file (a codec tier's copy): whole records decode straight
@@ -454,10 +459,33 @@ def read_plan(
             continue
         # An encoded file's decoding: the records these blocks touch (all, to verify every chunk).
         ck.prepare_read(f, None if mode == "full" else block_spans(fb))
-        tabs = [t.as_tuple() for t in tables.values()]
-        rows = fb.rows.tobytes()
-        r, c, b, pieces, filled = _core.read_blocks(engine, ck.path_of(f), rows, fb.dims, tabs, verify=mode)
-        got = _shared_verify.collect(f, ck.path_of(f), tabs, pieces, filled)
+        reads.append((f, ck.path_of(f), fb, [t.as_tuple() for t in tables.values()]))
+
+    def one(job: tuple[int, str, FileBlocks, list[Any]]) -> Any:
+        _f, p, fb, tabs = job
+        return _core.read_blocks(engine, p, fb.rows.tobytes(), fb.dims, tabs, verify=mode)
+
+    # Several files at once (the engine call releases the GIL): each file is
+    # one sequential stream through the page cache, and a rank that needs a
+    # part of every file (a column shard of row-sharded tensors) keeps the
+    # device busy only with several streams in flight. After an error the
+    # reads not yet started are dropped; every read started has finished
+    # before this returns or raises, so nothing writes into the caller's
+    # tensors afterwards. The error of the first file in order wins.
+    if len(reads) > 1:
+        with ThreadPoolExecutor(min(_FILES_AT_ONCE, len(reads)), thread_name_prefix="tierstore-read") as ex:
+            futures = [ex.submit(one, job) for job in reads]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for fu in futures:
+                fu.cancel()
+        failed = [e for fu in futures if not fu.cancelled() and (e := fu.exception()) is not None]
+        if failed:
+            raise failed[0]
+        results = [fu.result() for fu in futures]
+    else:
+        results = [one(job) for job in reads]
+    for (f, p, _fb, tabs), (r, c, b, pieces, filled) in zip(reads, results, strict=True):
+        got = _shared_verify.collect(f, p, tabs, pieces, filled)
         if got is not None:
             if pending is None:
                 raise InvalidArgumentError('verify="shared" needs the caller to prove the pieces it returns')

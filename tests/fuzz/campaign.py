@@ -54,6 +54,7 @@ CLASSES = [
     "read_outside",
     "other_error",
     "collector_left_off",
+    "reads_left_running",
     "control_failed",
     "harness_error",
 ]
@@ -70,6 +71,7 @@ SHORT = {
     "read_outside": "OUTSIDE",
     "other_error": "other",
     "collector_left_off": "GC_OFF",
+    "reads_left_running": "READS",
     "control_failed": "CONTROL",
     "harness_error": "HARNESS",
 }
@@ -82,6 +84,7 @@ BAD = {
     "code_executed",
     "read_outside",
     "collector_left_off",
+    "reads_left_running",
     "control_failed",
     "harness_error",
 }

@@ -35,6 +35,7 @@ import shlex
 import shutil
 import struct
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -75,6 +76,9 @@ HARNESS = "harness_error"
 # a load's error path that skipped its pause's end would leave every later
 # allocation of the process uncollected.
 GC_OFF = "collector_left_off"
+# A load's reader thread (a sharded load reads several files at once) still
+# running after the case: it could still be writing into the caller's tensors.
+READS_LEFT = "reads_left_running"
 
 PRECEDENCE = [
     CODE,
@@ -85,6 +89,7 @@ PRECEDENCE = [
     SILENT,
     CLI_OK,
     GC_OFF,
+    READS_LEFT,
     CONTROL,
     HARNESS,
     OTHER,
@@ -2282,6 +2287,19 @@ def sharded_file_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[s
         e = rng.choice(sto)
         return f"{p.name} record {e.name}: " + flip_bits(p, rng, e.data_off, e.data_off + e.size, n=1)
 
+    def f_ranks_data_flip_all() -> str:
+        """One bit of one storage flipped in every rank file: a load that
+        reads several files at once must name one damaged record, never
+        return a wrong byte, and leave no read running."""
+        done = []
+        for p in ranks():
+            zm = zip_map(p.read_bytes())
+            sto = [e for e in (zm.storages() if zm else []) if e.size]
+            if sto:
+                e = rng.choice(sto)
+                done.append(f"{p.name} record {e.name}: " + flip_bits(p, rng, e.data_off, e.data_off + e.size, n=1))
+        return "; ".join(done) if done else f_rank_flip()
+
     def f_rank_meta_flip() -> str:
         p = one(ranks())
         zm = zip_map(p.read_bytes())
@@ -2462,6 +2480,7 @@ def sharded_file_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[s
         ("rank_flip", 8, f_rank_flip),
         ("index_damage", 3, f_index),
         ("rank_data_flip", 8, f_rank_data_flip),
+        ("ranks_data_flip_all", 3, f_ranks_data_flip_all),
         ("rank_meta_flip", 4, f_rank_meta_flip),
         ("rank_truncate", 5, f_rank_trunc),
         ("rank_extend", 2, f_rank_extend),
@@ -3571,7 +3590,17 @@ KINDS: dict[str, Callable[[Ctx], None]] = {
 }
 
 
-SELFTESTS = ("__hang__", "__crash__", "__memory__", "__code__", "__outside__", "__silent__", "__other__", "__gc_off__")
+SELFTESTS = (
+    "__hang__",
+    "__crash__",
+    "__memory__",
+    "__code__",
+    "__outside__",
+    "__silent__",
+    "__other__",
+    "__gc_off__",
+    "__read_left__",
+)
 
 
 def selftest(ctx: Ctx, what: str) -> None:
@@ -3590,6 +3619,11 @@ def selftest(ctx: Ctx, what: str) -> None:
         "__silent__": lambda: {"t": torch.ones(3)},
         "__other__": lambda: {}["missing"],
         "__gc_off__": lambda: (_gc.begin(), {"t": torch.zeros(3)})[1],  # a pause never ended
+        # a reader thread that outlives its load
+        "__read_left__": lambda: (
+            threading.Thread(target=time.sleep, args=(3,), name="tierstore-read_0", daemon=True).start(),
+            {"t": torch.zeros(3)},
+        )[1],
     }
     want = {"t": torch.zeros(3)}
     ctx.op("selftest", actions[what], ctx.same_check(want))
@@ -3620,6 +3654,9 @@ def run_case(env: Env, kind: str, seed: int) -> dict[str, Any]:
         off = "gc.isenabled() is False after the case"
         ctx.ops.append({"op": "collector", "load": False, "outcome": GC_OFF, "exc": off})
         gc.enable()  # the next case starts as this one did
+    left = [t.name for t in threading.enumerate() if t.name.startswith("tierstore-read")]
+    if left:
+        ctx.ops.append({"op": "readers", "load": False, "outcome": READS_LEFT, "exc": f"threads still running: {left}"})
     return ctx.verdict()
 
 

@@ -87,3 +87,20 @@ def test_campaign_detects_a_collector_left_off(tmp_path: Path) -> None:
     )
     assert [r["class"] for r in summary["results"]] == ["collector_left_off"], campaign.report(summary)
     assert not summary["ok"]
+
+
+def test_campaign_detects_a_reader_left_running(tmp_path: Path) -> None:
+    """A case after which one of a load's reader threads still runs (it
+    could still be writing into the caller's tensors) is a bad outcome."""
+    summary = campaign.run_campaign(
+        cases=1,
+        seed=1,
+        kinds=["single"],
+        workers=1,
+        workdir=tmp_path,
+        case_timeout=10.0,
+        mutator=["__read_left__"],
+        log=lambda _m: None,
+    )
+    assert [r["class"] for r in summary["results"]] == ["reads_left_running"], campaign.report(summary)
+    assert not summary["ok"]
