@@ -167,7 +167,7 @@ bench-offload: setup ## optimizer offload: in memory, naive, tierstore on 1 and 
 	$(VPY) benches/bench_offload.py --json docs/bench/offload.json | tee docs/bench/offload.txt
 
 bench-reshard: setup ## resharding loads against DCP and a UCP-style path; tierstore in each verify mode
-	$(VPY) benches/bench_reshard.py --out docs/bench
+	$(VPY) benches/bench_reshard.py --repeats 5 --out docs/bench
 
 fuzz: setup ## long fuzz campaign over every load path (10,000 cases); prints the table
 	@mkdir -p bench-results
