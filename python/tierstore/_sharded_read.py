@@ -471,7 +471,8 @@ def read_plan(
     # device busy only with several streams in flight. After an error the
     # reads not yet started are dropped; every read started has finished
     # before this returns or raises, so nothing writes into the caller's
-    # tensors afterwards. The error of the first file in order wins.
+    # tensors afterwards. Of the files read, the first in order that failed
+    # is the one named.
     if len(reads) > 1:
         with ThreadPoolExecutor(min(_FILES_AT_ONCE, len(reads)), thread_name_prefix="tierstore-read") as ex:
             futures = [ex.submit(one, job) for job in reads]
