@@ -95,9 +95,10 @@ pub fn decode(raw: &[u8], dims: usize) -> Result<Vec<Block>> {
 }
 
 /// Every run of `blocks`, joined where one continues another in both the
-/// file and memory, in memory order. Fails when a run would start before
-/// byte 0 of the file or of memory (a block whose strides walk backwards
-/// past its start).
+/// file and memory, in file order (the order the reads and the chunk
+/// checks that follow want: they need no sort of their own then). Fails
+/// when a run would start before byte 0 of the file or of memory (a block
+/// whose strides walk backwards past its start).
 pub fn expand(blocks: &[Block]) -> Result<Vec<Run>> {
     let total: u64 = blocks
         .iter()
@@ -105,7 +106,12 @@ pub fn expand(blocks: &[Block]) -> Result<Vec<Run>> {
         .map(|b| b.dims.iter().map(|d| d.count).product::<u64>())
         .sum();
     let mut runs: Vec<Run> = Vec::with_capacity(usize::try_from(total).unwrap_or(0));
-    for b in blocks {
+    // Blocks by their first byte in the file: a block's runs ascend in the
+    // file (strides are positive in every layout tierstore plans), so the
+    // runs come out in file order and the sort below only checks that.
+    let mut order: Vec<&Block> = blocks.iter().collect();
+    order.sort_by_key(|b| b.src);
+    for b in order {
         if b.run == 0 || b.dims.iter().any(|d| d.count == 0) {
             continue;
         }
@@ -146,7 +152,7 @@ pub fn expand(blocks: &[Block]) -> Result<Vec<Run>> {
             }
         }
     }
-    crate::ranges::sort_unless_sorted(&mut runs, |r| (r.dst, r.src));
+    crate::ranges::sort_unless_sorted(&mut runs, |r| (r.src, r.dst));
     let mut out: Vec<Run> = Vec::with_capacity(runs.len());
     for r in runs {
         match out.last_mut() {
@@ -324,8 +330,20 @@ mod tests {
         let runs = expand(&decode(&raw, 3).unwrap()).unwrap();
         let dst: Vec<usize> = runs.iter().map(|r| r.dst).collect();
         let src: Vec<u64> = runs.iter().map(|r| r.src).collect();
-        assert_eq!(dst, vec![0, 1, 2, 10, 11, 12]);
-        assert_eq!(src, vec![0, 1000, 2000, 100, 1100, 2100]);
+        assert_eq!(src, vec![0, 100, 1000, 1100, 2000, 2100]);
+        assert_eq!(dst, vec![0, 10, 1, 11, 2, 12]);
+    }
+
+    #[test]
+    fn runs_come_in_file_order_whatever_the_memory_order() {
+        // Two column blocks whose destinations lie in the reverse order of
+        // their records (tensors allocated in another order than saved).
+        let raw = enc(&[vec![4096, 0, 8, 2, 32, 8], vec![0, 640, 8, 2, 32, 8]]);
+        let runs = expand(&decode(&raw, 1).unwrap()).unwrap();
+        let src: Vec<u64> = runs.iter().map(|r| r.src).collect();
+        let dst: Vec<usize> = runs.iter().map(|r| r.dst).collect();
+        assert_eq!(src, vec![0, 32, 4096, 4128]);
+        assert_eq!(dst, vec![640, 648, 0, 8]);
     }
 
     #[test]

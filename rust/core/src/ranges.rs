@@ -301,9 +301,12 @@ pub unsafe fn copy_ranges_mapped(
 
 /// Sorts `v` by `key` unless it is in order already (the runs of a read
 /// usually are: one block's runs, chunks met in file order), which costs one
-/// pass instead of a sort.
+/// pass instead of a sort. The sort is the standard library's stable one,
+/// which finds runs already in order and merges them: a few sorted runs
+/// one after another (e.g. the parts of chunks read in part, then whole
+/// chunks checked with them) cost a merge, not a full sort.
 pub(crate) fn sort_unless_sorted<T, K: Ord>(v: &mut [T], key: impl Fn(&T) -> K) {
     if !v.is_sorted_by_key(&key) {
-        v.sort_unstable_by_key(key);
+        v.sort_by_key(key);
     }
 }
