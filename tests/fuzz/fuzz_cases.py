@@ -450,32 +450,47 @@ def zip_records(data: bytes, zm: ZipMap) -> list[tuple[str, bytes]]:
     return [(e.name, data[e.data_off : e.data_off + e.size]) for e in zm.entries]
 
 
-def inner_manifest_digit(path: Path, rng: random.Random) -> tuple[str, int] | None:
-    """Changes one digit in the file's own ``.tierstore/manifest.json``
-    record (in place, same length) and fixes that record's CRC in the zip
-    directory and local header: a forger who knows the zip format. Returns
-    (what changed, the record's new CRC-32), or None without a manifest."""
+def _reseal_inner_manifest(path: Path, edit: Callable[[bytearray], str | None]) -> tuple[str, int] | None:
+    """Applies ``edit`` in place (same length) to the text of the file's own
+    ``.tierstore/manifest.json`` record and fixes that record's CRC in the
+    zip directory and local header: a forger who knows the zip format.
+    ``edit`` returns what it changed, or None to leave the file alone.
+    Returns (what changed, the record's new CRC-32), or None."""
     data = bytearray(path.read_bytes())
     zm = zip_map(bytes(data))
     ents = zm.by_suffix(".tierstore/manifest.json") if zm else []
-    if not ents or not ents[0].size:
+    if not ents:
         return None
     e = ents[0]
     text = bytearray(data[e.data_off : e.data_off + e.size])
-    digits = [i for i, c in enumerate(text) if 48 <= c <= 57]
-    if not digits:
+    what = edit(text)
+    if what is None:
         return None
-    i = rng.choice(digits)
-    old = text[i]
-    leading = (i == 0 or not 48 <= text[i - 1] <= 57) and i + 1 < len(text) and 48 <= text[i + 1] <= 57
-    text[i] = rng.choice([c for c in b"0123456789" if c != old and not (leading and c == 48)])
     data[e.data_off : e.data_off + e.size] = text
     crc = zlib.crc32(bytes(text))
     struct.pack_into("<I", data, e.cd_off + 16, crc)
     struct.pack_into("<I", data, e.hdr_off + 14, crc)
     path.write_bytes(bytes(data))
-    around = bytes(text[max(0, i - 30) : i + 6]).decode("utf-8", "replace")
-    return f"its manifest record: digit {chr(old)} -> {chr(text[i])} in ...{around}... (record CRC fixed)", crc
+    return what + " (record CRC fixed)", crc
+
+
+def inner_manifest_digit(path: Path, rng: random.Random) -> tuple[str, int] | None:
+    """Changes one digit in the file's own manifest record (in place, same
+    length) and fixes its CRC. Returns (what changed, the record's new
+    CRC-32), or None without a manifest."""
+
+    def edit(text: bytearray) -> str | None:
+        digits = [i for i, c in enumerate(text) if 48 <= c <= 57]
+        if not digits:
+            return None
+        i = rng.choice(digits)
+        old = text[i]
+        leading = (i == 0 or not 48 <= text[i - 1] <= 57) and i + 1 < len(text) and 48 <= text[i + 1] <= 57
+        text[i] = rng.choice([c for c in b"0123456789" if c != old and not (leading and c == 48)])
+        around = bytes(text[max(0, i - 30) : i + 6]).decode("utf-8", "replace")
+        return f"its manifest record: digit {chr(old)} -> {chr(text[i])} in ...{around}..."
+
+    return _reseal_inner_manifest(path, edit)
 
 
 def inner_chunk_size(path: Path, rng: random.Random) -> tuple[str, int] | None:
@@ -485,27 +500,20 @@ def inner_chunk_size(path: Path, rng: random.Random) -> tuple[str, int] | None:
     chunks it was not computed over (a size whose count no longer matches
     must be refused; one that still matches must not let a wrong byte
     through). Returns (what changed, the record's new CRC-32), or None."""
-    data = bytearray(path.read_bytes())
-    zm = zip_map(bytes(data))
-    ents = zm.by_suffix(".tierstore/manifest.json") if zm else []
-    if not ents or not ents[0].size:
-        return None
-    e = ents[0]
-    text = bytearray(data[e.data_off : e.data_off + e.size])
-    key = b'"chunks":{"size":'
-    spots = [m.end() for m in re.finditer(re.escape(key) + rb"\d{3}[,}]", bytes(text))]
-    if not spots:
-        return None
-    i = rng.choice(spots) - 1 - 3
-    old = bytes(text[i : i + 3])
-    new = str(rng.choice([v for v in (100, 256, 511, 513, 999, rng.randrange(100, 1000)) if str(v).encode() != old]))
-    text[i : i + 3] = new.encode()
-    data[e.data_off : e.data_off + e.size] = text
-    crc = zlib.crc32(bytes(text))
-    struct.pack_into("<I", data, e.cd_off + 16, crc)
-    struct.pack_into("<I", data, e.hdr_off + 14, crc)
-    path.write_bytes(bytes(data))
-    return f"its manifest record: a chunk table's size {old.decode()} -> {new} (record CRC fixed)", crc
+
+    def edit(text: bytearray) -> str | None:
+        key = b'"chunks":{"size":'
+        spots = [m.end() for m in re.finditer(re.escape(key) + rb"\d{3}[,}]", bytes(text))]
+        if not spots:
+            return None
+        i = rng.choice(spots) - 1 - 3
+        old = bytes(text[i : i + 3])
+        sizes = [v for v in (100, 256, 511, 513, 999, rng.randrange(100, 1000)) if str(v).encode() != old]
+        new = str(rng.choice(sizes))
+        text[i : i + 3] = new.encode()
+        return f"its manifest record: a chunk table's size {old.decode()} -> {new}"
+
+    return _reseal_inner_manifest(path, edit)
 
 
 def inner_key_paths(path: Path, rng: random.Random) -> tuple[str, int] | None:
@@ -514,37 +522,27 @@ def inner_key_paths(path: Path, rng: random.Random) -> tuple[str, int] | None:
     or a digit inside changed; fixes the record's CRC in the zip directory
     and local header. Returns (what changed, the new CRC), or None when the
     file records no key path."""
-    data = bytearray(path.read_bytes())
-    zm = zip_map(bytes(data))
-    ents = zm.by_suffix(".tierstore/manifest.json") if zm else []
-    if not ents:
-        return None
-    e = ents[0]
-    text = bytearray(data[e.data_off : e.data_off + e.size])
-    at = text.find(b'"key_paths":{')
-    if at < 0 or text[at + 13 : at + 14] == b"}":
-        return None
-    start, depth, i = at + 12, 0, at + 12
-    while i < len(text):
-        depth += {ord("{"): 1, ord("}"): -1}.get(text[i], 0)
-        if depth == 0:
-            break
-        i += 1
-    digits = [j for j in range(start, i) if 48 <= text[j] <= 57]
-    if digits and rng.random() < 0.5:
-        j = rng.choice(digits)
-        old = text[j]
-        text[j] = rng.choice([c for c in b"0123456789" if c != old])
-        what = f"a digit of its key_paths {chr(old)} -> {chr(text[j])}"
-    else:
+
+    def edit(text: bytearray) -> str | None:
+        at = text.find(b'"key_paths":{')
+        if at < 0 or text[at + 13 : at + 14] == b"}":
+            return None
+        start, depth, i = at + 12, 0, at + 12
+        while i < len(text):
+            depth += {ord("{"): 1, ord("}"): -1}.get(text[i], 0)
+            if depth == 0:
+                break
+            i += 1
+        digits = [j for j in range(start, i) if 48 <= text[j] <= 57]
+        if digits and rng.random() < 0.5:
+            j = rng.choice(digits)
+            old = text[j]
+            text[j] = rng.choice([c for c in b"0123456789" if c != old])
+            return f"a digit of its key_paths {chr(old)} -> {chr(text[j])}"
         text[start : i + 1] = b"{}" + b" " * (i + 1 - start - 2)
-        what = "its key_paths dropped"
-    data[e.data_off : e.data_off + e.size] = text
-    crc = zlib.crc32(bytes(text))
-    struct.pack_into("<I", data, e.cd_off + 16, crc)
-    struct.pack_into("<I", data, e.hdr_off + 14, crc)
-    path.write_bytes(bytes(data))
-    return what + " (record CRC fixed)", crc
+        return "its key_paths dropped"
+
+    return _reseal_inner_manifest(path, edit)
 
 
 def zip64_huge_record(path: Path, rng: random.Random) -> str:
