@@ -29,6 +29,7 @@ __all__ = [
     "codec_span",
     "copy_file",
     "crc32_combine",
+    "crc32_mapped",
     "crc32_regions",
     "create_writer",
     "fast_dumps",
@@ -269,6 +270,7 @@ class DeviceTurns:
 
 def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int: ...
 def crc32_regions(regions: list[tuple[int, int]], threads: int = 2) -> list[int]: ...
+def crc32_mapped(regions: list[tuple[int, int]], threads: int = 2) -> tuple[list[int], tuple[int, int] | None]: ...
 def chunk_checksums(engine: Engine, regions: list[tuple[int, int]], chunk: int, algo: str = "crc32c") -> bytes: ...
 def read_ranges_verified(
     engine: Engine,

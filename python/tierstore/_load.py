@@ -33,6 +33,7 @@ from tierstore.errors import (
     NotAContainerError,
     NotAFileError,
     NotSeekableError,
+    StorageIOError,
     TierstoreError,
     TorchLoadError,
     TruncatedFileError,
@@ -109,14 +110,41 @@ def _expected_crc(arch: _archive.Archive, rel: str) -> int | None:
     return int(r.crc32)
 
 
-def _check_data_crcs(name: str, arch: _archive.Archive, regions: list[tuple[str, int, int]]) -> None:
+def _check_data_crcs(
+    name: str, arch: _archive.Archive, regions: list[tuple[str, int, int]], mapped: bool = False
+) -> None:
     """Checks the CRC-32 of data records held in memory: ``(record, address,
-    length)`` each; ``ChecksumError`` naming the first that differs."""
+    length)`` each; ``ChecksumError`` naming the first that differs.
+
+    ``mapped``: the regions lie in a mapping of the file ``name``; each window
+    of it is read in before it is summed (``tierstore_core::mapped``), and a
+    page the file no longer holds or the device cannot read is an error naming
+    its record, not a ``SIGBUS``."""
     wanted = [(rel, ptr, n, _expected_crc(arch, rel)) for rel, ptr, n in regions]
     wanted = [w for w in wanted if w[3] is not None]
     if not wanted:
         return
-    got = _core.crc32_regions([(ptr, n) for _, ptr, n, _ in wanted], get_engine().info()["cpu_threads"])
+    spans = [(ptr, n) for _, ptr, n, _ in wanted]
+    threads = get_engine().info()["cpu_threads"]
+    if mapped:
+        got, failed = _core.crc32_mapped(spans, threads)
+        if failed is not None:
+            rel, err = arch.full(wanted[failed[0]][0]), failed[1]
+            if err == errno.EFAULT:
+                raise TruncatedFileError(
+                    f"{name}: record '{rel}': the file ends before the record's bytes (it shrank while it was "
+                    "being loaded)",
+                    path=name,
+                    record=rel,
+                )
+            raise StorageIOError(
+                f"{name}: record '{rel}': reading the mapped file failed: {os.strerror(err)}",
+                path=name,
+                record=rel,
+                errno=err,
+            )
+    else:
+        got = _core.crc32_regions(spans, threads)
     for (rel, _ptr, _n, exp), c in zip(wanted, got, strict=True):
         if c != exp:
             raise ChecksumError(
@@ -165,7 +193,9 @@ def load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts: 
             off = offsets[f"data/{k}"]
             storages[k] = overall[off : off + arch.records[f"data/{k}"].size]
         if verify:
-            _check_data_crcs(path, arch, [(f"data/{k}", storages[k].data_ptr(), storages[k].nbytes()) for k in keys])
+            _check_data_crcs(
+                path, arch, [(f"data/{k}", storages[k].data_ptr(), storages[k].nbytes()) for k in keys], mapped=True
+            )
     else:
         specs = [
             (

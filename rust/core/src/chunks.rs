@@ -372,6 +372,16 @@ fn stream(
     }
     for w in 0..windows.len() {
         spans(w + AHEAD, &|s, n| map.will_need(s, n));
+        let failed: std::cell::Cell<Option<Error>> = std::cell::Cell::new(None);
+        spans(w, &|s, n| {
+            if let Err(e) = map.populate(file, s, n) {
+                let first = failed.take().unwrap_or(e);
+                failed.set(Some(first));
+            }
+        });
+        if let Some(e) = failed.take() {
+            return Err(e);
+        }
         par_each(&units[windows[w].clone()], threads, 16, |u| {
             let data = map.slice(u.off, u.len);
             if let Some((ti, first, count)) = u.check {
@@ -554,6 +564,31 @@ impl Mapping {
                 (end - start) as usize,
                 libc::MADV_WILLNEED,
             );
+        }
+    }
+}
+
+impl Mapping {
+    /// Brings `[offset, offset + len)` into the page cache and the mapping
+    /// before it is checked (`crate::mapped::populate`: a cold mapping read
+    /// straight by the checksum measured erratically slow). A file cut short
+    /// or a device error is an error here, not a `SIGBUS` later.
+    fn populate(&self, file: &EngineFile, offset: u64, len: u64) -> Result<()> {
+        let end = (offset + len).min(self.len as u64);
+        if self.len == 0 || offset >= end {
+            return Ok(());
+        }
+        // SAFETY: a range inside our own mapping.
+        let done = unsafe {
+            crate::mapped::populate(self.base.add(offset as usize), (end - offset) as usize)
+        };
+        match done {
+            Ok(_) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EFAULT) => Err(Error::truncated(
+                &file.path,
+                format!("the file ends before bytes [{offset}, {end}) (it shrank while it was being read)"),
+            )),
+            Err(e) => Err(Error::io(&file.path, "read (mapped)", e)),
         }
     }
 }

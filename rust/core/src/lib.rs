@@ -29,6 +29,7 @@ pub mod file;
 pub mod gather;
 pub mod halves;
 pub mod io;
+pub mod mapped;
 pub mod plan;
 mod planes;
 pub mod probe;

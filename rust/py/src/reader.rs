@@ -218,6 +218,34 @@ fn crc32_regions(py: Python<'_>, regions: Vec<(usize, usize)>, threads: usize) -
     })
 }
 
+/// CRC-32 of each `(address, nbytes)` region of file-mapped memory, each
+/// window's pages brought in before it is summed (`tierstore_core::mapped`),
+/// on `threads` threads with the GIL released.
+///
+/// Returns `(crcs, None)`, or `([], (region, errno))` for the first region
+/// (in address order) whose pages could not be read: `EFAULT` where the file
+/// ends before it, `EIO` where the device failed.
+///
+/// The caller must keep every region mapped and unchanged during the call.
+#[pyfunction]
+#[pyo3(signature = (regions, threads=2))]
+fn crc32_mapped(
+    py: Python<'_>,
+    regions: Vec<(usize, usize)>,
+    threads: usize,
+) -> (Vec<u32>, Option<(usize, i32)>) {
+    py.detach(|| {
+        // SAFETY: the caller keeps the regions mapped for this call.
+        match unsafe { tierstore_core::mapped::crc32_regions(&regions, threads) } {
+            Ok(crcs) => (crcs, None),
+            Err(e) => (
+                Vec::new(),
+                Some((e.region, e.error.raw_os_error().unwrap_or(libc::EIO))),
+            ),
+        }
+    })
+}
+
 /// The CRC-32 of `a`'s bytes followed by `b`'s, from their CRCs and the
 /// length of `b` (zlib's `crc32_combine`): a record checked in windows.
 #[pyfunction]
@@ -585,6 +613,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(join_halves, m)?)?;
     m.add_function(wrap_pyfunction!(read_directory_stream, m)?)?;
     m.add_function(wrap_pyfunction!(crc32_regions, m)?)?;
+    m.add_function(wrap_pyfunction!(crc32_mapped, m)?)?;
     m.add_function(wrap_pyfunction!(crc32_combine, m)?)?;
     m.add_function(wrap_pyfunction!(start_read, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_ranges, m)?)?;

@@ -32,8 +32,17 @@ pub(crate) fn read_at(
         })?;
     let _ = end;
     let mut buf = vec![0u8; len as usize];
-    src.read_exact_at(&mut buf, off)
-        .map_err(|e| Error::io(path, "read", e))?;
+    src.read_exact_at(&mut buf, off).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            // The directory was read from a longer file: it shrank since.
+            Error::truncated(
+                path,
+                format!("{what} at offset {off} (+{len} bytes): the file ends before it (it shrank after it was opened)"),
+            )
+        } else {
+            Error::io(path, "read", e)
+        }
+    })?;
     Ok(buf)
 }
 
