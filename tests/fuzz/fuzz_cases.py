@@ -50,7 +50,7 @@ import tierstore
 import tierstore.checkpointer
 import tierstore.dcp
 import tierstore.sharded
-from tierstore import Layout, _gc, attach, cli
+from tierstore import Layout, _gc, _load, attach, cli
 from tierstore.errors import TierstoreError, UnsafeObjectError
 from tierstore.layout import zero_partition
 
@@ -981,12 +981,16 @@ class Ctx:
         check: Callable[[Any, list[warnings.WarningMessage]], tuple[str, str]],
         *,
         load: bool = True,
+        injected: bool = False,
     ) -> dict[str, Any]:
         """Runs one load path and records its outcome. ``check(value,
-        warnings)`` classifies a value that came back."""
+        warnings)`` classifies a value that came back. ``injected``: the op
+        adds a fault of its own (a file cut short while it loads), so its
+        clean error is expected even on a control case or where ``verify``
+        passed the file."""
         self.env.emit({"ev": "op", "op": name})
         self.arm()
-        rec: dict[str, Any] = {"op": name, "load": load}
+        rec: dict[str, Any] = {"op": name, "load": load, "injected": injected}
         reset_hwm()
         base = hwm_kib()
         tb = None
@@ -1074,13 +1078,16 @@ class Ctx:
             failed = [
                 o
                 for o in self.ops
-                if o["load"] and o["outcome"] in (CLEAN, OTHER, SILENT, MEMORY) and not o.get("unsafe")
+                if o["load"]
+                and o["outcome"] in (CLEAN, OTHER, SILENT, MEMORY)
+                and not o.get("unsafe")
+                and not (o.get("injected") and o["outcome"] == CLEAN)
             ]
             if failed:
                 classes.append(CLI_OK)
                 extra = f"verify said OK, but {failed[0]['op']} gave {failed[0]['outcome']}"
         if self.mutator == "none":
-            bad = [o for o in self.ops if o["outcome"] != EQUAL]
+            bad = [o for o in self.ops if o["outcome"] != EQUAL and not (o.get("injected") and o["outcome"] == CLEAN)]
             if bad:
                 classes.append(CONTROL)
                 extra = f"control case (no mutation): {bad[0]['op']} gave {bad[0]['outcome']}"
@@ -1171,6 +1178,38 @@ def _single_fields(zm: ZipMap) -> list[tuple[str, int, int]]:
         out.append((f"eocd.{fld}", zm.eocd_off + off, w))
     return out
 
+
+
+def shrink_under_mapping(ctx: Ctx, path: Path, check: Callable[..., tuple[str, str]]) -> None:
+    """``load(mmap=True)`` of a copy that another process cuts short once it is
+    mapped (before its records are checked): the load raises an error naming
+    the file (a ``TruncatedFileError`` where a record lost bytes) or, where
+    the cut spared every byte it reads, returns the saved state; never
+    ``SIGBUS``."""
+    copy_path = path.parent / "shrinking.pt"
+    try:
+        shutil.copyfile(path, copy_path)
+        size = copy_path.stat().st_size
+    except OSError as e:
+        ctx.ops.append({"op": "load_mmap_shrunk", "load": True, "outcome": CLEAN, "exc": f"copy failed: {fmt_exc(e)}"})
+        return
+    cut = ctx.rng.randrange(0, max(size, 1))
+    ctx.detail += f"; shrunk to {cut} of {size} bytes under the mapping"
+    real = _load._check_data_crcs
+
+    def shrink_then_check(name: str, *args: Any, **kwargs: Any) -> None:
+        os.truncate(name, cut)
+        real(name, *args, **kwargs)
+
+    def load() -> Any:
+        _load._check_data_crcs = shrink_then_check
+        try:
+            return tierstore.load(str(copy_path), mmap=True)
+        finally:
+            _load._check_data_crcs = real
+
+    ctx.op("load_mmap_shrunk", load, check, injected=True)
+    copy_path.unlink(missing_ok=True)
 
 def single_mutate(ctx: Ctx, path: Path, tier_file: bool) -> None:
     rng = ctx.rng
@@ -1475,6 +1514,8 @@ def case_single(ctx: Ctx) -> None:
         ctx.cli_op("inspect", ["inspect", "--json", p])
         return
     ctx.op("load_mmap", lambda: tierstore.load(p, mmap=True), check)
+    if tier_file and ctx.rng.random() < 0.25:
+        shrink_under_mapping(ctx, path, check)
 
     try:
         fobj = open(p, "rb")  # noqa: SIM115 (closed below)

@@ -99,3 +99,28 @@ def test_campaign_detects_what_a_case_leaves_behind(tmp_path: Path, mutator: str
     )
     assert [r["class"] for r in summary["results"]] == [bad], campaign.report(summary)
     assert not summary["ok"]
+
+
+def test_a_fault_the_op_injects_is_not_held_against_the_file(tmp_path: Path) -> None:
+    """``load_mmap_shrunk`` cuts its copy of the file short while it loads:
+    its clean error (naming the record that lost bytes) is the expected
+    outcome, also on control cases, where every other op must still return
+    the saved state exactly."""
+    summary = campaign.run_campaign(
+        cases=12,
+        seed=2,
+        kinds=["single"],
+        workers=1,
+        workdir=tmp_path,
+        case_timeout=15.0,
+        mutator=["none"],
+        log=lambda _m: None,
+    )
+    assert summary["ok"], campaign.report(summary)
+    shrunk = [o for r in summary["results"] for o in r["ops"] if o["op"] == "load_mmap_shrunk"]
+    assert shrunk, "no case ran the op"
+    # A cut past every byte the load reads leaves the state intact.
+    assert all(o["outcome"] in ("error_clean", "equal") and o["injected"] for o in shrunk), shrunk
+    assert any("TruncatedFileError" in o.get("exc", "") and "record '" in o.get("exc", "") for o in shrunk), shrunk
+    others = [o for r in summary["results"] for o in r["ops"] if not o.get("injected")]
+    assert others and all(o["outcome"] == "equal" for o in others), campaign.report(summary)
