@@ -1179,7 +1179,6 @@ def _single_fields(zm: ZipMap) -> list[tuple[str, int, int]]:
     return out
 
 
-
 def shrink_under_mapping(ctx: Ctx, path: Path, check: Callable[..., tuple[str, str]]) -> None:
     """``load(mmap=True)`` of a copy that another process cuts short once it is
     mapped (before its records are checked): the load raises an error naming
@@ -1210,6 +1209,7 @@ def shrink_under_mapping(ctx: Ctx, path: Path, check: Callable[..., tuple[str, s
 
     ctx.op("load_mmap_shrunk", load, check, injected=True)
     copy_path.unlink(missing_ok=True)
+
 
 def single_mutate(ctx: Ctx, path: Path, tier_file: bool) -> None:
     rng = ctx.rng
