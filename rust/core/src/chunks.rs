@@ -300,6 +300,9 @@ const AHEAD: usize = 4;
 /// The most bytes of consecutive chunks checked as one unit of [`stream`].
 const UNIT_MAX: u64 = 64 << 10;
 
+/// The span of file a thread of [`stream`] brings in and checks at a time.
+const GROUP: u64 = 1 << 20;
+
 /// Unverified ranges at least this long are read into place; shorter ones
 /// are copied out of windows.
 const DIRECT_MIN: usize = 64 << 10;
@@ -372,35 +375,53 @@ fn stream(
     }
     for w in 0..windows.len() {
         spans(w + AHEAD, &|s, n| map.will_need(s, n));
-        let failed: std::cell::Cell<Option<Error>> = std::cell::Cell::new(None);
-        spans(w, &|s, n| {
-            if let Err(e) = map.populate(file, s, n) {
-                let first = failed.take().unwrap_or(e);
-                failed.set(Some(first));
+        // The window's units in groups of about GROUP bytes of file, each
+        // brought in (one `populate` over its span) by the thread that then
+        // checks it, so that threads fault pages in side by side.
+        let r = windows[w].clone();
+        let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
+        let mut first = r.start;
+        for k in r.clone() {
+            if k > first && units[k].off + units[k].len - units[first].off > GROUP {
+                groups.push(first..k);
+                first = k;
             }
-        });
-        if let Some(e) = failed.take() {
-            return Err(e);
         }
-        par_each(&units[windows[w].clone()], threads, 16, |u| {
-            let data = map.slice(u.off, u.len);
-            if let Some((ti, first, count)) = u.check {
-                let t = &tables[ti];
-                let base = t.chunk_span(first).0;
-                for i in first..first + count {
-                    let (cs, ce) = t.chunk_span(i);
-                    t.verify(file, i, &data[(cs - base) as usize..(ce - base) as usize])?;
+        groups.push(first..r.end);
+        par_each(&groups, threads, 1, |g| {
+            let us = &units[g.clone()];
+            // Spans joined across gaps of under 64 KiB, as the read-ahead hints.
+            let (mut s, mut e) = (us[0].off, us[0].off + us[0].len);
+            for u in &us[1..] {
+                if u.off > e + (64 << 10) {
+                    map.populate(file, s, e - s)?;
+                    s = u.off;
                 }
+                e = e.max(u.off + u.len);
             }
-            if let Some(k) = u.sum {
-                let (algo, slot) = &pieces[k];
-                slot.store(algo.sum(data), Ordering::Relaxed);
-            }
-            for p in &parts[u.parts.clone()] {
-                let from = (p.off - u.off) as usize;
-                // SAFETY: the part lies inside the unit (built so); the
-                // destination is the caller's (contract of the public functions).
-                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr().add(from), p.mem.0, p.len) };
+            map.populate(file, s, e - s)?;
+            for u in us {
+                let data = map.slice(u.off, u.len);
+                if let Some((ti, first, count)) = u.check {
+                    let t = &tables[ti];
+                    let base = t.chunk_span(first).0;
+                    for i in first..first + count {
+                        let (cs, ce) = t.chunk_span(i);
+                        t.verify(file, i, &data[(cs - base) as usize..(ce - base) as usize])?;
+                    }
+                }
+                if let Some(k) = u.sum {
+                    let (algo, slot) = &pieces[k];
+                    slot.store(algo.sum(data), Ordering::Relaxed);
+                }
+                for p in &parts[u.parts.clone()] {
+                    let from = (p.off - u.off) as usize;
+                    // SAFETY: the part lies inside the unit (built so); the
+                    // destination is the caller's (contract of the public functions).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(data.as_ptr().add(from), p.mem.0, p.len)
+                    };
+                }
             }
             Ok(())
         })?;
