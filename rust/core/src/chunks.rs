@@ -330,8 +330,11 @@ struct Part {
 /// Reads `units` (sorted by offset, disjoint) window by window from a
 /// read-only mapping of the file: the next [`AHEAD`] windows are asked of
 /// the kernel (`MADV_WILLNEED`, so the device streams) while one is checked
-/// and copied out on `threads` threads. Pages the page cache already holds (a
-/// neighbour rank read them) are used in place, with no copy into a buffer.
+/// and copied out on `threads` threads, each taking about [`GROUP`] bytes at
+/// a time, brought in first (`MADV_POPULATE_READ`: a device error or a file
+/// cut short is an error here, not a `SIGBUS`). Pages the page cache already
+/// holds (a neighbour rank read them) are used in place, with no copy into a
+/// buffer.
 /// Returns the bytes read.
 fn stream(
     file: &Arc<EngineFile>,
@@ -373,12 +376,11 @@ fn stream(
     for w in 0..AHEAD {
         spans(w, &|s, n| map.will_need(s, n));
     }
-    for w in 0..windows.len() {
+    for (w, r) in windows.iter().cloned().enumerate() {
         spans(w + AHEAD, &|s, n| map.will_need(s, n));
         // The window's units in groups of about GROUP bytes of file, each
         // brought in (one `populate` over its span) by the thread that then
         // checks it, so that threads fault pages in side by side.
-        let r = windows[w].clone();
         let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
         let mut first = r.start;
         for k in r.clone() {
@@ -419,8 +421,8 @@ fn stream(
                     // SAFETY: the part lies inside the unit (built so); the
                     // destination is the caller's (contract of the public functions).
                     unsafe {
-                        std::ptr::copy_nonoverlapping(data.as_ptr().add(from), p.mem.0, p.len)
-                    };
+                        std::ptr::copy_nonoverlapping(data.as_ptr().add(from), p.mem.0, p.len);
+                    }
                 }
             }
             Ok(())
