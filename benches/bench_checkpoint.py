@@ -39,6 +39,18 @@ Modes:
   to the optimizer;
 - ``tierstore 2-tier``: the same with a RAM file system as the local tier and
   the disk as the remote tier;
+- ``tierstore sync-capture``: ``tierstore`` with the capture waited for at
+  once (``save`` then ``wait_capture``): the copy done while the step
+  waits, with both cores free of training, instead of beside it;
+- ``floor checksum``, ``floor capture``, ``floor write``: not checkpoints,
+  the parts of one alone, to show what any checkpoint of this state costs
+  the loop on this machine: one CRC-32 pass over every byte of the state
+  (the least a verified checkpoint does); the Checkpointer's capture kernel
+  (copy into kept host buffers with 512-byte chunk sums, one pass); that
+  copy written as it is to a new file with O_DIRECT (8 MiB ``pwrite`` calls)
+  and fsynced, the previous file removed (no format, no metadata). Each
+  runs on one background thread started at the save; the step waits for it
+  before the optimizer changes the tensors;
 - ``tierstore idle-pri``, ``tierstore low-pri``, ``tierstore normal-pri``:
   ``tierstore`` with its background threads under each scheduling class
   (``priority="idle"``: ``SCHED_IDLE``; ``"low"``: nice 19; ``"normal"``), to
@@ -77,7 +89,7 @@ from typing import Any
 
 MODES = (
     "none,torch.save,dcp.async_save,tierstore,tierstore 2-tier,tierstore idle-pri,tierstore low-pri,"
-    "tierstore normal-pri"
+    "tierstore normal-pri,tierstore sync-capture,floor checksum,floor capture,floor write"
 )
 PRI_MODES = {"tierstore idle-pri": "idle", "tierstore low-pri": "low", "tierstore normal-pri": "normal"}
 
@@ -177,6 +189,48 @@ def _settle(ck: Any, uploads: list[Any]) -> bool:
         busy = busy or not u.done()
         u.result()
     return busy
+
+
+def _write_direct(buf: Any, nbytes: int, path: Path) -> None:
+    """Writes the first ``nbytes`` (a multiple of 4 KiB) of ``buf`` from its
+    first page boundary to a new file with O_DIRECT, 8 MiB per call, then
+    fsyncs it."""
+    base = -buf.data_ptr() % 4096
+    mem = memoryview(buf.numpy())[base : base + nbytes - 4096]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        step = 8 << 20
+        for off in range(0, len(mem), step):
+            os.pwrite(fd, mem[off : off + step], off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _steal() -> tuple[float, float]:
+    """The machine's (steal, all) CPU seconds so far, from /proc/stat: time
+    the hypervisor ran something else while this VM's CPUs wanted to run."""
+    with open("/proc/stat") as f:
+        xs = [int(x) for x in f.readline().split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    return xs[7] / tick, sum(xs[:8]) / tick
+
+
+def _tensors(tree: Any) -> list[Any]:
+    """Every tensor in a nested state dict, each memory once (tied weights)."""
+    import torch
+
+    out: dict[tuple[int, int], Any] = {}
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.setdefault((x.data_ptr(), x.numel() * x.element_size()), x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return list(out.values())
 
 
 def _paired_blocks(args: argparse.Namespace, step: Any, save: Any, ck: Any, uploads: list[Any]) -> dict[str, Any]:
@@ -300,8 +354,60 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                 pending.append(resp)
                 uploads.append(resp.upload_completion)
 
+        elif args.mode in ("floor checksum", "floor capture", "floor write"):
+            # Parts of a checkpoint's work alone, each on one background
+            # thread that the step waits for as it waits for a capture (see
+            # the module's docstring: "floor checksum", "floor capture",
+            # "floor write").
+            from tierstore import _core
+
+            passes: list[threading.Thread] = []
+            spare: list[torch.Tensor] = []
+
+            def wait_pass() -> None:
+                for t in passes:
+                    t.join()
+                passes.clear()
+
+            before_step.append(wait_pass)
+
+            def save(i: int) -> None:
+                regions = [
+                    (t.data_ptr(), t.numel() * t.element_size())
+                    for t in _tensors(state())
+                    if t.numel() and t.is_contiguous()
+                ]
+
+                def run(i: int = i) -> None:
+                    if args.mode == "floor checksum":
+                        _core.crc32_regions(regions, 1)
+                    else:
+                        # The capture's own kernel: copy into host memory and
+                        # sum each chunk in the same pass, into buffers kept
+                        # from one save to the next; nothing written.
+                        gate = _core.Gate()
+                        need = sum(-(-n // 4096) * 4096 for _a, n in regions) + 4096
+                        if len(spare) == 0 or spare[0].numel() < need:
+                            spare[:] = [torch.empty(need, dtype=torch.uint8)]
+                        base = spare[0].data_ptr() + (-spare[0].data_ptr() % 4096)
+                        for k, (a, n) in enumerate(regions):
+                            gate.copy_in(k, base, a, n)
+                            base += -(-n // 4096) * 4096
+                        if args.mode == "floor write":
+                            # ... and written as they are, with O_DIRECT
+                            # from those buffers into a new file, fsynced;
+                            # the one before it removed (no format, no
+                            # metadata, no checksums kept).
+                            _write_direct(spare[0], need, d / f"pass-{i}.bin")
+                            (d / f"pass-{i - 2 * args.every}.bin").unlink(missing_ok=True)
+                    done_at[i] = time.perf_counter()
+
+                th = threading.Thread(target=run, name="floor-pass", daemon=True)
+                th.start()
+                passes.append(th)
+
         elif args.mode.startswith("tierstore"):
-            if args.mode == "tierstore" or args.mode in PRI_MODES:
+            if args.mode in ("tierstore", "tierstore sync-capture") or args.mode in PRI_MODES:
                 tiers: list[Any] = [tierstore.HostTier(args.host_budget), tierstore.DiskTier(".", keep_last=2)]
             else:
                 tiers = [
@@ -311,11 +417,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                 ]
             pri = PRI_MODES.get(args.mode, args.priority)
             kw: dict[str, Any] = {} if pri is None else {"priority": pri}
+            if args.rate_limit:
+                kw["rate_limit"] = args.rate_limit
             ck = tierstore.Checkpointer(d, tiers=tiers, **kw)
             ck.attach(opt)
 
             def save(i: int) -> None:
                 ck.save(i, state())
+                if args.mode == "tierstore sync-capture":
+                    ck.wait_capture()
 
         # Warm-up: one step and one save, finished.
         step(0)
@@ -345,6 +455,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(0.5)
         blocked: dict[int, float] = {}
         step_times: list[float] = []
+        steal0 = _steal()
         t_all = time.perf_counter()
         for i in range(1, args.steps + 1):
             t0 = time.perf_counter()
@@ -356,6 +467,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                 blocked[i] = time.perf_counter() - ts
             step_times.append(time.perf_counter() - t0)
         loop = time.perf_counter() - t_all
+        steal1 = _steal()
         cpu1 = _thread_cpu()
         pcpu = _process_cpu() - pcpu0
         if perf is not None:
@@ -405,6 +517,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_s": _cpu_by_group(cpu0, cpu1, pcpu),
         "paired": paired,
         "process_cpu_s": pcpu,
+        "steal_s": steal1[0] - steal0[0],
         **mem,
     }
 
@@ -439,6 +552,7 @@ def _run_child(args: argparse.Namespace, workload: str, mode: str, rnd: int, roo
         "--fast-dir",
         args.fast_dir,
         *(["--priority", args.priority] if args.priority else []),
+        *(["--rate-limit", args.rate_limit] if args.rate_limit else []),
     ]
     if perf:
         cmd += ["--perf-file", perf]
@@ -546,6 +660,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--priority", default=None, help="the background priority of the tierstore and 2-tier modes (default: its own)"
     )
+    ap.add_argument(
+        "--rate-limit", default=None, help="the tierstore modes' rate_limit (bytes/s of background I/O; default none)"
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default=None, help="write the table here too")
     # child-only
@@ -572,7 +689,8 @@ def main(argv: list[str] | None = None) -> int:
                     pcs = r["per_checkpoint"]
                     print(
                         f"{w} round {rnd} {m:18} loop {r['loop_s']:7.2f} s  "
-                        f"blocked {statistics.median(p['blocked'] for p in pcs) if pcs else 0:.3f} s/ckpt",
+                        f"blocked {statistics.median(p['blocked'] for p in pcs) if pcs else 0:.3f} s/ckpt  "
+                        f"steal {r.get('steal_s', 0.0):.2f} s",
                         flush=True,
                     )
         if args.perf:

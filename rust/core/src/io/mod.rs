@@ -302,12 +302,20 @@ impl Dispatcher {
     fn take_deferred(&self) -> Option<Request> {
         let mut d = self.deferred.lock().expect("dispatcher lock");
         // Foreground before background, then oldest first.
+        // One refusal of the rate limit holds back every background request
+        // (they share the bucket): the rest are not tried.
+        let mut rate_held = false;
         let pick = d
             .iter()
             .position(|r| r.class == Class::Foreground && r.path.try_acquire(r.class))
             .or_else(|| {
                 d.iter().position(|r| {
-                    r.class == Class::Background && r.path.try_acquire(r.class) && self.admit(r)
+                    if rate_held || r.class != Class::Background || !r.path.try_acquire(r.class) {
+                        return false;
+                    }
+                    let ok = self.admit(r);
+                    rate_held = !ok;
+                    ok
                 })
             });
         let r = pick.and_then(|i| d.remove(i));
@@ -315,21 +323,45 @@ impl Dispatcher {
         r
     }
 
-    /// Blocks until a request may be ready or `timeout` passes.
+    /// How long until the background rate limit lets a request start again
+    /// (`None`: no limit, or it lets one start now).
+    fn bg_wait(&self) -> Option<Duration> {
+        let rate = self.bg_rate.load(Ordering::Acquire);
+        if rate == 0 {
+            return None;
+        }
+        let b = self.bucket.lock().expect("dispatcher lock");
+        let tokens = b.tokens + b.at.elapsed().as_secs_f64() * rate as f64;
+        (tokens < 0.0).then(|| Duration::from_secs_f64(-tokens / rate as f64))
+    }
+
+    /// Blocks until a request may be ready or `timeout` passes; a new
+    /// request ends the wait at once.
     pub fn wait_ready(&self, timeout: Duration) {
-        if self.deferred_len.load(Ordering::Acquire) > 0
-            && self.fg_rx.is_empty()
-            && self.bg_rx.is_empty()
-        {
+        let mut limit = timeout;
+        if self.deferred_len.load(Ordering::Acquire) > 0 {
             // Deferred requests become ready when another request on their
-            // path completes; poll briefly rather than sleep long.
-            std::thread::sleep(timeout.min(Duration::from_micros(200)));
-            return;
+            // path completes (polled for briefly) or, held back by the rate
+            // limit alone, when the bucket has refilled (slept for: a
+            // rate-limited flush must not spin a core it was limited to
+            // spare).
+            let poll = Duration::from_micros(200);
+            let any_fg = self
+                .deferred
+                .lock()
+                .expect("dispatcher lock")
+                .iter()
+                .any(|r| r.class == Class::Foreground);
+            let nap = match self.bg_wait() {
+                Some(w) if !any_fg => w.max(poll),
+                _ => poll,
+            };
+            limit = limit.min(nap);
         }
         let mut sel = Select::new();
         sel.recv(&self.fg_rx);
         sel.recv(&self.bg_rx);
-        let _ = sel.ready_timeout(timeout);
+        let _ = sel.ready_timeout(limit);
     }
 
     /// Bookkeeping after a request completed.
@@ -449,16 +481,21 @@ mod tests {
             d.submit(r);
         }
         let mut n = 0;
+        let mut waits = 0;
         while n < 6 {
             if let Some(r) = d.try_next() {
                 complete(&d, r, Ok(0));
                 n += 1;
             } else {
                 d.wait_ready(Duration::from_millis(5));
+                waits += 1;
             }
         }
         // 6 MiB at 4 MiB/s, starting from an empty bucket: at least ~1.25 s.
         let took = t0.elapsed();
+        // Waited for in naps of the caller's 5 ms (about 250 of them), not
+        // polled every 200 us (about 6,000).
+        assert!(waits < 1000, "{waits} waits in {took:?}");
         assert!(took >= Duration::from_millis(1100), "took {took:?}");
         assert!(took < Duration::from_secs(4), "took {took:?}");
         // Foreground is never held back by the background limit.
