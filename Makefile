@@ -123,7 +123,7 @@ bench-tools: ## fio (apt), the device-ceiling probe of the save/load benchmark
 
 bench-checkpoint: setup ## training loop with torch.save, DCP async_save and the Checkpointer
 	$(VPY) benches/bench_checkpoint.py --workloads gpt,mlp --rounds 3 --steps 24 --paired 8 --perf \
-	  --modes "none,torch.save,dcp.async_save,tierstore,tierstore 2-tier,tierstore idle-pri,tierstore low-pri" \
+	  --modes "none,torch.save,dcp.async_save,tierstore,tierstore 2-tier,tierstore idle-pri,tierstore low-pri,floor capture,floor write" \
 	  --json docs/bench/checkpoint.json --out docs/bench/checkpoint.txt
 
 bench-capture-cpu: setup ## CPU per Checkpointer checkpoint by thread group (capture, engine, flush), no training
