@@ -19,6 +19,12 @@ needed rounded out to the 4 KiB blocks O_DIRECT reads anyway. The UCP-style
 path consolidates the checkpoint offline into one file per tensor, then every
 rank loads whole tensors and slices them.
 
+The target layouts are loaded in the same rounds: per round and system, one
+after another in alternating order, so that each resharding load is
+compared with the plain load (the saved layout loaded again) of its own
+round, seconds apart; the ratio reported is the median of those per-round
+ratios of the slowest rank's times.
+
 Also: planning time for 10,000 tensors x 64 ranks, from metadata alone.
 
     python benches/bench_reshard.py [--ranks 4] [--layers 16] [--hidden 1280] [--out bench-results]
@@ -170,21 +176,27 @@ def _run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
             _TimedPlanner.seconds += time.perf_counter() - t
             return p
 
-    sd = _local_dtensors(shp, job["dst"], world, False)
-    needed = sum(dt.to_local().numel() * 4 for dt in sd.values())
-    res["needed"] = needed
-    # tierstore's three verification modes and DCP, interleaved over rounds in
-    # alternating order so that drift favours none; the UCP path once.
-    # One untimed load first: the first load of a process also sets up the
-    # engine (threads, buffers, the extension's first calls), which would be
-    # charged to whichever system comes first in round 0.
-    tierstore.load_sharded(job["tierstore"], _local_dtensors(shp, job["dst"], world, False), verify=False)
-    order: list[str] = []
+    # Every target layout is loaded in the same rounds: per round and system
+    # the layouts come one after another (alternating order), so that the
+    # resharding loads and the plain load they are compared with run seconds
+    # apart, not minutes (the VM's speed drifts by 10-40% between minutes).
+    dsts: list[str] = job["dsts"]
+    out: dict[str, dict[str, Any]] = {d: {} for d in dsts}
+    for d in dsts:
+        out[d]["needed"] = sum(dt.to_local().numel() * 4 for dt in _local_dtensors(shp, d, world, False).values())
+        # One untimed load first: the first load of a process also sets up
+        # the engine (threads, buffers, the extension's first calls), which
+        # would be charged to whichever system comes first in round 0.
+        tierstore.load_sharded(job["tierstore"], _local_dtensors(shp, d, world, False), verify=False)
+    order: list[tuple[str, str]] = []
     for rep in range(job["repeats"]):
-        order += LOAD_SYSTEMS if rep % 2 == 0 else LOAD_SYSTEMS[::-1]
-    order += ["ucp"]
-    for system in order:
-        sd = _local_dtensors(shp, job["dst"], world, False)
+        systems = LOAD_SYSTEMS if rep % 2 == 0 else LOAD_SYSTEMS[::-1]
+        for k, system in enumerate(systems):
+            order += [(d, system) for d in (dsts if (rep + k) % 2 == 0 else dsts[::-1])]
+    order += [(d, "ucp") for d in dsts]
+    for dst, system in order:
+        res = out[dst]
+        sd = _local_dtensors(shp, dst, world, False)
         if rank == 0:
             drop_caches()
         dist.barrier()
@@ -219,7 +231,7 @@ def _run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         res.setdefault(f"{system}_read_bytes_runs", []).append(io1["read_bytes"] - io0["read_bytes"])
         res.setdefault(f"{system}_rchar_runs", []).append(io1["rchar"] - io0["rchar"])
         _check(sd, shp)
-    return res
+    return out
 
 
 # tierstore's verification modes: every chunk a read touches (the default),
@@ -326,8 +338,10 @@ def main() -> int:
     rows = []
     save_s = {s: max(r[f"{s}_save_s"] for r in saves) for s in ("tierstore", "dcp")}
     result: dict[str, Any] = {"ranks": args.ranks, "bytes": total, "ucp_convert_s": ucp_convert_s, "save_s": save_s}
-    for dst in ("fsdp", "fsdp_tp", "tp_col"):
-        loads = run_ranks(args.ranks, {**job, "op": "load", "dst": dst, "repeats": args.repeats})
+    dsts = ["fsdp", "fsdp_tp", "tp_col"]
+    loads_all = run_ranks(args.ranks, {**job, "op": "load", "dsts": dsts, "repeats": args.repeats})
+    for dst in dsts:
+        loads = [r[dst] for r in loads_all]
         for system in (*TS_MODES, "dcp", "ucp"):
             ts = system in TS_MODES
             # Per rank: the median over rounds of what its process read from
@@ -393,11 +407,21 @@ def main() -> int:
         lines.append(f"  {t:28} touched {touched:.3f}x, full {full:.3f}x, shared {shared:.3f}x")
     # The plain load: the saved layout loaded again (every rank reads its own file whole).
     plain = transitions[0]
-    lines.append(f"resharding load time / the plain load ({plain}) in the same mode (target: at most 1.2x):")
+    lines.append(
+        f"resharding load time / the plain load ({plain}) in the same mode and round, slowest rank "
+        "(median of rounds, range; target: at most 1.2x):"
+    )
     for t in transitions[1:]:
-        ratios = {s: by[(t, s)]["load_s"] / by[(plain, s)]["load_s"] for s in TS_MODES}
+        per_round = {
+            s: [a / b for a, b in zip(by[(t, s)]["load_runs_s"], by[(plain, s)]["load_runs_s"], strict=True)]
+            for s in TS_MODES
+        }
+        ratios = {s: statistics.median(x) for s, x in per_round.items()}
         result.setdefault("reshard_over_plain", {})[t] = ratios
-        each = ", ".join(f"{s.removeprefix('tierstore-')} {x:.3f}x" for s, x in ratios.items())
+        result.setdefault("reshard_over_plain_rounds", {})[t] = per_round
+        each = ", ".join(
+            f"{s.removeprefix('tierstore-')} {ratios[s]:.3f}x ({min(x):.2f}-{max(x):.2f})" for s, x in per_round.items()
+        )
         lines.append(f"  {t:28} {each}")
     lines.append(
         f"planning, 10,000 tensors x 64 ranks (metadata only): {result['planning_10k_tensors_64_ranks_s']:.3f} s"
