@@ -335,6 +335,14 @@ impl Dispatcher {
         (tokens < 0.0).then(|| Duration::from_secs_f64(-tokens / rate as f64))
     }
 
+    fn foreground_deferred(&self) -> bool {
+        self.deferred
+            .lock()
+            .expect("dispatcher lock")
+            .iter()
+            .any(|r| r.class == Class::Foreground)
+    }
+
     /// Blocks until a request may be ready or `timeout` passes; a new
     /// request ends the wait at once.
     pub fn wait_ready(&self, timeout: Duration) {
@@ -346,14 +354,9 @@ impl Dispatcher {
             // rate-limited flush must not spin a core it was limited to
             // spare).
             let poll = Duration::from_micros(200);
-            let any_fg = self
-                .deferred
-                .lock()
-                .expect("dispatcher lock")
-                .iter()
-                .any(|r| r.class == Class::Foreground);
+            // (The deferred list is scanned only while the limit holds.)
             let nap = match self.bg_wait() {
-                Some(w) if !any_fg => w.max(poll),
+                Some(w) if !self.foreground_deferred() => w.max(poll),
                 _ => poll,
             };
             limit = limit.min(nap);
