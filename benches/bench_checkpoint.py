@@ -217,19 +217,17 @@ def _steal() -> tuple[float, float]:
 
 
 def _tensors(tree: Any) -> list[Any]:
-    """Every tensor in a nested state dict, each memory once (tied weights)."""
+    """Every tensor leaf of a state dict (tierstore's own flattening), each
+    memory once (tied weights)."""
     import torch
 
+    from tierstore import _tree
+
     out: dict[tuple[int, int], Any] = {}
-    stack = [tree]
-    while stack:
-        x = stack.pop()
+    for leaf in _tree.flatten(tree):
+        x = leaf.value
         if isinstance(x, torch.Tensor):
             out.setdefault((x.data_ptr(), x.numel() * x.element_size()), x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
     return list(out.values())
 
 
