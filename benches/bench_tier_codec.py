@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_codec  # the model, the data and the training loop
 
 import tierstore
-from tierstore import _tier_codec
+from tierstore import _tier_steps
 
 HERE = Path(__file__).resolve().parent
 
@@ -160,12 +160,12 @@ def main() -> int:
             k: {"median_s": statistics.median(v), "total_s": sum(v), "each_s": v} for k, v in promote.items()
         }
         result["promotion_ratio"] = sum(promote["delta"]) / sum(promote["raw"])
-        stats = {k: _tier_codec.run_stats([r.path / "exp"])["tiers"] for k, r in remotes.items()}
+        stats = {k: _tier_steps.run_stats([r.path / "exp"])["tiers"] for k, r in remotes.items()}
         result["stored"] = {k: next(iter(v.values())) for k, v in stats.items()}
 
         # Restores from the remote tier alone (cold: page cache dropped where allowed).
         steps = sorted((remotes["delta"].path / "exp").glob("step-*"))
-        metas = {d: _tier_codec.tier_meta(d) for d in steps}
+        metas = {d: _tier_steps.tier_meta(d) for d in steps}
         key = next(d for d in steps if metas[d] and metas[d]["keyframe"])
         delta = next(d for d in reversed(steps) if metas[d] and not metas[d]["keyframe"])
         raw_same = remotes["raw"].path / "exp" / delta.name

@@ -17,7 +17,7 @@ import torch
 
 import tierstore
 import tierstore.cli
-from tierstore import _metadata, _tier_codec
+from tierstore import _metadata, _tier_codec, _tier_steps
 from tierstore.errors import ChecksumError, CorruptFileError, InvalidArgumentError, TierstoreError
 from tierstore.layout import Layout, attach
 from tierstore.sharded import consolidate
@@ -152,7 +152,7 @@ def test_parent_chains_restore_every_step_and_keep_their_chain(tmp_path: Path, m
     assert [m["keyframe"] for m in metas] == [True, False, False, False, True]
     assert [m["references"] for m in metas] == [[], [steps[0].name], [steps[1].name], [steps[2].name], []]
     assert [_file_reference(d) for d in steps] == [None, steps[0].name, steps[1].name, steps[2].name, None]
-    remote = _tier_codec.run_stats([tmp_path / "remote"])["tiers"][str(tmp_path / "remote")]
+    remote = _tier_steps.run_stats([tmp_path / "remote"])["tiers"][str(tmp_path / "remote")]
     assert (remote["keyframes"], remote["deltas"], remote["longest_chain"]) == (2, 3, 3)
     shutil.rmtree(tmp_path / "run")  # no raw copy left anywhere: only the tier's encoded files
     for i, d in enumerate(steps):
@@ -237,7 +237,7 @@ def test_each_record_takes_the_reference_it_is_closest_to(tmp_path: Path, capsys
     assert rows == {None, "step-000000000001", "step-000000000002"}
     # Both steps are needed by it: deleting either is refused.
     for step in (1, 2):
-        assert out_dir in _tier_codec.dependents(tier / f"step-{step:012d}")
+        assert out_dir in _tier_steps.dependents(tier / f"step-{step:012d}")
     # One candidate, or one that every record prefers: version 1 as before.
     _tier_codec.encode_file(tmp_path / name, dst, spec, [("step-000000000002", paths[2])])
     h1, _ = _tier_codec.read_header(dst)
@@ -588,7 +588,7 @@ def test_stats_counts_bytes_per_tier_and_class(tmp_path: Path, capsys: pytest.Ca
     """``tierstore stats``: what each tier holds and stores, per tensor
     class, from the encoded files' headers (nothing decoded)."""
     _run(tmp_path, 3, every=4)
-    got = _tier_codec.run_stats([tmp_path / "remote", tmp_path / "run"])["tiers"]
+    got = _tier_steps.run_stats([tmp_path / "remote", tmp_path / "run"])["tiers"]
     remote = got[str(tmp_path / "remote")]
     local = got[str(tmp_path / "run" / "local")]
     assert (remote["steps"], remote["keyframes"], remote["deltas"], remote["longest_chain"]) == (3, 1, 2, 1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from tierstore._core import __version__
 from tierstore._engine import configure, get_engine
 from tierstore._info import info
-from tierstore._tier_codec import delete_checkpoint
+from tierstore._tier_steps import delete_checkpoint
 from tierstore.api import load, save
 from tierstore.checkpointer import Checkpointer, CheckpointHandle
 from tierstore.codec import Delta

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tierstore import _ckpt_codec, _core, _gc, _metadata, _paths, _tier_codec
+from tierstore import _ckpt_codec, _core, _gc, _metadata, _paths, _tier_codec, _tier_steps
 from tierstore._ckpt_peers import Ring, exchange, own_files
 from tierstore._ckpt_pool import HostPool
 from tierstore._ckpt_restore import META, STEP_DIR, step_dirs
@@ -561,7 +561,7 @@ class Cascade:
         refs: list[Path] = []
         if spec is not None:
             assert t is not None
-            step = _tier_codec.step_of(dst)
+            step = _tier_steps.step_of(dst)
             if step is not None:
                 refs = _ckpt_codec.plan_references(
                     dst.parent, step, t.keyframe_every, self.world, t.reference, t.keyframe_share
@@ -658,8 +658,8 @@ class Cascade:
             while todo:
                 d = todo.pop()
                 with contextlib.suppress(OSError, TierstoreError):
-                    meta = _tier_codec.tier_meta(d)
-                    for ref in _tier_codec.references_of(meta) if meta is not None else ():
+                    meta = _tier_steps.tier_meta(d)
+                    for ref in _tier_steps.references_of(meta) if meta is not None else ():
                         r = d.parent / ref
                         if r not in keep:
                             keep.add(r)

@@ -7,16 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tierstore._tier_codec import (
-    SUFFIX,
-    Decoder,
-    _copy,
-    _suppress,
-    encodable,
-    fingerprint,
-    step_of,
-    tier_meta,
-)
+from tierstore._tier_codec import SUFFIX, Decoder, encodable, fingerprint
+from tierstore._tier_steps import copy_file, step_of, suppress_errors, tier_meta
 from tierstore.errors import TierstoreError
 from tierstore.shardmeta import MANIFEST, read_manifest
 
@@ -142,7 +134,7 @@ class ReferenceCache:
             for f in old.iterdir():
                 if f.name.startswith(head):
                     f.unlink(missing_ok=True)
-            with _suppress():
+            with suppress_errors():
                 old.rmdir()
 
     def raw(self, ref_dir: Path, name: str, want: tuple[int, int]) -> Path | None:
@@ -151,12 +143,12 @@ class ReferenceCache:
         when neither gives that file."""
         cached = self.root / ref_dir.name / name
         if cached.is_file():
-            with _suppress():
+            with suppress_errors():
                 if fingerprint(cached) == want:
                     return cached
         src = ref_dir / name
         if src.is_file():
-            with _suppress():
+            with suppress_errors():
                 if fingerprint(src) == want:
                     self.keep(ref_dir.name, src)
                     return self.root / ref_dir.name / name
@@ -170,7 +162,7 @@ class ReferenceCache:
             if fingerprint(out) != want:
                 return None
             cached.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(out, cached) if out.stat().st_dev == cached.parent.stat().st_dev else _copy(out, cached)
+            os.replace(out, cached) if out.stat().st_dev == cached.parent.stat().st_dev else copy_file(out, cached)
             return cached
         except (OSError, TierstoreError):
             return None

@@ -442,7 +442,7 @@ class Checkpointer:
         deltas reference is refused (:class:`ReferencedCheckpointError`,
         naming them) before anything is deleted. Not a checkpoint in
         flight."""
-        from tierstore._tier_codec import delete_checkpoint, dependents
+        from tierstore._tier_steps import delete_checkpoint, dependents
 
         tiers = [t for t in self.disks if tier is None or t.name == tier]
         if tier is not None and not tiers:

@@ -537,9 +537,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from tierstore import _tier_codec
+    from tierstore import _tier_steps
 
-    got = _tier_codec.run_stats([Path(p) for p in args.run])
+    got = _tier_steps.run_stats([Path(p) for p in args.run])
     if args.json:
         print(json.dumps(got, indent=1))
         return 0
@@ -560,7 +560,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    from tierstore._tier_codec import delete_checkpoint
+    from tierstore._tier_steps import delete_checkpoint
 
     for d in args.step_dir:
         delete_checkpoint(d)

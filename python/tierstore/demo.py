@@ -253,9 +253,9 @@ _REMOTE_CODEC = tierstore.Delta(keyframe_every=4)
 def _remote_stats(con: Any, remote: Path) -> None:
     """What the remote tier stores for what its checkpoints hold (from the
     encoded files' headers, as ``tierstore stats`` shows it)."""
-    from tierstore import _tier_codec
+    from tierstore import _tier_steps
 
-    got = _tier_codec.run_stats([remote])
+    got = _tier_steps.run_stats([remote])
     for t in got["tiers"].values():
         ratio = f"{t['raw'] / t['stored']:.2f}x" if t["stored"] else "-"
         con.print(
