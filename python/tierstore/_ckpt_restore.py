@@ -17,9 +17,10 @@ import torch
 
 from tierstore import _metadata, _paths, _tree
 from tierstore._ckpt_snapshot import Snapshot
+from tierstore._consolidate import consolidate
 from tierstore._dist import all_true
 from tierstore._offload_entry import OFFLOAD_KEY, is_offload_parts, offload_meta, restore_state_dict
-from tierstore._sharded_read import consolidate, read_sharded
+from tierstore._sharded_read import read_sharded
 from tierstore.errors import LayoutError, TierstoreError
 from tierstore.sharded import PerRank
 from tierstore.shardmeta import MANIFEST, Checkpoint, closing_scope, read_attachment, read_manifest

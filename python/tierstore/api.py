@@ -9,11 +9,8 @@ reads land directly in the memory that becomes each tensor's storage.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
-import secrets
-import sys
 import warnings
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -26,11 +23,17 @@ import torch
 from tierstore import _core, _gc, _load, _lossy, _pickle, _progress, gpu, manifest
 from tierstore import codec as _codec
 from tierstore._engine import get_engine
+from tierstore._save_parts import (
+    ManifestParts,
+    PickleJob,
+    archive_name,
+    host_storages,
+    small_records,
+)
 from tierstore.errors import (
     InternalError,
     InvalidArgumentError,
     NotAFileError,
-    TierstoreError,
 )
 
 __all__ = ["load", "save"]
@@ -52,98 +55,6 @@ _STREAM_CHUNK = 8 << 20
 # handed to it even where torch.save has been routed to tierstore
 # (tests/compat runs PyTorch's suite that way).
 _TORCH_SAVE = torch.serialization.save
-
-
-def _is_path(f: Any) -> bool:
-    return isinstance(f, (str, os.PathLike))
-
-
-def _archive_name(f: Any) -> str:
-    """The prefix of every record name, as torch derives it from the file name."""
-    if not _is_path(f):
-        return "archive"
-    stem = os.path.splitext(os.path.basename(os.fspath(f)))[0]
-    clean = "".join(c if (c.isascii() and (c.isalnum() or c in "._-")) else "_" for c in stem)
-    return clean or "archive"
-
-
-def _small_records(byteorder: bool, align: int) -> list[tuple[str, bytes]]:
-    recs = [
-        (".format_version", b"1"),
-        (".storage_alignment", str(align).encode()),
-    ]
-    if byteorder:
-        recs.append(("byteorder", sys.byteorder.encode()))
-    recs.append(("version", b"3\n"))
-    # Not from the global `random`: a save (often on a background thread) must not move the training's stream.
-    serial = f"{secrets.randbelow(10**40):040d}"
-    recs.append((".data/serialization_id", serial.encode()))
-    return recs
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _tensor_entries(
-    found: list[tuple[list[str | int], torch.Tensor]],
-    collector: _pickle.StorageCollector,
-    layouts: Mapping[tuple[str | int, ...], Any] | None = None,
-) -> list[dict[str, Any]]:
-    out = []
-    for path, t in found:
-        if t.layout != torch.strided or t.is_quantized or t.is_nested:
-            continue
-        try:
-            key = collector.key_of(t.untyped_storage())
-        except (RuntimeError, NotImplementedError):
-            continue
-        if key is None:
-            continue
-        out.append(
-            {
-                "path": path,
-                "record": f"data/{key}",
-                "dtype": _dtype_name(t.dtype),
-                "shape": list(t.shape),
-                "stride": list(t.stride()),
-                "storage_offset": t.storage_offset(),
-                "layout": None if layouts is None else layouts.get(tuple(path)),
-            }
-        )
-    return out
-
-
-def _host_storages(
-    collector: _pickle.StorageCollector, skip: set[str] | None, staged: list[gpu.Staged]
-) -> list[tuple[str, torch.UntypedStorage]]:
-    """Each storage not in ``skip`` on the host (meta ones refused). GPU
-    storages are copied asynchronously into pinned memory the writer reads
-    directly; their copies are appended to ``staged``, whose gates say when
-    each is complete, and which the caller releases. Other device storages
-    are copied with ``storage.cpu()``."""
-    out: list[tuple[str, torch.UntypedStorage]] = []
-    on_gpu: list[tuple[int, str, torch.UntypedStorage]] = []
-    for key, s in collector.storages.items():
-        if skip is not None and key in skip:
-            continue
-        st = s.storage
-        if st.device.type == "meta":
-            raise TierstoreError(f"cannot save the data of meta storage data/{key}: it has none")
-        if st.device.type == "cuda":
-            if st.nbytes():
-                on_gpu.append((len(out), key, st))
-            out.append((key, st if st.nbytes() else torch.UntypedStorage(0)))
-            continue
-        if st.device.type != "cpu":
-            st = st.cpu()
-        out.append((key, st))
-    if on_gpu:
-        sg = gpu.Staged([st for _i, _k, st in on_gpu])
-        for (i, key, _st), host in zip(on_gpu, sg.host, strict=True):
-            out[i] = (key, host)
-        staged.append(sg)
-    return out
 
 
 # storage address -> (gate, value it must reach before the storage is read)
@@ -194,8 +105,8 @@ def save(
         if not isinstance(f, (str, os.PathLike)):
             raise InvalidArgumentError("codec= needs a file path (a compressed file is written in one piece)")
         _check_align(align)
-        pickler = _PickleJob(obj, pickle_module, pickle_protocol)
-        small = _small_records(not _disable_byteorder_record, align)
+        pickler = PickleJob(obj, pickle_module, pickle_protocol)
+        small = small_records(not _disable_byteorder_record, align)
         _save_encoded(os.fspath(f), pickler, small, spec, durable=durable, align=align, background=background)
         return
     if not _use_new_zipfile_serialization:
@@ -214,20 +125,20 @@ def save(
             f"f must be a path or a writable binary file object, not {type(f).__name__} (it has no write)"
         )
     if isinstance(f, (str, os.PathLike)):
-        pickler = _PickleJob(obj, pickle_module, pickle_protocol, first=_FIRST_BATCH)
-        small = _small_records(not _disable_byteorder_record, align)
+        pickler = PickleJob(obj, pickle_module, pickle_protocol, first=_FIRST_BATCH)
+        small = small_records(not _disable_byteorder_record, align)
         _save_path(os.fspath(f), pickler, small, durable=durable, progress=progress, align=align, background=background)
     else:
-        pickler = _PickleJob(obj, pickle_module, pickle_protocol)
-        prefix = _archive_name(f)
+        pickler = PickleJob(obj, pickle_module, pickle_protocol)
+        prefix = archive_name(f)
         data_pkl = pickler.run()
         staged: list[gpu.Staged] = []
         try:
-            storages = _host_storages(pickler.collector, None, staged)
+            storages = host_storages(pickler.collector, None, staged)
             for sg in staged:
                 sg.wait()
-            parts = _ManifestParts(prefix, pickler.collector, pickler.found, align)
-            small = _small_records(not _disable_byteorder_record, align)
+            parts = ManifestParts(prefix, pickler.collector, pickler.found, align)
+            small = small_records(not _disable_byteorder_record, align)
             _save_stream(f, prefix, data_pkl, storages, small, parts, align)
         finally:
             for sg in staged:
@@ -269,8 +180,8 @@ def write_file(
     tensors' shard layouts for the manifest, ``extra`` top-level fields of
     the manifest. Returns where everything went, so that no caller opens
     the file again to learn it."""
-    pickler = _PickleJob(obj, None, _pickle.DEFAULT_PROTOCOL, first=_FIRST_BATCH)
-    small = _small_records(True, DEFAULT_ALIGN)
+    pickler = PickleJob(obj, None, _pickle.DEFAULT_PROTOCOL, first=_FIRST_BATCH)
+    small = small_records(True, DEFAULT_ALIGN)
     return _save_path(
         os.fspath(path),
         pickler,
@@ -284,148 +195,6 @@ def write_file(
         layouts=layouts,
         extra=extra,
     )
-
-
-class _PickleJob:
-    """The object to pickle, with its storages found beforehand: those
-    reachable through dicts, lists and tuples get their keys before pickling,
-    so that their bytes are written while the pickler runs."""
-
-    def __init__(self, obj: Any, module: ModuleType | None, protocol: int, first: int | None = None) -> None:
-        """``first``: register only that many tensors now, the rest by
-        :meth:`register_more` (a path save starts writing the first ones
-        while it registers the others)."""
-        self.obj, self.module, self.protocol = obj, module, protocol
-        self.found = _pickle.tensor_paths(obj)
-        self.collector = _pickle.StorageCollector()
-        tensors = [t for _, t in self.found]
-        n = len(tensors) if first is None else first
-        self.collector.preseed(tensors[:n])
-        self._rest = tensors[n:]
-
-    def register_more(self, n: int) -> bool:
-        """Registers the next ``n`` tensors, in order (keys and file are the
-        same as when all are registered at once); False when none was left."""
-        if not self._rest:
-            return False
-        self.collector.preseed(self._rest[:n])
-        del self._rest[:n]
-        return True
-
-    @property
-    def registered_all(self) -> bool:
-        return not self._rest
-
-    def run(self) -> bytes:
-        data, _ = _pickle.dumps(self.obj, self.module, self.protocol, self.collector)
-        return data
-
-
-class _ManifestParts:
-    """The manifest, prepared while the data is written; CRCs come last."""
-
-    def __init__(
-        self,
-        prefix: str,
-        collector: _pickle.StorageCollector,
-        found: list[tuple[list[str | int], torch.Tensor]],
-        align: int,
-        layouts: Mapping[tuple[str | int, ...], Any] | None = None,
-        extra: Mapping[str, Any] | None = None,
-    ) -> None:
-        self.prefix, self.collector, self.align = prefix, collector, align
-        self.extra = dict(extra or {})
-        self.tensors = _tensor_entries(found, collector, layouts)
-        self.tensors_json = manifest.dump_tensors(self.tensors)
-        self.records: list[dict[str, Any]] = []
-        # From :meth:`prepare`: the first records (names, dicts) and their
-        # JSON cut where each one's CRC goes.
-        self._early: tuple[list[str], list[dict[str, Any]], list[str]] | None = None
-
-    def record(
-        self,
-        e: _core.PlannedRecord,
-        crc: int,
-        chunks: dict[str, dict[str, Any]] | None = None,
-        encoded: Mapping[str, _codec.Encoded] | None = None,
-    ) -> dict[str, Any]:
-        """The manifest's entry of the record ``e``."""
-        rel = e.name[len(self.prefix) + 1 :]
-        rec: dict[str, Any] = {"name": rel, "offset": e.data_offset, "size": e.size, "crc32": crc}
-        if rel.startswith("data/"):
-            s = self.collector.storages[rel[5:]]
-            rec["kind"] = "storage"
-            rec["dtype"] = _dtype_name(s.dtype)
-            rec["numel"] = s.numel
-            rec["location"] = s.location
-            rec["codec"] = "raw"
-            rec["delta_base"] = None
-            if encoded is not None and rel[5:] in encoded:
-                rec.update(encoded[rel[5:]].fields)
-            if chunks is not None and rel in chunks:
-                rec["chunks"] = chunks[rel]
-        elif encoded is not None and rel == "data.pkl":
-            rec["kind"] = "guard"  # torch.load's entry: it says the file is compressed
-        else:
-            rec["kind"] = "pickle" if rel in ("data.pkl", _codec.PICKLE_NAME) else "meta"
-        return rec
-
-    def prepare(self, entries: list[_core.PlannedRecord]) -> None:
-        """Builds the entries of these records (placed, not yet written)
-        and their JSON while the data is written; :meth:`build` then only
-        puts in the CRCs. A state of many small tensors spent a tenth of its
-        save on this after the last byte was written."""
-        recs = [self.record(e, _CRC_SLOT) for e in entries]
-        cut = json.dumps(recs, separators=(",", ":"))[1:-1].split(f'"crc32":{_CRC_SLOT}')
-        if len(cut) == len(recs) + 1:  # the mark occurs nowhere else (it cannot inside a string)
-            self._early = ([e.name for e in entries], recs, cut)
-
-    def build(
-        self,
-        entries: list[_core.PlannedRecord],
-        crcs: dict[str, int],
-        chunks: dict[str, dict[str, Any]] | None = None,
-        encoded: Mapping[str, _codec.Encoded] | None = None,
-    ) -> bytes:
-        from tierstore import __version__
-
-        early = self._early
-        n = 0
-        if early is not None and chunks is None and encoded is None:
-            names = early[0]
-            n = len(names)
-            if len(entries) < n or any(e.name != m for e, m in zip(entries, names, strict=False)):
-                n = 0  # not the records prepared: built afresh
-        if n:
-            names, recs, cut = early  # type: ignore[misc]
-            parts = [cut[0]]
-            for name, rec, after in zip(names, recs, cut[1:], strict=True):
-                crc = crcs[name]
-                rec["crc32"] = crc
-                parts.append(f'"crc32":{crc}')
-                parts.append(after)
-            rest = [self.record(e, crcs[e.name]) for e in entries[n:]]
-            tail = json.dumps(rest, separators=(",", ":"))[1:-1]
-            records_json = "[" + "".join(parts) + ("," + tail if tail else "") + "]"
-            records = recs + rest
-        else:
-            records = [self.record(e, crcs[e.name], chunks, encoded) for e in entries]
-            records_json = json.dumps(records, separators=(",", ":"))
-        self.records = records
-        return manifest.build(
-            archive=self.prefix,
-            alignment=self.align,
-            records_json=records_json,
-            tensors_json=self.tensors_json,
-            writer=f"tierstore {__version__}",
-            torch_version=torch.__version__,
-            extra={**self.extra, **({} if encoded is None else {"codec": _codec.CODEC, "pickle": _codec.PICKLE_NAME})},
-        )
-
-
-# Stands for a record's CRC in the JSON prepared before it is known (no CRC
-# is negative).
-_CRC_SLOT = -1
 
 
 def _add_storages(
@@ -468,7 +237,7 @@ def _memory_records(
 
 def _save_path(
     path: str,
-    pickler: _PickleJob,
+    pickler: PickleJob,
     small: list[tuple[str, bytes]],
     *,
     durable: bool,
@@ -480,7 +249,7 @@ def _save_path(
     layouts: Mapping[tuple[str | int, ...], Any] | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> Written:
-    collector, found, prefix = pickler.collector, pickler.found, _archive_name(path)
+    collector, found, prefix = pickler.collector, pickler.found, archive_name(path)
     w = _core.create_writer(
         get_engine(), path, align=align, durable=durable, background=background, chunk_sums=chunk_checksums
     )
@@ -494,7 +263,7 @@ def _save_path(
         staged), the gates of those still being filled, when none is their
         records ready for the writer, and their size."""
         n_staged = len(staged)
-        new = _host_storages(collector, added, staged)
+        new = host_storages(collector, added, staged)
         all_gates = dict(gates or {})
         for sg in staged[n_staged:]:
             all_gates.update(sg.gates())
@@ -543,7 +312,7 @@ def _save_path(
             # Pickling and most of the manifest are done while the engine writes.
             data_pkl = pickler.run()
             late = [key for key in collector.storages if key not in added]
-            parts = _ManifestParts(prefix, collector, found, align, layouts, extra)
+            parts = ManifestParts(prefix, collector, found, align, layouts, extra)
             if placed:
                 parts.prepare(placed)
             w.wait_data(_after(cb, written))
@@ -587,7 +356,7 @@ def _after(cb: _progress.ProgressFn | None, base: int) -> _progress.ProgressFn |
 
 def _save_encoded(
     path: str,
-    pickler: _PickleJob,
+    pickler: PickleJob,
     small: list[tuple[str, bytes]],
     spec: _codec.Spec,
     *,
@@ -598,11 +367,11 @@ def _save_encoded(
     """A compressed file (see :mod:`tierstore.codec`): storages are encoded
     in batches, each batch laid out and written (an encoded record's size is
     known only once it is encoded) while the next one is encoded."""
-    collector, found, prefix = pickler.collector, pickler.found, _archive_name(path)
+    collector, found, prefix = pickler.collector, pickler.found, archive_name(path)
     data_pkl = pickler.run()
     staged: list[gpu.Staged] = []
     try:
-        storages = _host_storages(collector, None, staged)
+        storages = host_storages(collector, None, staged)
         for sg in staged:
             sg.wait()
         out_dir = os.path.dirname(os.path.abspath(path))
@@ -674,7 +443,7 @@ def _save_encoded(
             crcs = {e.name: e.crc32 for e in entries if e.crc32 is not None}
             for name, data in metas:
                 crcs[f"{prefix}/{name}"] = zlib.crc32(data)
-            parts = _ManifestParts(prefix, collector, found, align)
+            parts = ManifestParts(prefix, collector, found, align)
             built = parts.build(entries, crcs, None, encoded)
             w.add_bytes(f"{prefix}/{manifest.MANIFEST_NAME}", built, _META_ALIGN)
             w.commit()
@@ -724,7 +493,7 @@ def _save_stream(
     data_pkl: bytes,
     storages: list[tuple[str, torch.UntypedStorage]],
     small: list[tuple[str, bytes]],
-    parts: _ManifestParts,
+    parts: ManifestParts,
     align: int,
 ) -> None:
     s = _core.Stream(align=align, chunk_bytes=_STREAM_CHUNK, threads=get_engine().info()["cpu_threads"])

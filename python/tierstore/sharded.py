@@ -40,12 +40,12 @@ from typing import Any
 import torch
 
 from tierstore import _dist, _gc, _tree, api
+from tierstore._consolidate import consolidate
 from tierstore._fs import make_dir
 from tierstore._leaves import PerRank, flatten, is_dtensor, tensor_and_layout
 from tierstore._sharded_read import (
     VERIFY_MODES,
     Plan,
-    consolidate,
     expand_plan,
     load_sharded,
     make_plan,
