@@ -5,7 +5,9 @@ a target (offloaded optimizers get their subgroups back as they are)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import re
 import stat
 import warnings
@@ -18,12 +20,14 @@ import torch
 from tierstore import _metadata, _paths, _tree
 from tierstore._ckpt_snapshot import Snapshot
 from tierstore._consolidate import consolidate
-from tierstore._dist import all_true
+from tierstore._dist import all_true, broadcast, gather
 from tierstore._offload_entry import OFFLOAD_KEY, is_offload_parts, offload_meta, restore_state_dict
-from tierstore._sharded_read import read_sharded
+from tierstore._sharded_read import needed_files, read_sharded
+from tierstore._tier_codec import DECODE_ROOT
 from tierstore.errors import LayoutError, TierstoreError
 from tierstore.sharded import PerRank
 from tierstore.shardmeta import MANIFEST, Checkpoint, closing_scope, read_attachment, read_manifest
+from tierstore.tiers import DiskTier
 
 STEP_DIR = re.compile(r"^step-(\d{12})$")
 META = "checkpoint.json"
@@ -366,3 +370,178 @@ def load_first_usable(
             "overwritten by a copy that then failed its checks: " + "; ".join(failures)
         )
     return None, None
+
+
+class Restorer:
+    """A Checkpointer's way back: the newest checkpoint every rank can read.
+
+    The ranks agree on the candidates (each step and tier some rank sees
+    complete, newest first, nearest tier first); before a step is tried, a
+    node that lost its copy gets its ranks' files back from peers' replicas
+    or fetches what it needs, and each rank then reads each file from the
+    nearest intact copy it sees. Collectives run on ``pg``, the same ones
+    on every rank in the same order."""
+
+    def __init__(
+        self,
+        *,
+        cascade: Any,  # the Checkpointer's Cascade (which imports this module)
+        disks: list[DiskTier],
+        has_shm_tier: bool,
+        tier_names: list[str],
+        rank: int,
+        world: int,
+        pg: Any,
+        node_count: int,
+        has_ring: bool,
+        checkpoints: Callable[[], list[dict[str, Any]]],
+    ) -> None:
+        self.cascade, self.disks, self.has_shm_tier, self.tier_names = cascade, disks, has_shm_tier, tier_names
+        self.rank, self.world, self.pg = rank, world, pg
+        self.node_count, self.has_ring = node_count, has_ring
+        self.checkpoints = checkpoints
+
+    def load(self, into: Any, weights_only: bool, per_rank_policy: Any) -> tuple[Any, dict[str, Any] | None]:
+        """The state of the newest usable checkpoint (``into`` filled, or
+        the saved state) and which copy it came from (see
+        :func:`load_first_usable`); ``(None, None)`` where there is none."""
+        cands = self.checkpoints()
+        mine = [c for c in cands if c["path"] is not None]
+        peer_bytes = 0
+        if self.world > 1:
+            # Every rank must take the same step: agree on the candidates any
+            # rank sees (a node that lost its copy sees fewer than its peers).
+            cands = self._agreed_candidates(mine)
+        repaired: dict[int, int] = {}
+
+        def resolve(c: dict[str, Any]) -> dict[str, Any]:
+            # Before a step is tried: a node that lost its copy of it gets its
+            # ranks' files back from the peers that keep their replicas; then
+            # each rank reads each file from the nearest intact copy it sees
+            # of the step (its node's copy of a node-scoped tier, then the
+            # farther tiers'), not only from the candidate's own directory.
+            nonlocal mine
+            step = c["step"]
+            if self.world > 1 and step not in repaired:
+                got = self._repair(step, cands)
+                if got:
+                    mine = [x for x in self.checkpoints() if x["path"] is not None]
+                fetched, stale = self._fetch(step, cands, into, mine)
+                repaired[step] = got + fetched
+                if repaired[step]:
+                    mine = [x for x in self.checkpoints() if x["path"] is not None]
+                if stale is not None:  # this node's copy is another save of the step: not read
+                    mine = [x for x in mine if not (x["step"] == step and x["tier"] == stale)]
+            return self._with_copies(c, mine)
+
+        restored: dict[str, Any] | None = None
+        # Encoded copies (a codec tier's) are decoded under the first disk tier, not the system's temporary folder.
+        decode_root = self.cascade.tier_paths(self.disks[1 if self.has_shm_tier else 0])[0]
+        token = None
+        if os.environ.get("TIERSTORE_DECODE_DIR") is None:
+            with contextlib.suppress(OSError):
+                decode_root.mkdir(parents=True, exist_ok=True)
+                token = DECODE_ROOT.set(decode_root)
+        try:
+            result, restored = load_first_usable(
+                cands, into, weights_only, per_rank_policy, self.world, self.pg, resolve
+            )
+            peer_bytes = sum(repaired.values())
+        finally:
+            if token is not None:
+                DECODE_ROOT.reset(token)
+        if restored is not None and "bytes_by_copy" in restored:
+            dirs = {
+                str(d): t.name for t in self.disks for p in self.cascade.tier_paths(t) for d in step_dirs(p, t.name)
+            }
+            by_tier: dict[str, int] = {}
+            by_copy = restored.pop("bytes_by_copy")
+            for d, n in by_copy.items():
+                name = dirs.get(d, d)
+                by_tier[name] = by_tier.get(name, 0) + n
+            restored["bytes_by_tier"] = by_tier
+            restored["bytes_from_peers"] = peer_bytes
+            if by_copy and by_tier.get(restored["tier"], 0) == 0:
+                # Nothing came from the candidate's copy: name the copy it all came from.
+                d = max(by_copy, key=lambda k: by_copy[k])
+                restored.update(tier=dirs.get(d, restored["tier"]), path=d)
+        return result, restored
+
+    def _agreed_candidates(self, mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The candidates every rank tries, in the same order: each (step,
+        tier) that some rank sees complete, newest first, nearest tier first
+        (rank 0's list broadcast; where some rank sees a copy rank 0 does
+        not, one gather of the small lists to rank 0 and a broadcast)."""
+        own = [(c["step"], c["tier"], c["path"]) for c in mine]
+        zeros: list[tuple[int, str, str]] = broadcast(own if self.rank == 0 else None, self.world, self.pg)
+        known = {(s, t) for s, t, _p in zeros}
+        if all_true(all((s, t) in known for s, t, _p in own), self.world, self.pg):
+            return [{"step": s, "tier": t, "path": p} for s, t, p in zeros]
+        seen = gather(own, self.world, self.pg)
+        merged: list[dict[str, Any]] | None = None
+        if seen is not None:
+            order = {name: i for i, name in enumerate(self.tier_names)}
+            first: dict[tuple[int, str], str] = {}
+            for lst in seen:
+                for step, tier, path in lst:
+                    first.setdefault((int(step), str(tier)), str(path))
+            keys = sorted(first, key=lambda k: (-k[0], order.get(k[1], len(order))))
+            merged = [{"step": k[0], "tier": k[1], "path": first[k]} for k in keys]
+        got: list[dict[str, Any]] = broadcast(merged, self.world, self.pg)
+        return got
+
+    def _fetch(
+        self, step: int, cands: list[dict[str, Any]], into: Any, mine: list[dict[str, Any]]
+    ) -> tuple[int, str | None]:
+        """The files of ``step`` this node's ranks need for ``into`` (all of
+        them without ``into``) and its copy on the nearest node-scoped tier
+        holding the step lacks, fetched from the nodes that hold them (a
+        collective). Returns the bytes this rank received, and the tier's
+        name where this node's copy holds another save of the step (stale
+        or foreign: not to be read), else None."""
+        if self.node_count < 2:
+            return 0, None
+        held = {c["tier"] for c in cands if c["step"] == step}
+        t = next((t for t in self.disks if t.scope == "node" and t.name in held), None)
+        if t is None:
+            return 0, None
+
+        def needed(d: Path) -> set[str] | None:
+            if into is None:
+                return None
+            try:
+                return needed_files(Checkpoint(d), into, self.rank, self.world)
+            except (OSError, TierstoreError):
+                return None
+
+        other = any(m["step"] == step and m["tier"] != t.name for m in mine)
+        got, usable = self.cascade.fetch(t, step, needed, other, self.pg)
+        return got, None if usable else t.name
+
+    def _repair(self, step: int, cands: list[dict[str, Any]]) -> int:
+        """Peer repair of ``step`` on the nearest node-scoped tier with
+        replicas that holds it (a collective: every rank calls it for the
+        same steps). Returns the bytes this rank received."""
+        held = {c["tier"] for c in cands if c["step"] == step}
+        if not self.has_ring:
+            return 0
+        for t in self.disks:
+            if t.scope == "node" and t.replicas and t.name in held:
+                got: int = self.cascade.repair(t, step, self.pg)
+                return got
+        return 0
+
+    def _with_copies(self, c: dict[str, Any], mine: list[dict[str, Any]]) -> dict[str, Any]:
+        """Candidate ``c`` (rank 0's view) as this rank reads it: its own copy
+        of that step on that tier first, then its other copies of the step,
+        nearest tier first."""
+        if c["path"] is None:
+            return c
+        same = [m["path"] for m in mine if m["step"] == c["step"]]
+        own = next((m["path"] for m in mine if m["step"] == c["step"] and m["tier"] == c["tier"]), None)
+        order = ([own] if own is not None else []) + [p for p in same if p != own]
+        if not order:
+            # This rank sees no copy: the load fails here and the ranks move on together.
+            return {**c, "path": None, "missing": True}
+        tiers = {m["path"]: m["tier"] for m in mine if m["step"] == c["step"]}
+        return {**c, "path": order[0], "alternates": order[1:], "copy_tiers": tiers}

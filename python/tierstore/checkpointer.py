@@ -47,23 +47,20 @@ from tierstore._ckpt_peers import ring
 from tierstore._ckpt_pool import HostPool, copy_host
 from tierstore._ckpt_restore import (
     WARNED,
+    Restorer,
     checkpoints_itself,
     list_checkpoints,
-    load_first_usable,
-    step_dirs,
 )
 from tierstore._ckpt_snapshot import CheckpointHandle, Residency, Snapshot
-from tierstore._dist import all_true, broadcast, gather, group_info
+from tierstore._dist import all_true, group_info
 from tierstore._engine import get_engine
 from tierstore._nodes import Node, find_node, node_name
 from tierstore._offload_entry import OFFLOAD_KEY
-from tierstore._sharded_read import needed_files
-from tierstore._tier_codec import DECODE_ROOT
 from tierstore.errors import InvalidArgumentError, TierstoreError, TornSnapshotError, UsageError
 from tierstore.sharded import (
     PerRank,
 )
-from tierstore.shardmeta import Checkpoint, manifests_cached
+from tierstore.shardmeta import manifests_cached
 
 # The tiers live in tierstore.tiers; re-exported here, where users import them from.
 from tierstore.tiers import DiskTier, HostTier, RemoteTier, parse_size
@@ -238,6 +235,18 @@ class Checkpointer:
             closed=lambda: self._closed,
             node=self.node,
             ring=self.ring,
+        )
+        self.restorer = Restorer(
+            cascade=self.cascade,
+            disks=self.disks,
+            has_shm_tier=self.shm_tier is not None,
+            tier_names=self.tier_names,
+            rank=self.rank,
+            world=self.world,
+            pg=self._pg_ctl,
+            node_count=self.node.count,
+            has_ring=self.ring is not None,
+            checkpoints=self.checkpoints,
         )
         for t in self.disks:
             for p in self.cascade.tier_paths(t):
@@ -493,145 +502,8 @@ class Checkpointer:
 
     def _load_latest(self, into: Any, weights_only: bool, per_rank_policy: Any) -> Any:
         self.capturer.raise_errors()
-        cands = self.checkpoints()
-        mine = [c for c in cands if c["path"] is not None]
-        peer_bytes = 0
-        if self.world > 1:
-            # Every rank must take the same step: agree on the candidates any
-            # rank sees (a node that lost its copy sees fewer than its peers).
-            cands = self._agreed_candidates(mine)
-        repaired: dict[int, int] = {}
-
-        def resolve(c: dict[str, Any]) -> dict[str, Any]:
-            # Before a step is tried: a node that lost its copy of it gets its
-            # ranks' files back from the peers that keep their replicas; then
-            # each rank reads each file from the nearest intact copy it sees
-            # of the step (its node's copy of a node-scoped tier, then the
-            # farther tiers'), not only from the candidate's own directory.
-            nonlocal mine
-            step = c["step"]
-            if self.world > 1 and step not in repaired:
-                got = self._repair(step, cands)
-                if got:
-                    mine = [x for x in self.checkpoints() if x["path"] is not None]
-                fetched, stale = self._fetch(step, cands, into, mine)
-                repaired[step] = got + fetched
-                if repaired[step]:
-                    mine = [x for x in self.checkpoints() if x["path"] is not None]
-                if stale is not None:  # this node's copy is another save of the step: not read
-                    mine = [x for x in mine if not (x["step"] == step and x["tier"] == stale)]
-            return self._with_copies(c, mine)
-
-        self.restored = None
-        # Encoded copies (a codec tier's) are decoded under the first disk tier, not the system's temporary folder.
-        decode_root = self.cascade.tier_paths(self.disks[1 if self.shm_tier is not None else 0])[0]
-        token = None
-        if os.environ.get("TIERSTORE_DECODE_DIR") is None:
-            with contextlib.suppress(OSError):
-                decode_root.mkdir(parents=True, exist_ok=True)
-                token = DECODE_ROOT.set(decode_root)
-        try:
-            result, self.restored = load_first_usable(
-                cands, into, weights_only, per_rank_policy, self.world, self._pg_ctl, resolve
-            )
-            peer_bytes = sum(repaired.values())
-        finally:
-            if token is not None:
-                DECODE_ROOT.reset(token)
-        if self.restored is not None and "bytes_by_copy" in self.restored:
-            dirs = {
-                str(d): t.name for t in self.disks for p in self.cascade.tier_paths(t) for d in step_dirs(p, t.name)
-            }
-            by_tier: dict[str, int] = {}
-            by_copy = self.restored.pop("bytes_by_copy")
-            for d, n in by_copy.items():
-                name = dirs.get(d, d)
-                by_tier[name] = by_tier.get(name, 0) + n
-            self.restored["bytes_by_tier"] = by_tier
-            self.restored["bytes_from_peers"] = peer_bytes
-            if by_copy and by_tier.get(self.restored["tier"], 0) == 0:
-                # Nothing came from the candidate's copy: name the copy it all came from.
-                d = max(by_copy, key=lambda k: by_copy[k])
-                self.restored.update(tier=dirs.get(d, self.restored["tier"]), path=d)
+        result, self.restored = self.restorer.load(into, weights_only, per_rank_policy)
         return result
-
-    def _agreed_candidates(self, mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The candidates every rank tries, in the same order: each (step,
-        tier) that some rank sees complete, newest first, nearest tier first
-        (rank 0's list broadcast; where some rank sees a copy rank 0 does
-        not, one gather of the small lists to rank 0 and a broadcast)."""
-        own = [(c["step"], c["tier"], c["path"]) for c in mine]
-        zeros: list[tuple[int, str, str]] = broadcast(own if self.rank == 0 else None, self.world, self._pg_ctl)
-        known = {(s, t) for s, t, _p in zeros}
-        if all_true(all((s, t) in known for s, t, _p in own), self.world, self._pg_ctl):
-            return [{"step": s, "tier": t, "path": p} for s, t, p in zeros]
-        seen = gather(own, self.world, self._pg_ctl)
-        merged: list[dict[str, Any]] | None = None
-        if seen is not None:
-            order = {name: i for i, name in enumerate(self.tier_names)}
-            first: dict[tuple[int, str], str] = {}
-            for lst in seen:
-                for step, tier, path in lst:
-                    first.setdefault((int(step), str(tier)), str(path))
-            keys = sorted(first, key=lambda k: (-k[0], order.get(k[1], len(order))))
-            merged = [{"step": k[0], "tier": k[1], "path": first[k]} for k in keys]
-        got: list[dict[str, Any]] = broadcast(merged, self.world, self._pg_ctl)
-        return got
-
-    def _fetch(
-        self, step: int, cands: list[dict[str, Any]], into: Any, mine: list[dict[str, Any]]
-    ) -> tuple[int, str | None]:
-        """The files of ``step`` this node's ranks need for ``into`` (all of
-        them without ``into``) and its copy on the nearest node-scoped tier
-        holding the step lacks, fetched from the nodes that hold them (a
-        collective). Returns the bytes this rank received, and the tier's
-        name where this node's copy holds another save of the step (stale
-        or foreign: not to be read), else None."""
-        if self.node.count < 2:
-            return 0, None
-        held = {c["tier"] for c in cands if c["step"] == step}
-        t = next((t for t in self.disks if t.scope == "node" and t.name in held), None)
-        if t is None:
-            return 0, None
-
-        def needed(d: Path) -> set[str] | None:
-            if into is None:
-                return None
-            try:
-                return needed_files(Checkpoint(d), into, self.rank, self.world)
-            except (OSError, TierstoreError):
-                return None
-
-        other = any(m["step"] == step and m["tier"] != t.name for m in mine)
-        got, usable = self.cascade.fetch(t, step, needed, other, self._pg_ctl)
-        return got, None if usable else t.name
-
-    def _repair(self, step: int, cands: list[dict[str, Any]]) -> int:
-        """Peer repair of ``step`` on the nearest node-scoped tier with
-        replicas that holds it (a collective: every rank calls it for the
-        same steps). Returns the bytes this rank received."""
-        held = {c["tier"] for c in cands if c["step"] == step}
-        if self.ring is None:
-            return 0
-        for t in self.disks:
-            if t.scope == "node" and t.replicas and t.name in held:
-                return self.cascade.repair(t, step, self._pg_ctl)
-        return 0
-
-    def _with_copies(self, c: dict[str, Any], mine: list[dict[str, Any]]) -> dict[str, Any]:
-        """Candidate ``c`` (rank 0's view) as this rank reads it: its own copy
-        of that step on that tier first, then its other copies of the step,
-        nearest tier first."""
-        if c["path"] is None:
-            return c
-        same = [m["path"] for m in mine if m["step"] == c["step"]]
-        own = next((m["path"] for m in mine if m["step"] == c["step"] and m["tier"] == c["tier"]), None)
-        order = ([own] if own is not None else []) + [p for p in same if p != own]
-        if not order:
-            # This rank sees no copy: the load fails here and the ranks move on together.
-            return {**c, "path": None, "missing": True}
-        tiers = {m["path"]: m["tier"] for m in mine if m["step"] == c["step"]}
-        return {**c, "path": order[0], "alternates": order[1:], "copy_tiers": tiers}
 
     def close(self, wait: bool = True) -> None:
         """Waits for everything in flight (unless ``wait=False``), stops the
