@@ -515,7 +515,7 @@ class Restorer:
                 return None
 
         other = any(m["step"] == step and m["tier"] != t.name for m in mine)
-        got, usable = self.cascade.fetch(t, step, needed, other, self.pg)
+        got, usable = self.cascade.peers.fetch(t, step, needed, other, self.pg)
         return got, None if usable else t.name
 
     def _repair(self, step: int, cands: list[dict[str, Any]]) -> int:
@@ -527,7 +527,7 @@ class Restorer:
             return 0
         for t in self.disks:
             if t.scope == "node" and t.replicas and t.name in held:
-                got: int = self.cascade.repair(t, step, self.pg)
+                got: int = self.cascade.peers.repair(t, step, self.pg)
                 return got
         return 0
 
