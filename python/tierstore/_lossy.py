@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from tierstore._metadata import dtype_name
 from tierstore.errors import InvalidArgumentError, TierstoreError
 
 #: Mantissa bits of each float type the rounding handles.
@@ -86,7 +87,7 @@ def round_mantissa(t: torch.Tensor, k: int, what: str) -> tuple[torch.Tensor, di
             f"{what}: mantissa rounding applies to float16, bfloat16, float32 and float64, not {t.dtype}"
         )
     if k > m:
-        name = str(t.dtype).removeprefix("torch.")
+        name = dtype_name(t.dtype)
         raise InvalidArgumentError(
             f"{what}: keep_bits {k} (a relative error bound of {2.0 ** -(k + 1):.3g}) is more than the {m} mantissa "
             f"bits {name} has; a bound that tight is below what {name} represents (its own rounding error is "

@@ -25,7 +25,25 @@ import zlib
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
+import torch
+
 from tierstore.errors import InvalidArgumentError, ManifestError
+
+
+def dtype_named(name: Any) -> torch.dtype | None:
+    """The torch dtype a file names (``"float32"``, ``"bfloat16"``), or None
+    where ``name`` is not one: the one reading of a dtype name, for every
+    format (only attributes of ``torch`` that are dtypes, so a name can
+    reach nothing else)."""
+    dt = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    return dt if isinstance(dt, torch.dtype) else None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name files give ``dtype`` (``torch.float32`` -> ``"float32"``);
+    :func:`dtype_named` reads it back."""
+    return str(dtype).removeprefix("torch.")
+
 
 __all__ = ["Fields", "dumps", "loads"]
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from tierstore._engine import host_buffer
+from tierstore._metadata import dtype_name
 from tierstore._offload_entry import state_dtype, subgroup_bytes
 from tierstore._offload_store import SubgroupStore
 from tierstore._offload_subgroup import Subgroup
@@ -38,9 +39,7 @@ def take_subgroups(
             "count": len(sg.params),
             "nbytes": sg.nbytes,
             "split": sg.split,
-            "layout": [
-                [i, k, o, n, str(dt).removeprefix("torch."), list(shape)] for i, k, o, n, dt, shape in sg.layout
-            ],
+            "layout": [[i, k, o, n, dtype_name(dt), list(shape)] for i, k, o, n, dt, shape in sg.layout],
             "objects": sg.objects(),
         }
         if sg.buf is None and sg.reading is not None:

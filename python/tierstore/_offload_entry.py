@@ -19,6 +19,7 @@ import torch
 
 from tierstore import _core, _paths
 from tierstore._engine import get_engine, host_buffer
+from tierstore._metadata import dtype_named
 from tierstore.errors import ChecksumError, TierstoreError
 
 OFFLOAD_KEY = "__tierstore_offload__"  # an offloaded optimizer's entry in a checkpoint
@@ -27,8 +28,8 @@ OFFLOAD_FORMATS_READ = ("tierstore-offload/1", OFFLOAD_FORMAT)
 
 
 def state_dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
+    dt = dtype_named(name)
+    if dt is None:
         raise TierstoreError(f"offloaded optimizer state: unknown dtype {name!r}")
     return dt
 
@@ -132,8 +133,8 @@ def _check_meta(meta: dict[str, Any], where: str) -> None:
             f.uint(item[0], f"{lf}[0]", most=1 << 40)
             o = f.uint(item[2], f"{lf}[2]")
             n = f.uint(item[3], f"{lf}[3]")
-            dt = getattr(torch, item[4], None) if isinstance(item[4], str) and item[4].isidentifier() else None
-            if not isinstance(dt, torch.dtype):
+            dt = dtype_named(item[4])
+            if dt is None:
                 f.fail(f"{lf}[4]", "a dtype", item[4])
             shape = f.shape(item[5], f"{lf}[5]")
             if o + n > nbytes or math.prod(shape) * torch.empty((), dtype=dt).element_size() != n:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tierstore import _gc
+from tierstore._metadata import dtype_name
 from tierstore.errors import CorruptFileError, InvalidArgumentTypeError, UnsupportedObjectError, UsageError
 
 DEFAULT_PROTOCOL = 2
@@ -453,7 +454,7 @@ def tensor_views(data: bytes, path: str) -> dict[tuple[str | int, ...], TensorVi
                 f"{path}: record 'data.pkl': tensor at {tp} views no storage of the file", path=path, record="data.pkl"
             )
         out[tuple(tp)] = TensorView(
-            got[0], str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()), int(t.storage_offset())
+            got[0], dtype_name(t.dtype), list(t.shape), list(t.stride()), int(t.storage_offset())
         )
     return out
 
@@ -470,7 +471,7 @@ def _fast_views(data: bytes, path: str) -> dict[tuple[str | int, ...], TensorVie
         dtype = stype if isinstance(stype, torch.dtype) else getattr(stype, "dtype", None)
         if not isinstance(dtype, torch.dtype):
             raise pickle.UnpicklingError(f"storage {pid[2]!r}: no dtype in its persistent id"[:200])
-        return (str(pid[2]), str(dtype).removeprefix("torch."))
+        return (str(pid[2]), dtype_name(dtype))
 
     if b"_rebuild_tensor_v2" not in data or b"_rebuild_tensor_v3" in data or b"UntypedStorage" in data:
         # dtypes without a legacy storage class (float8, uint16, ...) rebuild
@@ -548,7 +549,7 @@ def _meta_unpickle(data: bytes, path: str) -> tuple[Any, dict[int, tuple[str, st
         if numel < 0 or numel * item > 1 << 62:
             raise pickle.UnpicklingError(f"storage {key!r}: {numel} elements"[:200])
         untyped = torch.UntypedStorage(numel * item, device="meta")
-        by_impl[untyped._cdata] = (key, str(dtype).removeprefix("torch."))
+        by_impl[untyped._cdata] = (key, dtype_name(dtype))
         return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
     try:

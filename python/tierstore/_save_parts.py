@@ -19,6 +19,7 @@ import torch
 
 from tierstore import _core, _pickle, gpu, manifest
 from tierstore import codec as _codec
+from tierstore._metadata import dtype_name
 from tierstore.errors import TierstoreError
 
 
@@ -47,10 +48,6 @@ def small_records(byteorder: bool, align: int) -> list[tuple[str, bytes]]:
     serial = f"{secrets.randbelow(10**40):040d}"
     recs.append((".data/serialization_id", serial.encode()))
     return recs
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def tensor_entries(

@@ -44,8 +44,8 @@ _T = TypeVar("_T")
 
 
 def dtype_of(name: Any, where: str = "checkpoint manifest", field: str = "dtype") -> torch.dtype:
-    dt = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
-    if not isinstance(dt, torch.dtype):
+    dt = _metadata.dtype_named(name)
+    if dt is None:
         raise ManifestError(f"{where}: {field}: unknown dtype {str(name)[:80]!r}", path=where, record=field)
     return dt
 

@@ -47,10 +47,6 @@ VERIFY_MODES = ("touched", "full", "shared", False)
 _FILES_AT_ONCE = 4
 
 
-def _dtype(name: str) -> torch.dtype:
-    return dtype_of(name)
-
-
 @dataclass
 class Target:
     key: str
@@ -221,7 +217,7 @@ def _subtree(
     objs = [n for n in (*m["objects"], *m["per_rank_objects"]) if n.startswith(pre)]
     if not names and not objs:
         return None
-    total = sum(math.prod(m["tensors"][n]["shape"]) * _dtype(m["tensors"][n]["dtype"]).itemsize for n in names)
+    total = sum(math.prod(m["tensors"][n]["shape"]) * dtype_of(m["tensors"][n]["dtype"]).itemsize for n in names)
     _limits.check_allocation(total, f"the {len(names)} tensors under {key!r} of {ck.dir}", str(ck.dir))
     root: dict[str, Any] = {}
     tensors: dict[str, tuple[Any, Any]] = {}
@@ -236,7 +232,7 @@ def _subtree(
         try:
             if n in m["tensors"]:
                 g = m["tensors"][n]
-                tensors[n] = _tree.set_path(root, rel, torch.empty(g["shape"], dtype=_dtype(g["dtype"])))
+                tensors[n] = _tree.set_path(root, rel, torch.empty(g["shape"], dtype=dtype_of(g["dtype"])))
             else:
                 holder, slot = _tree.set_path(root, rel, None)
                 places[n] = (holder, slot, (*path, *sp[cut:]))

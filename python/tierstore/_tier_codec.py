@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from tierstore import _archive, _core, manifest
+from tierstore import _archive, _core, _metadata, manifest
 from tierstore import codec as _codec
 from tierstore._fs import fsync_dir
 from tierstore.errors import CorruptFileError, InvalidArgumentError, NotFoundError, TierstoreError
@@ -189,7 +189,7 @@ def _encode_segments(
             continue
         if at > pos:
             plan.append((pos, at - pos, 1, [], ""))
-        dtype = _dtype(r.get("dtype"))
+        dtype = _metadata.dtype_named(r.get("dtype"))
         width = _codec.element_width(dtype) if dtype is not None else 1
         if size % width:
             width = 1
@@ -314,11 +314,6 @@ def _start_writeback(fd: int, offset: int, n: int) -> bool:
     if _SYNC_FILE_RANGE is None or n == 0:
         return False
     return int(_SYNC_FILE_RANGE(fd, offset, n, _SYNC_FILE_RANGE_WRITE)) == 0
-
-
-def _dtype(name: Any) -> torch.dtype | None:
-    d = getattr(torch, str(name), None) if isinstance(name, str) else None
-    return d if isinstance(d, torch.dtype) else None
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], int]:

@@ -63,7 +63,7 @@ from tierstore.sharded import (
 from tierstore.shardmeta import manifests_cached
 
 # The tiers live in tierstore.tiers; re-exported here, where users import them from.
-from tierstore.tiers import DiskTier, HostTier, RemoteTier, parse_size
+from tierstore.tiers import DiskTier, HostTier, RemoteTier, checkpoint_tiers, parse_size
 
 _copy_host = copy_host  # the name tests/test_checkpointer_capture.py knows
 _WARNED = WARNED  # warnings given once per process (the fuzz campaign clears it between cases)
@@ -130,28 +130,7 @@ class Checkpointer:
         if interval < 1:
             raise InvalidArgumentError(f"interval must be at least 1, got {interval}")
         self.path = Path(path)
-        tiers = list(tiers) if tiers is not None else [HostTier(), DiskTier(".")]
-        hosts = [t for t in tiers if isinstance(t, HostTier)]
-        self.disks: list[DiskTier] = [t for t in tiers if isinstance(t, DiskTier)]
-        if len(hosts) > 1 or (hosts and tiers[0] is not hosts[0]):
-            raise InvalidArgumentError("at most one HostTier, and it must come first")
-        if not self.disks:
-            raise InvalidArgumentError("at least one DiskTier is needed for checkpoints to be durable")
-        if self.disks[0].codec_spec is not None:
-            raise InvalidArgumentError(
-                f"tier {self.disks[0].name!r}: the first disk tier is written raw (restores at disk speed); "
-                "give the codec to a tier checkpoints are promoted to (RemoteTier(..., codec=...))"
-            )
-        self.host = hosts[0] if hosts else HostTier()
-        # The host tier's copies in shared memory (HostTier(shm=..., replicas=k)):
-        # the nearest disk-like tier, node-scoped, written first by the flush.
-        shm = self.host.shm_tier(self.path)
-        self.shm_tier = shm
-        if shm is not None:
-            self.disks.insert(0, shm)
-        names = [t.name for t in tiers] + ([shm.name] if shm is not None else [])
-        if len(set(names)) != len(names):
-            raise InvalidArgumentError(f"tier names must differ: {names}")
+        self.host, self.disks, self.shm_tier = checkpoint_tiers(tiers, self.path)
         pinned = self.host.pinned if self.host.pinned is not None else torch.cuda.is_available()
         self.pool = HostPool(int(self.host.budget), pinned)
         self.tier_names = [self.host.name] + [t.name for t in self.disks]

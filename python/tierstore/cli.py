@@ -32,6 +32,7 @@ from rich.markup import escape
 
 from tierstore import _archive, _core, _progress
 from tierstore import codec as _codec
+from tierstore._metadata import dtype_name
 from tierstore.errors import ChecksumError, TierstoreError
 
 
@@ -122,7 +123,7 @@ def _inspect_dir(args: argparse.Namespace) -> int:
     if dcp.is_dcp(path) and not os.path.exists(os.path.join(path, "manifest.json")):
         ck = dcp.DcpCheckpoint(path, weights_only=not args.unsafe)
         rows = [
-            {"tensor": n, "shape": list(s), "dtype": str(dt).removeprefix("torch."), "pieces": len(ch),
+            {"tensor": n, "shape": list(s), "dtype": dtype_name(dt), "pieces": len(ch),
              "covered": _exactly_covered([b for b, _ in ch], s)}
             for n, (s, dt, ch) in sorted(ck.tensors.items())
         ]  # fmt: skip

@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 import torch
 
 from tierstore import _core, _lossy
+from tierstore._metadata import dtype_name
 from tierstore.errors import (
     CompressedFileError,
     CorruptFileError,
@@ -297,7 +298,7 @@ class BaseFile:
     def match(self, paths: list[tuple[Any, ...]], dtype: torch.dtype, nbytes: int) -> str | None:
         """The base record at the first of ``paths`` holding a storage of the
         same dtype and size."""
-        name = str(dtype).removeprefix("torch.")
+        name = dtype_name(dtype)
         for p in paths:
             t = self.by_path.get(p)
             if t is None or t.get("dtype") != name:

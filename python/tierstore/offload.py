@@ -60,6 +60,7 @@ from typing import Any
 import torch
 
 from tierstore._engine import get_engine, lock_dir
+from tierstore._metadata import dtype_name
 from tierstore._offload_checkpoint import restore_subgroups, same_partition, take_subgroups
 from tierstore._offload_device import DeviceTransfers, dense_on_one_gpu
 from tierstore._offload_entry import (
@@ -511,9 +512,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             "steps": self.steps,
             "param_groups": self._groups(),
             "params": [
-                {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
-                for g in self.param_groups
-                for p in g["params"]
+                {"shape": list(p.shape), "dtype": dtype_name(p.dtype)} for g in self.param_groups for p in g["params"]
             ],
             "subgroups": entries,
         }

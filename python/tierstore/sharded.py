@@ -43,6 +43,7 @@ from tierstore import _dist, _gc, _tree, api
 from tierstore._consolidate import consolidate
 from tierstore._fs import make_dir
 from tierstore._leaves import PerRank, flatten, is_dtensor, tensor_and_layout
+from tierstore._metadata import dtype_name
 from tierstore._sharded_read import (
     VERIFY_MODES,
     Plan,
@@ -199,10 +200,6 @@ def _assign_writers(metas: list[dict[str, Any]]) -> dict[tuple[int, str], bool]:
     return decide
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
 def rule_table(tensors: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout]) -> dict[tuple[int, ...], list[Any]]:
     """The tensors whose layout is a position of a :class:`~tierstore.layout.Rule`,
     grouped by position: ``{coords: [[key, rule JSON, dtype], ...]}`` sorted
@@ -212,7 +209,7 @@ def rule_table(tensors: Mapping[str, torch.Tensor], layouts: Mapping[str, Layout
     for k in sorted(tensors):
         # A shared flat buffer (ZeRO-1/2) is in one table per position of its members' rules.
         for rule, coords in layouts[k].rule_positions():
-            groups.setdefault(coords, []).append([k, rule.to_json(), _dtype_name(tensors[k])])
+            groups.setdefault(coords, []).append([k, rule.to_json(), dtype_name(tensors[k].dtype)])
     return groups
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tierstore.errors import InvalidArgumentError
@@ -200,3 +202,33 @@ class RemoteTier(DiskTier):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.paths = [os.path.abspath(p) for p in self.paths]  # type: ignore[union-attr]
+
+
+def checkpoint_tiers(
+    tiers: Sequence[HostTier | DiskTier] | None, path: Path
+) -> tuple[HostTier, list[DiskTier], DiskTier | None]:
+    """A Checkpointer's tiers, checked: the host tier (at most one, first;
+    a default one where none is given), the disk-like tiers nearest first
+    (the host tier's shared-memory copy, ``HostTier(shm=...)``, first of
+    them, node-scoped and written first by the flush), and that copy's tier
+    (None without). Default: host memory, then the working directory."""
+    tiers = list(tiers) if tiers is not None else [HostTier(), DiskTier(".")]
+    hosts = [t for t in tiers if isinstance(t, HostTier)]
+    disks: list[DiskTier] = [t for t in tiers if isinstance(t, DiskTier)]
+    if len(hosts) > 1 or (hosts and tiers[0] is not hosts[0]):
+        raise InvalidArgumentError("at most one HostTier, and it must come first")
+    if not disks:
+        raise InvalidArgumentError("at least one DiskTier is needed for checkpoints to be durable")
+    if disks[0].codec_spec is not None:
+        raise InvalidArgumentError(
+            f"tier {disks[0].name!r}: the first disk tier is written raw (restores at disk speed); "
+            "give the codec to a tier checkpoints are promoted to (RemoteTier(..., codec=...))"
+        )
+    host = hosts[0] if hosts else HostTier()
+    shm = host.shm_tier(path)
+    if shm is not None:
+        disks.insert(0, shm)
+    names = [t.name for t in tiers] + ([shm.name] if shm is not None else [])
+    if len(set(names)) != len(names):
+        raise InvalidArgumentError(f"tier names must differ: {names}")
+    return host, disks, shm
