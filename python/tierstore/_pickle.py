@@ -12,13 +12,14 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from tierstore import _gc
+from tierstore import _core, _gc
 from tierstore._metadata import dtype_name
 from tierstore.errors import CorruptFileError, InvalidArgumentTypeError, UnsupportedObjectError, UsageError
 
@@ -304,6 +305,18 @@ def _weights_only_rules() -> tuple[dict[str, Any], list[str]] | None:
         return None
 
 
+def _fast_rules(data: bytes) -> tuple[dict[str, Any], list[str]] | None:
+    """torch's weights-only rules for the Rust fast path over pickle ``data``,
+    or None where the pickle is left to torch's own unpickler: one that
+    holds ``bytearray`` (``bytearray(<int>)`` allocates what the file need
+    not hold; torch's unpickler runs after refuse_absurd_sizes, which bounds
+    it, and a stand-in here would differ from torch where the class itself
+    is loaded), or a torch without the rules."""
+    if b"bytearray" in data:
+        return None
+    return _weights_only_rules()
+
+
 def fast_weights_only(data: bytes, persistent_load: Any) -> Any:
     """Runs torch's weights-only unpickling rules in Rust (``tierstore._core``).
 
@@ -313,19 +326,10 @@ def fast_weights_only(data: bytes, persistent_load: Any) -> Any:
     accepts the file or raises torch's own error. The allow-list is torch's
     default one plus ``torch.serialization.add_safe_globals``.
     """
-    if b"bytearray" in data:
-        # bytearray(<int>) allocates what the file need not hold: such pickles
-        # go to torch's unpickler after refuse_absurd_sizes, which bounds them
-        # (a stand-in here would differ from torch where the class itself is loaded).
-        return None
-    rules = _weights_only_rules()
+    rules = _fast_rules(data)
     if rules is None:
         return None
     allowed, blocked = rules
-    from collections import Counter, OrderedDict
-
-    from tierstore import _core
-
     deferred = [c for c in getattr(torch, "_tensor_classes", ()) if "sparse" in getattr(c, "__module__", "")]
     # Calls of torch's rebuild go to the stand-in (the function itself, loaded
     # as a value, stays torch's); the fake-mode check is made here, once.
@@ -486,16 +490,10 @@ def _fast_views(data: bytes, path: str) -> dict[tuple[str | int, ...], TensorVie
             raise pickle.UnpicklingError("a tensor rebuilt from something other than a storage and sizes")
         return TensorView(storage[0], storage[1], list(size), list(stride), offset)
 
-    if b"bytearray" in data:
-        return None
-    rules = _weights_only_rules()
+    rules = _fast_rules(data)
     if rules is None:
         return None
     allowed, blocked = rules
-    from collections import Counter, OrderedDict
-
-    from tierstore import _core
-
     try:
         substitute = (torch._utils._rebuild_tensor_v2, rebuild)
         load = _core.fast_weights_only_load
