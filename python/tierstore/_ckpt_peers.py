@@ -19,7 +19,7 @@ import os
 import time
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from tierstore._ckpt_snapshot import Snapshot
 from tierstore._dist import all_max, all_true, barrier, gather, scatter
 from tierstore._engine import get_engine
 from tierstore._fs import fsync_dir, make_dir, write_atomic
-from tierstore._nodes import Node
+from tierstore._nodes import Node, find_node, node_name
 from tierstore.errors import TierstoreError
 from tierstore.shardmeta import MANIFEST, read_manifest
 from tierstore.tiers import DiskTier
@@ -73,6 +73,20 @@ def ring(node: Node, replicas: int, world: int, pg: Any) -> Ring:
     got = scatter(told, world, pg)
     table = tuple(t[0] for t in told) if told is not None else ()
     return Ring(tuple(got[0]), tuple(tuple(x) for x in got[1]), table)
+
+
+def node_and_ring(disks: Sequence[DiskTier], world: int, pg: Any) -> tuple[Node, Ring | None]:
+    """The node this rank runs on (found with one gather and one scatter
+    where some tier is node-scoped), and one ring for every node-scoped tier
+    with peer replicas (each uses its first ``replicas`` distances; None
+    without such a tier, or with one node)."""
+    node = (
+        find_node(world, pg)
+        if world > 1 and any(t.scope == "node" for t in disks)
+        else Node(node_name(), 0, True, 1, (0,), ((node_name(), ((0, world - 1),)),))
+    )
+    most = max((t.replicas for t in disks), default=0)
+    return node, (ring(node, most, world, pg) if world > 1 and most and node.count > 1 else None)
 
 
 def own_files(d: Path, rank: int, save_id: str) -> list[str]:

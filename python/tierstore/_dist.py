@@ -31,6 +31,22 @@ def group_info(pg: Any) -> tuple[int, int, Any]:
     return 0, 1, None
 
 
+def side_groups(pg: Any, n: int, world: int, timeout_s: float) -> list[Any]:
+    """``n`` gloo groups of the ranks of ``pg`` (None: the whole world), for
+    collectives that run off the training thread and give up after
+    ``timeout_s`` seconds (a rank that died fails them instead of hanging
+    the others); ``[None] * n`` with one process."""
+    if world <= 1:
+        return [None] * n
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(pg) if pg is not None else None
+    to = timedelta(seconds=timeout_s)
+    return [dist.new_group(ranks, backend="gloo", timeout=to) for _ in range(n)]
+
+
 @dataclass
 class Traffic:
     """Bytes this rank sent and received through the steps below (pickled

@@ -43,7 +43,7 @@ import torch
 from tierstore import _gc, _threads
 from tierstore._ckpt_capture import Capturer
 from tierstore._ckpt_cascade import Cascade, drop_offload_pins
-from tierstore._ckpt_peers import ring
+from tierstore._ckpt_peers import node_and_ring
 from tierstore._ckpt_pool import HostPool, copy_host
 from tierstore._ckpt_restore import (
     WARNED,
@@ -52,14 +52,11 @@ from tierstore._ckpt_restore import (
     list_checkpoints,
 )
 from tierstore._ckpt_snapshot import CheckpointHandle, Residency, Snapshot
-from tierstore._dist import all_true, group_info
+from tierstore._dist import all_true, group_info, side_groups
 from tierstore._engine import get_engine
-from tierstore._nodes import Node, find_node, node_name
 from tierstore._offload_entry import OFFLOAD_KEY
 from tierstore.errors import InvalidArgumentError, TierstoreError, TornSnapshotError, UsageError
-from tierstore.sharded import (
-    PerRank,
-)
+from tierstore.sharded import PerRank
 from tierstore.shardmeta import manifests_cached
 
 # The tiers live in tierstore.tiers; re-exported here, where users import them from.
@@ -81,6 +78,50 @@ __all__ = [
 
 # ----------------------------------------------------------------------------------------------
 # the checkpointer
+
+
+def expand_offloaded(
+    state: Mapping[str, Any],
+    snap: Snapshot,
+    rank: int,
+    world: int,
+    attached: Callable[[Any], bool],
+    attach: Callable[[Any], None],
+) -> tuple[Mapping[str, Any], set[int]]:
+    """Replaces each offloaded optimizer in ``state`` by its checkpoint
+    parts (resident subgroups as tensors, the others as pinned files that
+    the flush copies), attaching it (``attach`` where not ``attached``) so
+    that its next step waits for the capture. Returns the new state and the
+    storages of those tensors."""
+    buffers: set[int] = set()
+    count = [0]
+
+    def walk(obj: Any) -> Any:
+        if checkpoints_itself(obj):
+            if not attached(obj):
+                attach(obj)
+            prefix = f"r{rank:05d}-o{count[0]}-" if world > 1 else f"o{count[0]}-"
+            tag = f"{os.getpid()}-{snap.ordinal}-{count[0]}"
+            parts, pins = obj.checkpoint_parts(prefix, tag, f"offload-{rank:05d}.")
+            count[0] += 1
+            snap.has_offload = True
+            snap.offload_pins.extend(pins)
+            for v in parts.values():
+                if isinstance(v, torch.Tensor):
+                    buffers.add(v.untyped_storage().data_ptr())
+            if world > 1:
+                parts[OFFLOAD_KEY] = PerRank(parts[OFFLOAD_KEY])
+            return parts
+        if isinstance(obj, Mapping) and not isinstance(obj, torch.Tensor):
+            if not any(checkpoints_itself(v) or isinstance(v, Mapping) for v in obj.values()):
+                return obj
+            out = dict(obj)
+            for k, v in obj.items():
+                out[k] = walk(v)
+            return out
+        return obj
+
+    return walk(state), buffers
 
 
 class Checkpointer:
@@ -143,29 +184,9 @@ class Checkpointer:
         if rate_limit is not None:
             get_engine().set_background_rate(parse_size(rate_limit))
         self.rank, self.world, pg = group_info(process_group)
-        self._pg_ctl = self._pg_flush = self._pg_promote = None
-        if self.world > 1:
-            from datetime import timedelta
-
-            import torch.distributed as dist
-
-            ranks = dist.get_process_group_ranks(pg) if pg is not None else None
-            to = timedelta(seconds=collective_timeout)
-            self._pg_ctl = dist.new_group(ranks, backend="gloo", timeout=to)
-            self._pg_flush = dist.new_group(ranks, backend="gloo", timeout=to)
-            self._pg_promote = dist.new_group(ranks, backend="gloo", timeout=to)
-        # The node this rank runs on (for node-scoped tiers: one gather, one scatter).
-        self.node = (
-            find_node(self.world, self._pg_ctl)
-            if self.world > 1 and any(t.scope == "node" for t in self.disks)
-            else Node(node_name(), 0, True, 1, (0,), ((node_name(), ((0, self.world - 1),)),))
-        )
-        # One ring for every node-scoped tier with peer replicas (each uses
-        # its first ``replicas`` distances).
-        most = max((t.replicas for t in self.disks), default=0)
-        self.ring = (
-            ring(self.node, most, self.world, self._pg_ctl) if self.world > 1 and most and self.node.count > 1 else None
-        )
+        # The checkpointer's own collectives, off the training thread.
+        self._pg_ctl, self._pg_flush, self._pg_promote = side_groups(pg, 3, self.world, collective_timeout)
+        self.node, self.ring = node_and_ring(self.disks, self.world, self._pg_ctl)
         self._ordinal = 0
         self._last_step: int | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -277,7 +298,9 @@ class Checkpointer:
             raise InvalidArgumentError(f"step must be non-negative, got {step}")
         handle = CheckpointHandle(step, self.tier_names)
         snap = Snapshot(step, self._ordinal, handle)
-        state, offload_buffers = self._expand_offloaded(state, snap)
+        state, offload_buffers = expand_offloaded(
+            state, snap, self.rank, self.world, lambda o: o in self._optimizers, self.attach
+        )
         owned = self.capturer.owned_storages() if (self._optimizers and self.eager_unowned) else None
         if owned is not None and offload_buffers:
             owned = owned | offload_buffers  # changed by the next step: captured lazily, before it
@@ -319,41 +342,6 @@ class Checkpointer:
             self._flush_q.put(snap)  # pipelined: writes follow the capture
         handle.timings["blocked"] = time.perf_counter() - t0
         return handle
-
-    def _expand_offloaded(self, state: Mapping[str, Any], snap: Snapshot) -> tuple[Mapping[str, Any], set[int]]:
-        """Replaces each offloaded optimizer in ``state`` by its checkpoint
-        parts (resident subgroups as tensors, the others as pinned files that
-        the flush copies), attaching it so that its next step waits for the
-        capture. Returns the new state and the storages of those tensors."""
-        buffers: set[int] = set()
-        count = [0]
-
-        def walk(obj: Any) -> Any:
-            if checkpoints_itself(obj):
-                if obj not in self._optimizers:
-                    self.attach(obj)
-                prefix = f"r{self.rank:05d}-o{count[0]}-" if self.world > 1 else f"o{count[0]}-"
-                tag = f"{os.getpid()}-{snap.ordinal}-{count[0]}"
-                parts, pins = obj.checkpoint_parts(prefix, tag, f"offload-{self.rank:05d}.")
-                count[0] += 1
-                snap.has_offload = True
-                snap.offload_pins.extend(pins)
-                for v in parts.values():
-                    if isinstance(v, torch.Tensor):
-                        buffers.add(v.untyped_storage().data_ptr())
-                if self.world > 1:
-                    parts[OFFLOAD_KEY] = PerRank(parts[OFFLOAD_KEY])
-                return parts
-            if isinstance(obj, Mapping) and not isinstance(obj, torch.Tensor):
-                if not any(checkpoints_itself(v) or isinstance(v, Mapping) for v in obj.values()):
-                    return obj
-                out = dict(obj)
-                for k, v in obj.items():
-                    out[k] = walk(v)
-                return out
-            return obj
-
-        return walk(state), buffers
 
     def _adapt_interval(self) -> None:
         """With ``max_overhead``: sets the interval so that the blocking time of
