@@ -334,7 +334,7 @@ def verdict(a: list[float], b: list[float]) -> str:
 def table(results: list[Result], probe: Probe) -> str:
     hdr = (
         f"{'dataset':7} {'op':4} {'system':16} {'GiB/s median (min-max)':>23} {'x ceiling (min-max)':>20} "
-        f"{'x torch (min-max)':>18} {'CPU s/GiB':>9} {'peak +MiB':>9} {'after +MiB':>10} {'dev/file':>8}"
+        f"{'x torch (min-max)':>18} {'CPU s/GiB':>9} {'peak +MiB':>9} {'after +MiB':>10} {'dev/file':>8} {'KiB/req':>7}"
     )
     lines = [hdr, "-" * len(hdr)]
     for r in results:
@@ -342,16 +342,19 @@ def table(results: list[Result], probe: Probe) -> str:
         vs = rng(paired(r, peer)) if peer else "n/a"
         dev = r.col("read_bytes" if r.op == "load" else "write_bytes")
         devf = statistics.median(d / fb for d, fb in zip(dev, r.col("file_bytes"), strict=True))
+        sizes = [x["device_request_bytes"] / x["device_requests"] / 1024 for x in r.runs if x.get("device_requests")]
+        req = f"{statistics.median(sizes):7.0f}" if sizes else f"{'-':>7}"
         lines.append(
             f"{r.dataset:7} {r.op:4} {r.system:16} {rng(r.gibps_runs):>23} {rng(r.fractions):>20} {vs:>18} "
             f"{r.cpu_per_gib:9.2f} {max(r.mib('rss_peak')):9.0f} {statistics.median(r.mib('rss_after')):10.0f} "
-            f"{devf:8.3f}"
+            f"{devf:8.3f} {req}"
         )
     lines.append(f"ceiling probe next to every measurement: {probe.method}")
     lines.append(
         "peak +MiB: the highest RSS during the operation above the RSS just before it (max over repetitions); "
         "after +MiB: RSS once it is over (a load's result still held), median; dev/file: bytes the process "
-        "read from (loads) or wrote to (saves) the block layer over the file's size, median"
+        "read from (loads) or wrote to (saves) the block layer over the file's size, median; KiB/req: the mean size "
+        "of the requests the device served during the operation (/proc/diskstats), median"
     )
     ts = [r for r in results if r.system.startswith("tierstore")]
     for r in ts:

@@ -153,6 +153,23 @@ def proc_io() -> dict[str, int]:
     return out
 
 
+def device_counts(path: Path) -> tuple[int, int, int, int] | None:
+    """Requests and bytes the block device holding ``path`` has completed
+    (reads, read bytes, writes, written bytes; ``/proc/diskstats``, the
+    whole device's: nothing else runs during a measurement), or None where
+    ``path`` is on no block device (tmpfs, a network file system)."""
+    st = os.stat(path.parent if not path.exists() else path)
+    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+    try:
+        for line in Path("/proc/diskstats").read_text().splitlines():
+            f = line.split()
+            if len(f) >= 10 and int(f[0]) == major and int(f[1]) == minor:
+                return int(f[3]), int(f[5]) * 512, int(f[7]), int(f[9]) * 512
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def vm_hwm() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -296,6 +313,7 @@ def main() -> int:
         res["file_cached_before"] = resident_bytes(path)
     gc.collect()
     io0 = proc_io()
+    dev0 = device_counts(path)
     hwm_ok = reset_hwm()
     with RSSSampler() as rss:
         c0, t0 = cpu_now(), time.perf_counter()
@@ -303,6 +321,14 @@ def main() -> int:
         dt, dc = time.perf_counter() - t0, cpu_now() - c0
         hwm = vm_hwm() if hwm_ok else 0
     io1 = proc_io()
+    dev1 = device_counts(path)
+    if dev0 is not None and dev1 is not None:
+        # The requests the device served for the operation and their mean size:
+        # how the block layer cut what was asked (a virtio disk: at most its
+        # segments per request, ~1 MiB from scattered 4 KiB pages).
+        k = 0 if op == "load" else 2
+        res["device_requests"] = dev1[k] - dev0[k]
+        res["device_request_bytes"] = dev1[k + 1] - dev0[k + 1]
     after = settle_rss(rss)
     res.update(
         seconds=dt,
