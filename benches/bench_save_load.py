@@ -331,6 +331,13 @@ def verdict(a: list[float], b: list[float]) -> str:
     return "within spread"
 
 
+def request_kib(r: Result) -> float | None:
+    """The median over repetitions of the mean size of the requests the
+    device served during the operation, in KiB (None where unknown)."""
+    sizes = [x["device_request_bytes"] / x["device_requests"] / 1024 for x in r.runs if x.get("device_requests")]
+    return statistics.median(sizes) if sizes else None
+
+
 def table(results: list[Result], probe: Probe) -> str:
     hdr = (
         f"{'dataset':7} {'op':4} {'system':16} {'GiB/s median (min-max)':>23} {'x ceiling (min-max)':>20} "
@@ -342,8 +349,8 @@ def table(results: list[Result], probe: Probe) -> str:
         vs = rng(paired(r, peer)) if peer else "n/a"
         dev = r.col("read_bytes" if r.op == "load" else "write_bytes")
         devf = statistics.median(d / fb for d, fb in zip(dev, r.col("file_bytes"), strict=True))
-        sizes = [x["device_request_bytes"] / x["device_requests"] / 1024 for x in r.runs if x.get("device_requests")]
-        req = f"{statistics.median(sizes):7.0f}" if sizes else f"{'-':>7}"
+        kib = request_kib(r)
+        req = f"{kib:7.0f}" if kib is not None else f"{'-':>7}"
         lines.append(
             f"{r.dataset:7} {r.op:4} {r.system:16} {rng(r.gibps_runs):>23} {rng(r.fractions):>20} {vs:>18} "
             f"{r.cpu_per_gib:9.2f} {max(r.mib('rss_peak')):9.0f} {statistics.median(r.mib('rss_after')):10.0f} "
@@ -467,8 +474,8 @@ def targets(results: list[Result]) -> list[tuple[str, bool, str]]:
 def markdown(results: list[Result], probe: Probe) -> str:
     rows = [
         "| state dict | operation | system | GiB/s median (min-max) | x ceiling of its moment (min-max) | x torch | "
-        "CPU s/GiB | peak RSS +MiB | RSS after +MiB |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "CPU s/GiB | peak RSS +MiB | RSS after +MiB | KiB/request |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         peer = peer_of(results, r)
@@ -479,7 +486,8 @@ def markdown(results: list[Result], probe: Probe) -> str:
         rows.append(
             f"| {r.dataset} | {op} | {name} | {statistics.median(g):.2f} ({min(g):.2f}-{max(g):.2f}) | "
             f"{statistics.median(f):.2f} ({min(f):.2f}-{max(f):.2f}) | {vs} | {r.cpu_per_gib:.2f} | "
-            f"{max(r.mib('rss_peak')):.0f} | {statistics.median(r.mib('rss_after')):.0f} |"
+            f"{max(r.mib('rss_peak')):.0f} | {statistics.median(r.mib('rss_after')):.0f} | "
+            f"{'' if (kib := request_kib(r)) is None else f'{kib:.0f}'} |"
         )
     ceil = {op: [run["ceiling"] for r in results if r.op == op for run in r.runs] for op in ("save", "load")}
     if ceil["save"] and ceil["load"]:

@@ -1,0 +1,34 @@
+"""The save/load benchmark's device counters (benches/saveload_child.py):
+the requests the file's block device served, read from /proc/diskstats,
+move with real I/O to that device."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benches"))
+
+import saveload_child  # noqa: E402
+
+
+def test_device_counts_follow_a_durable_write(tmp_path: pathlib.Path) -> None:
+    p = tmp_path / "f.bin"
+    before = saveload_child.device_counts(p)  # the file does not exist yet: its folder's device
+    if before is None:
+        pytest.skip(f"{tmp_path} is on no block device in /proc/diskstats")
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, os.urandom(1 << 20))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    after = saveload_child.device_counts(p)
+    assert after is not None
+    writes, written = after[2] - before[2], after[3] - before[3]
+    assert writes >= 1 and written >= 1 << 20  # the MiB reached the device, in at least one request
+    assert after[0] >= before[0] and after[1] >= before[1]  # counters only grow
