@@ -31,7 +31,7 @@ from tierstore._engine import get_engine
 from tierstore._fs import make_dir, write_json_atomic
 from tierstore._nodes import Node
 from tierstore.codec import CODEC
-from tierstore.errors import TierstoreError
+from tierstore.errors import InvalidArgumentError, TierstoreError, UsageError
 from tierstore.sharded import write_sharded
 from tierstore.shardmeta import MANIFEST, read_manifest
 from tierstore.tiers import DiskTier, HostTier
@@ -99,6 +99,28 @@ class Cascade:
     @property
     def _closed(self) -> bool:
         return self._is_closed()
+
+    def delete_step(self, step: int, tier: str | None) -> list[str]:
+        """:meth:`Checkpointer.delete`: the step's directories on every disk
+        tier (or on ``tier``), deleted by rank 0 once none is busy and no
+        kept delta references one of them."""
+        tiers = [t for t in self.disks if tier is None or t.name == tier]
+        if tier is not None and not tiers:
+            raise InvalidArgumentError(f"no disk tier named {tier!r}: {[t.name for t in self.disks]}")
+        name = f"step-{step:012d}"
+        dirs = [p / name for t in tiers for p in self.tier_paths(t) if (p / name).is_dir()]
+        with self._lock:
+            busy = set(self._busy_dirs)
+        if any(d in busy for d in dirs):
+            raise UsageError(f"step {step} is being written or promoted; wait() first")
+        if self.rank != 0:
+            return []
+        for d in dirs:
+            if _tier_steps.dependents(d):
+                _tier_steps.delete_checkpoint(d)  # raises, naming the dependents
+        for d in dirs:
+            _tier_steps.delete_checkpoint(d)
+        return [str(d) for d in dirs]
 
     def tier_paths(self, t: DiskTier) -> list[Path]:
         """The tier's directories as this rank sees them (a node-scoped

@@ -55,7 +55,7 @@ from tierstore._ckpt_snapshot import CheckpointHandle, Residency, Snapshot
 from tierstore._dist import all_true, group_info, side_groups
 from tierstore._engine import get_engine
 from tierstore._offload_entry import OFFLOAD_KEY
-from tierstore.errors import InvalidArgumentError, TierstoreError, TornSnapshotError, UsageError
+from tierstore.errors import InvalidArgumentError, TierstoreError, TornSnapshotError
 from tierstore.sharded import PerRank
 from tierstore.shardmeta import manifests_cached
 
@@ -418,25 +418,7 @@ class Checkpointer:
         deltas reference is refused (:class:`ReferencedCheckpointError`,
         naming them) before anything is deleted. Not a checkpoint in
         flight."""
-        from tierstore._tier_steps import delete_checkpoint, dependents
-
-        tiers = [t for t in self.disks if tier is None or t.name == tier]
-        if tier is not None and not tiers:
-            raise InvalidArgumentError(f"no disk tier named {tier!r}: {[t.name for t in self.disks]}")
-        name = f"step-{step:012d}"
-        dirs = [p / name for t in tiers for p in self.cascade.tier_paths(t) if (p / name).is_dir()]
-        with self._lock:
-            busy = set(self._busy_dirs)
-        if any(d in busy for d in dirs):
-            raise UsageError(f"step {step} is being written or promoted; wait() first")
-        if self.rank != 0:
-            return []
-        for d in dirs:
-            if dependents(d):
-                delete_checkpoint(d)  # raises, naming the dependents
-        for d in dirs:
-            delete_checkpoint(d)
-        return [str(d) for d in dirs]
+        return self.cascade.delete_step(step, tier)
 
     def checkpoints(self) -> list[dict[str, Any]]:
         """Complete checkpoints per tier: ``[{"step", "tier", "path"}]``, newest first,

@@ -76,7 +76,7 @@ from tierstore._offload_placement import Placement
 from tierstore._offload_store import HostMemory, SubgroupStore
 from tierstore._offload_subgroup import PAGE, Subgroup, partition
 from tierstore.errors import InvalidArgumentError, TierstoreError
-from tierstore.tiers import DiskTier, HostTier, parse_size
+from tierstore.tiers import DiskTier, HostTier, offload_tiers, parse_size
 
 # The checkpoint entry's names, re-exported where they were first defined.
 __all__ = [
@@ -142,16 +142,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     ) -> None:
         if balance not in ("bandwidth", "even"):
             raise InvalidArgumentError(f"balance must be 'bandwidth' or 'even', got {balance!r}")
-        tiers = tiers if tiers is not None else _default_tiers()
-        hosts = [t for t in tiers if isinstance(t, HostTier)]
-        disks = [t for t in tiers if isinstance(t, DiskTier)]
-        if not disks:
-            raise InvalidArgumentError(
-                "offload needs at least one DiskTier (a directory for the state that does not fit)"
-            )
-        if len(hosts) > 1:
-            raise InvalidArgumentError("offload takes at most one HostTier")
-        self.budget = int(hosts[0].budget) if hosts else parse_size("1GiB")
+        self.budget, roots = offload_tiers(tiers if tiers is not None else _default_tiers())
         self.subgroup_bytes = max(PAGE, parse_size(subgroup_bytes))
         self.pipeline = pipeline
         self.split_masters = split_masters
@@ -163,12 +154,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         super().__init__(params, dict(probe.defaults))
         del probe
         self.session = f"{SESSION}{os.getpid()}-{secrets.token_hex(4)}"
-        roots: list[Path] = []
-        for t in disks:
-            for p in t.paths:  # type: ignore[union-attr]
-                root = Path(p).resolve()
-                if root not in roots:
-                    roots.append(root)
         self._closed = True  # until the paths exist
         self._placement = Placement(
             roots,

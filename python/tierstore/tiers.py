@@ -232,3 +232,23 @@ def checkpoint_tiers(
     if len(set(names)) != len(names):
         raise InvalidArgumentError(f"tier names must differ: {names}")
     return host, disks, shm
+
+
+def offload_tiers(tiers: Sequence[HostTier | DiskTier]) -> tuple[int, list[Path]]:
+    """An offloaded optimizer's tiers, checked: the host memory budget (at
+    most one HostTier; 1 GiB without) and the storage paths of its disk
+    tiers, resolved, each once, in order."""
+    hosts = [t for t in tiers if isinstance(t, HostTier)]
+    disks = [t for t in tiers if isinstance(t, DiskTier)]
+    if not disks:
+        raise InvalidArgumentError("offload needs at least one DiskTier (a directory for the state that does not fit)")
+    if len(hosts) > 1:
+        raise InvalidArgumentError("offload takes at most one HostTier")
+    roots: list[Path] = []
+    for t in disks:
+        # (``paths`` is a list once the tier is made: see DiskTier.__post_init__.)
+        for p in t.paths:  # type: ignore[union-attr]
+            root = Path(p).resolve()
+            if root not in roots:
+                roots.append(root)
+    return int(hosts[0].budget) if hosts else parse_size("1GiB"), roots
