@@ -114,11 +114,11 @@ class ShardFiles:
         raise first
 
     def copy_of(self, fi: int) -> str:
-        """The directory data file ``fi`` is read from (after :meth:`check_file`)."""
+        """The directory data file ``fi`` is read from (after :meth:`view`)."""
         return self._path_of.get(fi, str(self.dir))
 
     def path_of(self, fi: int) -> str:
-        """The path data file ``fi`` is read from (after :meth:`check_file`)."""
+        """The path data file ``fi`` is read from (after :meth:`view`)."""
         return self._views[fi].path if fi in self._views else str(self.dir / self.manifest["files"][fi]["name"])
 
     def count_read(self, fi: int, n: int) -> None:
