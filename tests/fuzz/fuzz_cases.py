@@ -2005,6 +2005,13 @@ def manifest_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[str, 
                 "Tensor",
                 "__class__",
                 "float",
+                # Not names of a torch attribute at all: one dtype reader
+                # (_metadata.dtype_named) refuses them for every format.
+                "float32.__class__",
+                "float32 ",
+                "",
+                7,
+                None,
             ]
         )
         how = rng.choice(["global", "stored", "both"])
