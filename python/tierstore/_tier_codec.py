@@ -54,40 +54,25 @@ from tierstore._tier_format import (
     CODEC_META,
     FORMAT,
     MAGIC,
-    MANIFEST,
-    MAX_DEPTH,
-    MAX_HEADER,
     MAX_REFS,
-    NAME,
     SEGMENT_SAMPLE,
-    STEP_DIR,
     SUFFIX,
     VERSION,
     VERSION_REFS,
     encodable,
     fingerprint,
-    is_int,
-    is_uint,
     map_file,
     read_header,
     storage_records,
 )
 from tierstore.errors import InvalidArgumentError
 
-# The format's names and the decoder are re-exported: the codec tier is used
-# through this module.
+# Re-exported for the codec tier's users (the Checkpointer's cascade and
+# restore, the CLI): the decoder and the format names they need.
 __all__ = [
     "CODEC_META",
     "DECODE_ROOT",
-    "FORMAT",
-    "MAGIC",
-    "MANIFEST",
-    "MAX_DEPTH",
-    "MAX_HEADER",
-    "MAX_REFS",
-    "NAME",
     "SEGMENT_SAMPLE",
-    "STEP_DIR",
     "SUFFIX",
     "VERSION",
     "VERSION_REFS",
@@ -96,11 +81,7 @@ __all__ = [
     "encode_file",
     "encoded_of",
     "fingerprint",
-    "is_int",
-    "is_uint",
-    "map_file",
     "read_header",
-    "storage_records",
 ]
 
 _SYNC_EVERY = 32 << 20

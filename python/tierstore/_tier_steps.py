@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tierstore import _metadata
-from tierstore._tier_codec import (
+from tierstore._tier_format import (
     CODEC_META,
     MANIFEST,
     MAX_HEADER,
