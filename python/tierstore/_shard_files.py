@@ -66,8 +66,9 @@ class ShardFiles:
     the first copy that holds it intact (a copy found damaged is reported
     and the next one used)."""
 
-    def __init__(self, manifest_path: str, manifest: dict[str, Any], version: int, copies: Sequence[Path]) -> None:
-        self.manifest_path, self.manifest, self.version = manifest_path, manifest, version
+    def __init__(self, manifest_path: str, m: dict[str, Any], version: int, copies: Sequence[Path]) -> None:
+        # (``m``: the checked manifest.json; ``manifest`` is the module of the files' own manifests.)
+        self.manifest_path, self.manifest, self.version = manifest_path, m, version
         self.dir = Path(copies[0])
         self.copies = list(copies)
         self.excluded: set[tuple[str, str]] = set()  # (copy, file name) found damaged: not used again
