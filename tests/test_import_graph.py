@@ -93,8 +93,8 @@ def test_no_module_imports_another_modules_underscore_names() -> None:
 
 # What docs/ARCHITECTURE.md states of the house's rooms: no module over this
 # many lines, no class over this many (the issue aims at about 700 and 400).
-MAX_MODULE_LINES = 740
-MAX_CLASS_LINES = 450
+MAX_MODULE_LINES = 700
+MAX_CLASS_LINES = 400
 
 
 def test_rooms_stay_the_size_the_architecture_says() -> None:

@@ -438,18 +438,7 @@ class Cascade:
         if t.keep_every:
             keep |= {d for s, d in complete if s % t.keep_every == 0}
         if t.codec_spec is not None:
-            # What a kept delta is encoded against is kept with it, along
-            # its chain (a delta's parent may be a delta too).
-            todo = list(keep)
-            while todo:
-                d = todo.pop()
-                with contextlib.suppress(OSError, TierstoreError):
-                    meta = _tier_steps.tier_meta(d)
-                    for ref in _tier_steps.references_of(meta) if meta is not None else ():
-                        r = d.parent / ref
-                        if r not in keep:
-                            keep.add(r)
-                            todo.append(r)
+            _tier_steps.add_references(keep)
         with self._lock:
             busy = set(self._busy_dirs)
         for _s, d in complete:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import time
 import warnings
 import zlib
@@ -495,3 +496,19 @@ class NodeCopies:
         if not sends:
             return [("none", [], [], agreed)] * world
         return [("files", sorted(sends.get(r, {}).items()), sorted(recvs[r]), agreed) for r in range(world)]
+
+
+def free_shm_copies(shm: str, dirs: Sequence[Path], checkpoints: Sequence[dict[str, Any]], host: str) -> None:
+    """Removes the shared-memory tier ``shm``'s folders ``dirs`` when a tier
+    other than it and the host tier holds a step at least as new as its
+    newest (``checkpoints``: as :meth:`Checkpointer.checkpoints` lists
+    them); else the shared-memory copy is the only one of the newest step
+    and stays."""
+    newest = max((c["step"] for c in checkpoints if c["tier"] == shm), default=None)
+    if newest is None or not any(c["step"] >= newest for c in checkpoints if c["tier"] not in (shm, host)):
+        return
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+        if d.parent.name.startswith("tierstore-") and str(d.parent).startswith("/dev/shm/"):
+            with contextlib.suppress(OSError):
+                d.parent.rmdir()  # the default folder, once no node's copy is left in it

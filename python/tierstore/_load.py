@@ -21,7 +21,7 @@ from typing import IO, Any
 
 import torch
 
-from tierstore import _archive, _core, _pickle, _progress, gpu, manifest
+from tierstore import _archive, _core, _gpu_load, _pickle, _progress, manifest
 from tierstore import codec as _codec
 from tierstore._engine import get_engine
 from tierstore.errors import (
@@ -456,7 +456,7 @@ def _load_with_gpu(
 
             for dev in dict.fromkeys(routes.values()):
                 mine = [(k, s) for k, s in zip(keys, specs, strict=True) if routes.get(k) == dev]
-                got = gpu.load_records_to_device(path, [s for _k, s in mine], dev, on_chunk=step)
+                got = _gpu_load.load_records_to_device(path, [s for _k, s in mine], dev, on_chunk=step)
                 storages.update(zip((k for k, _s in mine), got, strict=True))
             if pending is not None:
                 pending.wait()

@@ -8,6 +8,7 @@ are encoded and decoded in :mod:`tierstore._tier_codec`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,23 @@ def references_of(meta: dict[str, Any]) -> list[str]:
         return [r for r in refs if isinstance(r, str)]
     ref = meta.get("reference")
     return [ref] if isinstance(ref, str) else []
+
+
+def add_references(keep: set[Path]) -> None:
+    """Adds to ``keep`` (step directories of one codec tier) what each
+    delta in it is encoded against, along its chain (a delta's parent may
+    be a delta too). A step whose metadata cannot be read adds nothing."""
+    todo = list(keep)
+    while todo:
+        d = todo.pop()
+        meta = None
+        with contextlib.suppress(OSError, TierstoreError):
+            meta = tier_meta(d)
+        for ref in references_of(meta) if meta is not None else ():
+            r = d.parent / ref
+            if r not in keep:
+                keep.add(r)
+                todo.append(r)
 
 
 def step_of(d: Path) -> int | None:

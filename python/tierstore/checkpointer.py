@@ -27,10 +27,8 @@ moment leaves the previous checkpoints loadable.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import queue
-import shutil
 import threading
 import time
 import warnings
@@ -43,7 +41,8 @@ import torch
 from tierstore import _gc, _threads
 from tierstore._ckpt_capture import Capturer
 from tierstore._ckpt_cascade import Cascade, drop_offload_pins
-from tierstore._ckpt_peers import node_and_ring
+from tierstore._ckpt_interval import AdaptiveInterval
+from tierstore._ckpt_peers import free_shm_copies, node_and_ring
 from tierstore._ckpt_pool import HostPool, copy_host
 from tierstore._ckpt_restore import (
     WARNED,
@@ -124,6 +123,30 @@ def expand_offloaded(
     return walk(state), buffers
 
 
+def _skipped(handle: CheckpointHandle, budget: int, busy: list[int]) -> None:
+    """Marks the checkpoint of ``handle`` skipped on every tier, with a
+    warning naming the steps that hold the host ``budget``."""
+    for name in list(handle.tiers):
+        handle._set(name, "skipped")
+    warnings.warn(
+        f"tierstore: checkpoint of step {handle.step} skipped: the host budget ({budget / 2**20:.0f} MiB) is still "
+        f"held by step(s) {busy} not yet durable (on_busy='skip')",
+        stacklevel=3,
+    )
+
+
+def _named(e: BaseException, what: str, rank: int, world: int) -> BaseException:
+    """``e`` if it is a TierstoreError or not an Exception, else a
+    TierstoreError saying ``what`` failed on which rank (e.g. a collective's
+    error when another rank died), caused by ``e``."""
+    if not isinstance(e, Exception) or isinstance(e, TierstoreError):
+        return e
+    hint = " (a rank died or timed out?)" if world > 1 else ""
+    wrapped = TierstoreError(f"{what} on rank {rank} of {world}{hint}: {e}")
+    wrapped.__cause__ = e
+    return wrapped
+
+
 class Checkpointer:
     """Lazy asynchronous checkpoints cascading host memory → local disk → remote.
 
@@ -176,9 +199,7 @@ class Checkpointer:
         self.pool = HostPool(int(self.host.budget), pinned)
         self.tier_names = [self.host.name] + [t.name for t in self.disks]
         self.on_busy = on_busy
-        self.interval = interval
-        self.min_interval = interval
-        self.max_overhead = max_overhead
+        self.schedule = AdaptiveInterval(interval, max_overhead)
         self.debug = debug
         self.eager_unowned = eager_unowned
         if rate_limit is not None:
@@ -188,7 +209,6 @@ class Checkpointer:
         self._pg_ctl, self._pg_flush, self._pg_promote = side_groups(pg, 3, self.world, collective_timeout)
         self.node, self.ring = node_and_ring(self.disks, self.world, self._pg_ctl)
         self._ordinal = 0
-        self._last_step: int | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._hooks: list[Any] = []
         self._snaps: list[Snapshot] = []  # every snapshot still holding host memory or in flight
@@ -196,8 +216,6 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._errors: list[BaseException] = []
         self._busy_dirs: set[Path] = set()
-        self._step_times: list[float] = []
-        self._last_hook: float | None = None
         self.restored: dict[str, Any] | None = None
         self.priority = priority
         # The engine's own threads serve foreground loads too: start it here,
@@ -272,9 +290,12 @@ class Checkpointer:
 
     def due(self, step: int) -> bool:
         """Whether a checkpoint is due at ``step`` under the (adaptive) interval."""
-        if self._last_step is None:
-            return step % self.interval == 0
-        return step - self._last_step >= self.interval
+        return self.schedule.due(step)
+
+    @property
+    def interval(self) -> int:
+        """The interval :meth:`due` applies now (grown with ``max_overhead``)."""
+        return self.schedule.interval
 
     # A collection in the middle of a save would add its pause to the
     # training loop; the save allocates little, so it waits until after.
@@ -317,21 +338,12 @@ class Checkpointer:
             slab = self.pool.reserve(nbytes, snap, block=True)
         if slab is None:
             drop_offload_pins(snap)
-            for name in self.tier_names:
-                handle._set(name, "skipped")
-            busy = [s.step for s in self._snaps if not s.evictable]
-            warnings.warn(
-                f"tierstore: checkpoint of step {step} skipped: the host budget "
-                f"({self.pool.budget / 2**20:.0f} MiB) is still held by step(s) {busy} not yet durable "
-                f"(on_busy='skip')",
-                stacklevel=2,
-            )
+            _skipped(handle, self.pool.budget, [s.step for s in self._snaps if not s.evictable])
             handle.timings["blocked"] = time.perf_counter() - t0
             self._handles.append(handle)
             return handle
-        self._adapt_interval()
+        self.schedule.saved(step, self._handles)
         self._ordinal += 1
-        self._last_step = step
         self.capturer.place(snap, state_copy, slab, plan)
         with self._lock:
             self._snaps.append(snap)
@@ -342,25 +354,6 @@ class Checkpointer:
             self._flush_q.put(snap)  # pipelined: writes follow the capture
         handle.timings["blocked"] = time.perf_counter() - t0
         return handle
-
-    def _adapt_interval(self) -> None:
-        """With ``max_overhead``: sets the interval so that the blocking time of
-        the last checkpoint, spread over the interval's steps, stays under
-        that share of the measured step time."""
-        if self.max_overhead is None or not self._step_times:
-            return
-        prev = [h for h in self._handles if h.state not in ("skipped", "failed")]
-        if not prev:
-            return
-        blocked = prev[-1].timings.get("blocked", 0.0)
-        step_t = sorted(self._step_times)[len(self._step_times) // 2]
-        if step_t <= 0:
-            return
-        need = max(self.min_interval, math.ceil(blocked / (self.max_overhead * step_t)))
-        if need > self.interval:
-            self.interval = need
-        elif need * 4 <= self.interval:
-            self.interval = max(self.min_interval, self.interval // 2)
 
     def wait_capture(self) -> None:
         """Blocks until every started checkpoint is captured (needed before
@@ -480,22 +473,13 @@ class Checkpointer:
             self._free_shm()
 
     def _free_shm(self) -> None:
-        """Removes this node's shared-memory copies (its leader does) when a
+        """Frees this node's shared-memory copies (its leader does) when a
         farther tier holds their newest step: the copies exist to survive a
         crash, and a clean close is not one. Only a Checkpointer that saved
         (the training job) frees them; one that only restored leaves them."""
         shm = self.shm_tier
-        if shm is None or not self.node.leader or len(self.disks) < 2 or self._ordinal == 0:
-            return
-        cands = self.checkpoints()
-        newest = max((c["step"] for c in cands if c["tier"] == shm.name), default=None)
-        if newest is None or not any(c["step"] >= newest for c in cands if c["tier"] not in (shm.name, self.host.name)):
-            return  # the shared-memory copy is the only one of the newest step: kept
-        for d in self.cascade.tier_paths(shm):
-            shutil.rmtree(d, ignore_errors=True)
-            if d.parent.name.startswith("tierstore-") and str(d.parent).startswith("/dev/shm/"):
-                with contextlib.suppress(OSError):
-                    d.parent.rmdir()  # the default folder, once no node's copy is left in it
+        if shm is not None and self.node.leader and len(self.disks) >= 2 and self._ordinal > 0:
+            free_shm_copies(shm.name, self.cascade.tier_paths(shm), self.checkpoints(), self.host.name)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -518,9 +502,7 @@ class Checkpointer:
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         now = time.perf_counter()
-        if self._last_hook is not None:
-            self._step_times.append(now - self._last_hook)
-            del self._step_times[:-50]
+        self.schedule.step_began(now)
         # A torch optimizer changes GPU tensors with work on the current
         # stream: that stream can wait for the capture's copies on the device.
         # An offloaded optimizer copies its own way, so its step waits here.
@@ -528,7 +510,7 @@ class Checkpointer:
         waited = time.perf_counter() - now
         if pending:
             pending[-1].handle.timings["blocked"] += waited
-        self._last_hook = time.perf_counter()
+        self.schedule.step_resumed(time.perf_counter())
         self.capturer.verify()
         self.capturer.raise_errors()
 
@@ -546,15 +528,8 @@ class Checkpointer:
                 return
             try:
                 fn(snap)
-            except BaseException as e:  # reported through the handle and wait()
-                if isinstance(e, Exception) and not isinstance(e, TierstoreError):
-                    # e.g. a collective's error when another rank died: named for the user
-                    wrapped = TierstoreError(
-                        f"{self.path}: checkpoint of step {snap.step} failed in {name} on rank {self.rank} of "
-                        f"{self.world}" + (" (a rank died or timed out?)" if self.world > 1 else "") + f": {e}"
-                    )
-                    wrapped.__cause__ = e
-                    e = wrapped
+            except BaseException as exc:  # reported through the handle and wait()
+                e = _named(exc, f"{self.path}: checkpoint of step {snap.step} failed in {name}", self.rank, self.world)
                 drop_offload_pins(snap)
                 snap.handle.error = e
                 self._errors.append(e)

@@ -72,6 +72,7 @@ from tierstore._offload_entry import (
     restore_state_dict,
 )
 from tierstore._offload_io import SESSION, StoragePath
+from tierstore._offload_pipeline import step_pipelined
 from tierstore._offload_placement import Placement
 from tierstore._offload_store import HostMemory, SubgroupStore
 from tierstore._offload_subgroup import PAGE, Subgroup, partition
@@ -245,7 +246,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         active = [sg for sg in order if any(p.grad is not None for p in sg.params)]
         try:
             if self.pipeline:
-                self._step_pipelined(active)
+                step_pipelined(self._store, self._memory, active, self._update, self.stats)
             else:
                 for sg in active:
                     self._store.load_sync(sg)
@@ -255,75 +256,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._flush_warnings()
         self.steps += 1
         return loss
-
-    def _step_pipelined(self, order: list[Subgroup]) -> None:
-        store, memory = self._store, self._memory
-        # What stays resident for the next step (the last subgroups of this
-        # order, the first of the next one).
-        keep: set[int] = set()
-        room = store.keep_budget()
-        for sg in reversed(order):
-            size = sg.nbytes if sg.inner is not None else 3 * sg.nbytes  # state is created in the first step
-            if size > room:
-                continue  # the tail need not be contiguous: smaller ones may still fit
-            keep.add(sg.index)
-            room -= size
-        # A subgroup resident now but not wanted until much later is written
-        # back first, making room for the reads this step needs soon.
-        nxt = 0  # next position in `order` to read ahead
-        for pos, sg in enumerate(order):
-            nxt = max(nxt, pos)
-            nxt = self._read_ahead(order, nxt)
-            t0 = time.perf_counter()
-            while True:
-                f = sg.writing or sg.reading
-                if f is not None:
-                    if f is sg.writing:
-                        store.want(sg)
-                    if f.done():
-                        store.settle(sg)
-                        continue
-                elif sg.resident:
-                    break
-                elif memory.try_reserve(sg.nbytes, force=memory.writes_in_flight == 0):
-                    # Not started for lack of room; there is room now (or
-                    # nothing in flight will make any: the working minimum).
-                    store.start_read(sg)
-                    continue
-                memory.wait()
-                nxt = self._read_ahead(order, nxt)
-            self.stats["wait_s"] += time.perf_counter() - t0
-            sg.wanted = False
-            self._update(sg)
-            if sg.index not in keep:
-                store.start_write(sg)
-            self._check_errors(order[: pos + 1])
-        # The write-backs finish during the next forward and backward.
-
-    def _read_ahead(self, order: list[Subgroup], nxt: int) -> int:
-        """Starts reads of ``order[nxt:]`` while the budget has room; returns
-        the first position not started."""
-        store = self._store
-        while nxt < len(order):
-            sg = order[nxt]
-            if sg.writing is not None and sg.writing.done():
-                store.settle(sg)
-            if sg.writing is not None and not store.want(sg):
-                break  # written back and let go: read it once the write is done
-            if sg.resident or sg.reading is not None:
-                nxt += 1
-                continue
-            if not self._memory.try_reserve(sg.nbytes):
-                break
-            store.start_read(sg)
-            nxt += 1
-        return nxt
-
-    def _check_errors(self, done: list[Subgroup]) -> None:
-        for sg in done:
-            f = sg.writing
-            if f is not None and f.done() and f.exception() is not None:
-                self._store.settle(sg)
 
     def _grad_buffer(self, numel: int) -> torch.Tensor:
         if self._grad32 is None or self._grad32.numel() < numel:
