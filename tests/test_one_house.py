@@ -174,6 +174,15 @@ def test_every_exception_raised_on_purpose_is_a_tierstore_error() -> None:
     assert not found, found
     for name in tierstore.errors.__all__:
         assert issubclass(getattr(tierstore.errors, name), TierstoreError), name
+        assert getattr(tierstore, name) is getattr(tierstore.errors, name), name
+        assert name in tierstore.__all__, name
+    # Every public error class is listed once, in errors.__all__, and so reaches the top level.
+    defined = {
+        n
+        for n, c in vars(tierstore.errors).items()
+        if isinstance(c, type) and issubclass(c, TierstoreError) and not n.startswith("_")
+    }
+    assert defined == set(tierstore.errors.__all__), defined ^ set(tierstore.errors.__all__)
 
 
 def test_argument_errors_are_tierstore_errors_and_builtins(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ Files are ordinary torch zip archives: ``torch.load`` opens them, and
 
 from __future__ import annotations
 
+from tierstore import errors
 from tierstore._core import __version__
 from tierstore._engine import configure, get_engine
 from tierstore._info import info
@@ -18,40 +19,7 @@ from tierstore.api import load, save
 from tierstore.checkpointer import Checkpointer, CheckpointHandle
 from tierstore.codec import Delta
 from tierstore.devices import DeviceShare, take_turns
-from tierstore.errors import (
-    ChecksumError,
-    CompressedFileError,
-    CorruptFileError,
-    CoverageError,
-    DeviceError,
-    DirectoryError,
-    FormatError,
-    InternalError,
-    InvalidArgumentError,
-    InvalidArgumentTypeError,
-    LayoutError,
-    ManifestError,
-    MissingRecordError,
-    NoSpaceError,
-    NotAContainerError,
-    NotAFileError,
-    NotFoundError,
-    NotSeekableError,
-    PermissionDeniedError,
-    ReferencedCheckpointError,
-    ResourceLimitError,
-    StorageIOError,
-    TierstoreError,
-    TorchLoadError,
-    TornSnapshotError,
-    TruncatedFileError,
-    UnsafeObjectError,
-    UnsafePathError,
-    UnsafeTorchScriptError,
-    UnsupportedObjectError,
-    UsageError,
-    WaitTimeoutError,
-)
+from tierstore.errors import *  # noqa: F403  (every error class, also at the top level: errors.__all__)
 from tierstore.layout import Layout, attach, layout_of
 from tierstore.offload import OffloadedOptimizer, offload
 from tierstore.resume import ResumableSampler, RunState
@@ -67,48 +35,16 @@ from tierstore.tiers import DiskTier, HostTier, RemoteTier
 __all__ = [
     "CheckpointHandle",
     "Checkpointer",
-    "ChecksumError",
-    "CompressedFileError",
-    "CorruptFileError",
-    "CoverageError",
     "Delta",
-    "DeviceError",
     "DeviceShare",
-    "DirectoryError",
     "DiskTier",
-    "FormatError",
     "HostTier",
-    "InternalError",
-    "InvalidArgumentError",
-    "InvalidArgumentTypeError",
     "Layout",
-    "LayoutError",
-    "ManifestError",
-    "MissingRecordError",
-    "NoSpaceError",
-    "NotAContainerError",
-    "NotAFileError",
-    "NotFoundError",
-    "NotSeekableError",
     "OffloadedOptimizer",
     "PerRank",
-    "PermissionDeniedError",
-    "ReferencedCheckpointError",
     "RemoteTier",
-    "ResourceLimitError",
     "ResumableSampler",
     "RunState",
-    "StorageIOError",
-    "TierstoreError",
-    "TorchLoadError",
-    "TornSnapshotError",
-    "TruncatedFileError",
-    "UnsafeObjectError",
-    "UnsafePathError",
-    "UnsafeTorchScriptError",
-    "UnsupportedObjectError",
-    "UsageError",
-    "WaitTimeoutError",
     "__version__",
     "attach",
     "configure",
@@ -125,3 +61,4 @@ __all__ = [
     "save_sharded",
     "take_turns",
 ]
+__all__ += errors.__all__

@@ -64,6 +64,7 @@ __all__ = [
     "NotFoundError",
     "NotSeekableError",
     "PermissionDeniedError",
+    "ReferencedCheckpointError",
     "ResourceLimitError",
     "StorageIOError",
     "TierstoreError",

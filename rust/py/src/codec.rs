@@ -48,6 +48,24 @@ unsafe fn slice_mut<'a>(addr: usize, len: usize) -> PyResult<&'a mut [u8]> {
     Ok(unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) })
 }
 
+/// A decode's reference (none where `ref_addr` is 0) and its output.
+///
+/// # Safety
+///
+/// As for `slice` (the reference) and `slice_mut` (the output).
+unsafe fn decode_buffers<'a>(
+    ref_addr: usize,
+    ref_len: usize,
+    out: usize,
+    out_len: usize,
+) -> PyResult<(Option<&'a [u8]>, &'a mut [u8])> {
+    // SAFETY: per the function's contract.
+    let reference = unsafe { slice(ref_addr, ref_len)? };
+    // SAFETY: per the function's contract.
+    let dst = unsafe { slice_mut(out, out_len)? };
+    Ok(((ref_addr != 0).then_some(reference), dst))
+}
+
 fn to_pyerr(py: Python<'_>, e: CodecError, path: Option<&str>, record: Option<&str>) -> PyErr {
     let kind = match e {
         CodecError::Mismatch { .. } => "checksum",
@@ -147,11 +165,12 @@ fn codec_decode(
 ) -> PyResult<()> {
     // SAFETY: the caller keeps the buffers alive for the call; `out` is
     // written only through the slice made here.
-    let (enc, reference) = unsafe { (slice(src, n)?, slice(ref_addr, ref_len)?) };
-    let reference = (ref_addr != 0).then_some(reference);
-    // SAFETY: the caller keeps `out_len` bytes at `out` alive for the call,
-    // written only through this slice.
-    let dst = unsafe { slice_mut(out, out_len)? };
+    let (enc, (reference, dst)) = unsafe {
+        (
+            slice(src, n)?,
+            decode_buffers(ref_addr, ref_len, out, out_len)?,
+        )
+    };
     py.detach(|| codec::decode(enc, reference, dst, threads))
         .map_err(|e| to_pyerr(py, e, path, record))
 }
@@ -278,11 +297,7 @@ fn codec_decode_span(
     };
     // SAFETY: the caller keeps the buffers alive for the call; `out` is
     // written only through the slice made here.
-    let reference = unsafe { slice(ref_addr, ref_len)? };
-    let reference = (ref_addr != 0).then_some(reference);
-    // SAFETY: the caller keeps `out_len` bytes at `out` alive for the call,
-    // written only through this slice.
-    let dst = unsafe { slice_mut(out, out_len)? };
+    let (reference, dst) = unsafe { decode_buffers(ref_addr, ref_len, out, out_len)? };
     py.detach(|| codec::decode_span(head, payload_len, &span, window, reference, dst, threads))
         .map_err(|e| to_pyerr(py, e, path, record))
 }
