@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,33 +66,22 @@ def copy_from_device(c: gpu.Copier, dst: torch.Tensor, src: torch.Tensor) -> Non
         dst.copy_(src, non_blocking=True)
 
 
+@dataclass(eq=False, kw_only=True)
 class Capturer:
     """The capture side of a Checkpointer: its snapshots not yet captured
     (``pending``), the errors of captures to raise, the side stream."""
 
-    def __init__(
-        self,
-        *,
-        pool: HostPool,
-        lock: threading.Lock,
-        snaps: list[Snapshot],
-        optimizers: list[torch.optim.Optimizer],
-        flush_q: queue.Queue[Snapshot | None],
-        host_name: str,
-        world: int,
-        debug: bool,
-    ) -> None:
-        self.pool = pool
-        self.lock = lock
-        self.snaps = snaps
-        self.optimizers = optimizers
-        self.flush_q = flush_q
-        self.host_name = host_name
-        self.world = world
-        self.debug = debug
-        self.pending: list[Snapshot] = []  # not yet captured
-        self.errors: list[BaseException] = []
-        self.owned_cache: tuple[Any, set[int]] | None = None
+    pool: HostPool
+    lock: threading.Lock
+    snaps: list[Snapshot]
+    optimizers: list[torch.optim.Optimizer]
+    flush_q: queue.Queue[Snapshot | None]
+    host_name: str
+    world: int
+    debug: bool
+    pending: list[Snapshot] = field(default_factory=list, init=False)  # not yet captured
+    errors: list[BaseException] = field(default_factory=list, init=False)
+    owned_cache: tuple[Any, set[int]] | None = field(default=None, init=False)
 
     def plan(
         self, state: Mapping[str, Any], snap: Snapshot, owned: set[int] | None
