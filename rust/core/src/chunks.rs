@@ -628,7 +628,8 @@ impl Drop for Mapping {
 /// Per-table chunk bookkeeping: how many ranges touch each chunk, and whether
 /// the single range touching it covers it whole.
 struct Touch {
-    count: Vec<u32>,
+    /// Ranges touching each chunk (only 0, 1 and more matter: saturating).
+    count: Vec<u8>,
     whole: Vec<bool>,
 }
 
@@ -682,6 +683,239 @@ fn par_each<T: Sync>(
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// Part of a range that lies in chunks `c0..c1` of table `ti` that are
+/// checked in the mapping (shared or partial chunks, or direct ones
+/// demoted): file bytes `[off, off + len)` for caller memory `mem`.
+#[derive(Clone, Copy)]
+struct Seg {
+    ti: usize,
+    c0: u64,
+    c1: u64,
+    off: u64,
+    len: usize,
+    mem: SendPtr,
+}
+
+impl Seg {
+    /// Adds the part of chunk `i` at `off` (for `mem`), extending the last
+    /// segment where it continues it in the file, in memory and in chunks.
+    fn push(segs: &mut Vec<Seg>, ti: usize, i: u64, off: u64, len: usize, mem: *mut u8) {
+        if let Some(g) = segs.last_mut() {
+            // The address right after the segment, only compared.
+            if g.ti == ti
+                && g.c1 == i
+                && g.off + g.len as u64 == off
+                && g.mem.0.wrapping_add(g.len) == mem
+            {
+                g.c1 += 1;
+                g.len += len;
+                return;
+            }
+        }
+        segs.push(Seg {
+            ti,
+            c0: i,
+            c1: i + 1,
+            off,
+            len,
+            mem: SendPtr(mem),
+        });
+    }
+
+    /// The segments cut at chunk boundaries, `(table, chunk, offset, length,
+    /// memory)`, sorted by table, chunk and offset.
+    fn per_chunk(segs: &[Seg], tables: &[ChunkTable]) -> Vec<(usize, u64, u64, usize, SendPtr)> {
+        let mut out = Vec::with_capacity(segs.len());
+        for g in segs {
+            let t = &tables[g.ti];
+            let (mut off, end) = (g.off, g.off + g.len as u64);
+            for i in g.c0..g.c1 {
+                let ce = t.data_offset + t.chunk_span(i).1;
+                let n = ce.min(end) - off;
+                // SAFETY: inside the segment's memory.
+                let mem = unsafe { g.mem.0.add((off - g.off) as usize) };
+                out.push((g.ti, i, off, n as usize, SendPtr(mem)));
+                off += n;
+            }
+        }
+        crate::ranges::sort_unless_sorted(&mut out, |&(ti, i, off, ..)| (ti, i, off));
+        out
+    }
+}
+
+/// The units of a Touched or Full read: each segment's chunks checked whole
+/// (segments whose chunks overlap, or follow each other up to [`UNIT_MAX`]
+/// bytes, join one unit), and for Full every chunk no range touches.
+/// `segs` are sorted by offset; the units come sorted by offset.
+fn units_of_segments(
+    tables: &[ChunkTable],
+    touch: &[Touch],
+    segs: &[Seg],
+    coverage: Coverage,
+) -> Vec<Unit> {
+    let mut units: Vec<Unit> = Vec::with_capacity(segs.len());
+    let join =
+        |units: &mut Vec<Unit>, ti: usize, c0: u64, c1: u64, parts: std::ops::Range<usize>| {
+            let t = &tables[ti];
+            let (start, end) = (
+                t.data_offset + t.chunk_span(c0).0,
+                t.data_offset + t.chunk_span(c1 - 1).1,
+            );
+            if let Some(u) = units.last_mut() {
+                if let Some((uti, first, count)) = u.check.as_mut() {
+                    let u_end = u.off + u.len;
+                    let same = *uti == ti && u.parts.end == parts.start;
+                    let overlaps = start >= u.off && start < u_end;
+                    if same && (overlaps || (start == u_end && u.len + (end - start) <= UNIT_MAX)) {
+                        if end > u_end {
+                            u.len = end - u.off;
+                            *count = c1 - *first;
+                        }
+                        u.parts.end = parts.end;
+                        return;
+                    }
+                }
+            }
+            units.push(Unit {
+                off: start,
+                len: end - start,
+                check: Some((ti, c0, c1 - c0)),
+                sum: None,
+                parts,
+            });
+        };
+    for (k, g) in segs.iter().enumerate() {
+        join(&mut units, g.ti, g.c0, g.c1, k..k + 1);
+    }
+    if coverage == Coverage::Full {
+        let at = segs.len();
+        for (ti, t) in tables.iter().enumerate() {
+            for i in 0..t.sums.len() {
+                if touch[ti].count[i] == 0 {
+                    join(&mut units, ti, i as u64, i as u64 + 1, at..at);
+                }
+            }
+        }
+    }
+    crate::ranges::sort_unless_sorted(&mut units, |u| u.off);
+    units
+}
+
+/// The units of a Shared read, chunk by chunk: a chunk its own parts cover
+/// whole (or of 2 GiB or more) is checked here; the parts of one read in part
+/// are checksummed into pieces (`out.pieces`, `out.filled`, their sums in
+/// `sums`), proven later with the other ranks'. `staged`: from
+/// [`Seg::per_chunk`].
+fn units_per_chunk(
+    tables: &[ChunkTable],
+    touch: &[Touch],
+    staged: &[(usize, u64, u64, usize, SendPtr)],
+    out: &mut Verified,
+    sums: &mut Vec<(Algo, AtomicU32)>,
+) -> Vec<Unit> {
+    let direct_chunk = |ti: usize, i: usize| touch[ti].count[i] == 1 && touch[ti].whole[i];
+    // Chunks checked in the mapping, each with the staged parts it holds
+    // (copied right after the chunk is verified, while it is in cache).
+    let mut mapped: Vec<(usize, u64, usize, usize)> = Vec::new(); // (table, chunk, staged from, to)
+    let mut at = 0usize;
+    for (ti, t) in tables.iter().enumerate() {
+        for i in 0..t.sums.len() {
+            if touch[ti].count[i] == 0 || direct_chunk(ti, i) {
+                continue;
+            }
+            let from = at;
+            while at < staged.len() && (staged[at].0, staged[at].1) == (ti, i as u64) {
+                at += 1;
+            }
+            mapped.push((ti, i as u64, from, at));
+        }
+    }
+    debug_assert_eq!(
+        at,
+        staged.len(),
+        "every staged part belongs to a mapped chunk"
+    );
+    let mut units: Vec<Unit> = Vec::with_capacity(mapped.len());
+    for &(ti, i, from, to) in &mapped {
+        let t = &tables[ti];
+        let (cs, ce) = t.chunk_span(i);
+        let (start, end) = (t.data_offset + cs, t.data_offset + ce);
+        // The chunk's own parts (sorted by offset) cover it whole?
+        let covered = staged[from..to]
+            .iter()
+            .try_fold(start, |at, &(_, _, off, len, _)| {
+                (off <= at).then_some(at.max(off + len as u64))
+            });
+        // A chunk of 2 GiB or more (a whole-record checksum of an old file)
+        // is checked here: pieces describe spans within 31 bits.
+        let local = from == to || covered.is_some_and(|at| at >= end) || end - start >= 1 << 31;
+        if local {
+            // The next chunk of the same record joins the unit before it (up
+            // to UNIT_MAX bytes): one span of the mapping, its chunks checked
+            // in turn, rather than one unit per (small) chunk.
+            if let Some(u) = units.last_mut() {
+                if let Some((uti, first, count)) = u.check.as_mut() {
+                    if *uti == ti
+                        && *first + *count == i
+                        && u.off + u.len == start
+                        && u.len + (end - start) <= UNIT_MAX
+                        && u.parts.end == from
+                    {
+                        *count += 1;
+                        u.len += end - start;
+                        u.parts.end = to;
+                        continue;
+                    }
+                }
+            }
+            units.push(Unit {
+                off: start,
+                len: end - start,
+                check: Some((ti, i, 1)),
+                sum: None,
+                parts: from..to,
+            });
+            continue;
+        }
+        // Read in part: each span of overlapping parts is one piece.
+        for (k, &(_, _, off, len, mem)) in staged.iter().enumerate().take(to).skip(from) {
+            out.filled.push(Filled {
+                chunk_offset: start,
+                offset: off,
+                len: len as u64,
+                mem: mem.0 as usize,
+            });
+            match units.last_mut() {
+                Some(u) if u.sum.is_some() && u.parts.start >= from && off <= u.off + u.len => {
+                    u.len = u.len.max(off + len as u64 - u.off);
+                    u.parts.end = k + 1;
+                }
+                _ => {
+                    units.push(Unit {
+                        off,
+                        len: len as u64,
+                        check: None,
+                        sum: Some(sums.len()),
+                        parts: k..k + 1,
+                    });
+                    sums.push((t.algo, AtomicU32::new(0)));
+                    out.pieces.push(Piece {
+                        chunk_offset: start,
+                        chunk_len: end - start,
+                        offset: off,
+                        len: 0,
+                        sum: 0,
+                        expected: t.sums[i as usize],
+                        algo: t.algo,
+                    });
+                }
+            }
+        }
+    }
+    crate::ranges::sort_unless_sorted(&mut units, |u| u.off);
+    units
 }
 
 /// Reads `ranges` of `file` into caller memory and verifies the chunks they
@@ -745,7 +979,7 @@ pub unsafe fn read_ranges_verified(
         for i in rs / t.chunk..re.div_ceil(t.chunk) {
             let (cs, ce) = t.chunk_span(i);
             let i = i as usize;
-            tc.count[i] += 1;
+            tc.count[i] = tc.count[i].saturating_add(1);
             tc.whole[i] = rs <= cs && re >= ce;
         }
     }
@@ -754,14 +988,14 @@ pub unsafe fn read_ranges_verified(
     }
     let direct_chunk = |ti: usize, i: usize| touch[ti].count[i] == 1 && touch[ti].whole[i];
     // Split each range into runs of direct chunks (read into place by the
-    // engine) and parts of shared or partial chunks (copied from the mapping).
+    // engine) and segments: the parts of a range that lie in shared or
+    // partial chunks (copied from the mapping), one per run of such chunks
+    // (not one per chunk: a column shard's row is one segment).
     let mut direct: Vec<IoRange> = Vec::new();
     // For each direct range, the end of its chunks in `direct_chunks`.
     let mut direct_ends: Vec<usize> = Vec::new();
     let mut direct_chunks: Vec<(usize, u64, SendPtr)> = Vec::new(); // (table, chunk, memory)
-                                                                    // (table, chunk, file offset, length, memory) of each part of a range
-                                                                    // that lies in a shared or partial chunk.
-    let mut staged: Vec<(usize, u64, u64, usize, SendPtr)> = Vec::new();
+    let mut segs: Vec<Seg> = Vec::new();
     for r in ranges {
         let t = &tables[r.table];
         let (s, e) = (r.range.offset, r.range.offset + r.range.len as u64);
@@ -796,13 +1030,14 @@ pub unsafe fn read_ranges_verified(
                     }
                 }
             } else {
-                staged.push((
+                Seg::push(
+                    &mut segs,
                     r.table,
                     i,
                     t.data_offset + ps,
                     (pe - ps) as usize,
-                    SendPtr(mem),
-                ));
+                    mem,
+                );
             }
             i += 1;
         }
@@ -811,7 +1046,6 @@ pub unsafe fn read_ranges_verified(
     // run, e.g. a column shard's row that happens to cover one) would be a
     // small O_DIRECT read between the mapping's streamed pages: its chunks
     // are checked in the mapping instead, the same bytes read.
-    let mut demoted: Vec<(usize, u64)> = Vec::new();
     {
         let (mut kept, mut kept_ends, mut kept_chunks) = (Vec::new(), Vec::new(), Vec::new());
         let mut first = 0usize;
@@ -827,46 +1061,20 @@ pub unsafe fn read_ranges_verified(
             for &(ti, i, mem) in chunks {
                 let t = &tables[ti];
                 let (cs, ce) = t.chunk_span(i);
-                staged.push((ti, i, t.data_offset + cs, (ce - cs) as usize, mem));
-                demoted.push((ti, i));
+                Seg::push(
+                    &mut segs,
+                    ti,
+                    i,
+                    t.data_offset + cs,
+                    (ce - cs) as usize,
+                    mem.0,
+                );
+                touch[ti].whole[i as usize] = false;
             }
         }
         (direct, direct_ends, direct_chunks) = (kept, kept_ends, kept_chunks);
     }
-    for &(ti, i) in &demoted {
-        touch[ti].whole[i as usize] = false;
-    }
-    let direct_chunk = |ti: usize, i: usize| touch[ti].count[i] == 1 && touch[ti].whole[i];
-    crate::ranges::sort_unless_sorted(&mut staged, |&(ti, i, off, ..)| (ti, i, off));
-    // Chunks checked in the mapping, each with the staged parts it holds
-    // (copied right after the chunk is verified, while it is in cache): the
-    // shared and partial ones, and for full coverage every chunk no range
-    // touches.
-    let mut mapped: Vec<(usize, u64, usize, usize)> = Vec::new(); // (table, chunk, staged from, to)
-    let mut at = 0usize;
-    for (ti, t) in tables.iter().enumerate() {
-        for i in 0..t.sums.len() {
-            let c = touch[ti].count[i];
-            let check = if c == 0 {
-                coverage == Coverage::Full
-            } else {
-                !direct_chunk(ti, i)
-            };
-            if !check {
-                continue;
-            }
-            let from = at;
-            while at < staged.len() && (staged[at].0, staged[at].1) == (ti, i as u64) {
-                at += 1;
-            }
-            mapped.push((ti, i as u64, from, at));
-        }
-    }
-    debug_assert_eq!(
-        at,
-        staged.len(),
-        "every staged part belongs to a mapped chunk"
-    );
+    crate::ranges::sort_unless_sorted(&mut segs, |g| g.off);
     let mut out = Verified::default();
     let direct_bytes: u64 = direct.iter().map(|r| r.len as u64).sum();
     // Direct reads go in batches: batch k is verified in place while batch
@@ -932,85 +1140,28 @@ pub unsafe fn read_ranges_verified(
     }
     out.read += direct_bytes;
     out.checked += direct_bytes;
-    let mut units: Vec<Unit> = Vec::with_capacity(mapped.len());
     let mut sums: Vec<(Algo, AtomicU32)> = Vec::new();
-    for &(ti, i, from, to) in &mapped {
-        let t = &tables[ti];
-        let (cs, ce) = t.chunk_span(i);
-        let (start, end) = (t.data_offset + cs, t.data_offset + ce);
-        // The chunk's own parts (sorted by offset) cover it whole?
-        let covered = staged[from..to]
+    let (units, parts) = if coverage == Coverage::Shared {
+        let staged = Seg::per_chunk(&segs, tables);
+        drop(segs);
+        let units = units_per_chunk(tables, &touch, &staged, &mut out, &mut sums);
+        let parts: Vec<Part> = staged
             .iter()
-            .try_fold(start, |at, &(_, _, off, len, _)| {
-                (off <= at).then_some(at.max(off + len as u64))
-            });
-        // A chunk of 2 GiB or more (a whole-record checksum of an old file)
-        // is checked here: pieces describe spans within 31 bits.
-        let local = from == to || covered.is_some_and(|at| at >= end) || end - start >= 1 << 31;
-        if coverage != Coverage::Shared || local {
-            // The next chunk of the same record joins the unit before it (up
-            // to UNIT_MAX bytes): one span of the mapping, its chunks checked
-            // in turn, rather than one unit per (small) chunk.
-            if let Some(u) = units.last_mut() {
-                if let Some((uti, first, count)) = u.check.as_mut() {
-                    if *uti == ti
-                        && *first + *count == i
-                        && u.off + u.len == start
-                        && u.len + (end - start) <= UNIT_MAX
-                        && u.parts.end == from
-                    {
-                        *count += 1;
-                        u.len += end - start;
-                        u.parts.end = to;
-                        continue;
-                    }
-                }
-            }
-            units.push(Unit {
-                off: start,
-                len: end - start,
-                check: Some((ti, i, 1)),
-                sum: None,
-                parts: from..to,
-            });
-            continue;
-        }
-        // Read in part: each span of overlapping parts is one piece.
-        for (k, &(_, _, off, len, mem)) in staged.iter().enumerate().take(to).skip(from) {
-            out.filled.push(Filled {
-                chunk_offset: start,
-                offset: off,
-                len: len as u64,
-                mem: mem.0 as usize,
-            });
-            match units.last_mut() {
-                Some(u) if u.sum.is_some() && u.parts.start >= from && off <= u.off + u.len => {
-                    u.len = u.len.max(off + len as u64 - u.off);
-                    u.parts.end = k + 1;
-                }
-                _ => {
-                    units.push(Unit {
-                        off,
-                        len: len as u64,
-                        check: None,
-                        sum: Some(sums.len()),
-                        parts: k..k + 1,
-                    });
-                    sums.push((t.algo, AtomicU32::new(0)));
-                    out.pieces.push(Piece {
-                        chunk_offset: start,
-                        chunk_len: end - start,
-                        offset: off,
-                        len: 0,
-                        sum: 0,
-                        expected: t.sums[i as usize],
-                        algo: t.algo,
-                    });
-                }
-            }
-        }
-    }
-    crate::ranges::sort_unless_sorted(&mut units, |u| u.off);
+            .map(|&(_, _, off, len, mem)| Part { off, len, mem })
+            .collect();
+        (units, parts)
+    } else {
+        let units = units_of_segments(tables, &touch, &segs, coverage);
+        let parts: Vec<Part> = segs
+            .iter()
+            .map(|g| Part {
+                off: g.off,
+                len: g.len,
+                mem: g.mem,
+            })
+            .collect();
+        (units, parts)
+    };
     if units.windows(2).any(|w| w[0].off + w[0].len > w[1].off) {
         return Err(Error::corrupt(
             &file.path,
@@ -1018,10 +1169,6 @@ pub unsafe fn read_ranges_verified(
             "records whose data overlap in the file".to_owned(),
         ));
     }
-    let parts: Vec<Part> = staged
-        .iter()
-        .map(|&(_, _, off, len, mem)| Part { off, len, mem })
-        .collect();
     let streamed = stream(file, &units, &parts, tables, &sums, threads)?;
     out.read += streamed;
     out.checked += units
@@ -1115,6 +1262,67 @@ pub fn prove_pieces(pieces: &[(u64, Piece)]) -> Vec<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn table(data_offset: u64, size: u64, chunk: u64) -> ChunkTable {
+        ChunkTable {
+            record: "r".into(),
+            data_offset,
+            size,
+            chunk,
+            algo: Algo::Crc32,
+            sums: vec![0; chunk_count(size, chunk) as usize],
+        }
+    }
+
+    /// A column shard of a row-major matrix: one segment and one unit per
+    /// row (not one per chunk), each unit the whole chunks its row touches;
+    /// with Full, the chunks between the rows join units of their own.
+    #[test]
+    fn a_column_is_one_segment_and_one_unit_per_row() {
+        let t = table(4096, 16 * 5120, 512);
+        let mut buf = vec![0u8; 16 * 1280];
+        let mut segs = Vec::new();
+        for row in 0..16u64 {
+            let (s, e) = (row * 5120 + 1280, row * 5120 + 2560);
+            // SAFETY: inside `buf`.
+            let mem = unsafe { buf.as_mut_ptr().add((row * 1280) as usize) };
+            for i in s / 512..e.div_ceil(512) {
+                let (cs, ce) = (i * 512, (i + 1) * 512);
+                let (ps, pe) = (cs.max(s), ce.min(e));
+                // SAFETY: inside `buf`.
+                let m = unsafe { mem.add((ps - s) as usize) };
+                Seg::push(&mut segs, 0, i, 4096 + ps, (pe - ps) as usize, m);
+            }
+        }
+        assert_eq!(segs.len(), 16);
+        assert!(segs.iter().all(|g| g.c1 - g.c0 == 3 && g.len == 1280));
+        let mut touch = vec![Touch {
+            count: vec![0; t.sums.len()],
+            whole: vec![false; t.sums.len()],
+        }];
+        for g in &segs {
+            for i in g.c0..g.c1 {
+                touch[0].count[i as usize] = 1;
+            }
+        }
+        let tables = [t];
+        let units = units_of_segments(&tables, &touch, &segs, Coverage::Touched);
+        assert_eq!(units.len(), 16);
+        for (k, u) in units.iter().enumerate() {
+            assert_eq!((u.off, u.len), (4096 + k as u64 * 5120 + 1024, 1536));
+            assert_eq!(u.check, Some((0, k as u64 * 10 + 2, 3)));
+            assert_eq!(u.parts, k..k + 1);
+        }
+        let full = units_of_segments(&tables, &touch, &segs, Coverage::Full);
+        let checked: u64 = full.iter().map(|u| u.len).sum();
+        assert_eq!(checked, 16 * 5120, "every chunk once");
+        assert!(
+            full.windows(2).all(|w| w[0].off + w[0].len <= w[1].off),
+            "disjoint, sorted"
+        );
+        // Chunks 0 and 1 (before the first row's part) are checked too.
+        assert_eq!(full[0].off, 4096);
+    }
 
     fn piece(data: &[u8], chunk: (u64, u64), span: (u64, u64), algo: Algo) -> Piece {
         let (c, n) = chunk;
