@@ -1327,6 +1327,9 @@ fn arb_range() -> impl Strategy<Value = (Index, RangeSpec)> {
     let spec = prop_oneof![
         4 => (any::<Index>(), any::<Index>(), any::<Index>()).prop_map(|(a, b, c)| RangeSpec::Span(a, b, c)),
         2 => (any::<Index>(), 1usize..64, 1usize..5000, 1usize..40).prop_map(|(a, w, s, n)| RangeSpec::Column(a, w, s, n)),
+        // Rows of a wider column: each row's run spans several chunks, partial at
+        // its ends (one segment each, joined with neighbours sharing a chunk).
+        1 => (any::<Index>(), 64usize..3000, 1usize..8000, 1usize..40).prop_map(|(a, w, s, n)| RangeSpec::Column(a, w, s, n)),
         1 => (0usize..5000).prop_map(RangeSpec::Tail),
         2 => (any::<Index>(), 1u64..4).prop_map(|(a, n)| RangeSpec::Chunks(a, n)),
         1 => any::<Index>().prop_map(RangeSpec::Empty),
