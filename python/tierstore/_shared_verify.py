@@ -68,14 +68,6 @@ def collect(file: int, path: str, tables: list[Any], pieces: bytes, filled: byte
     return FilePieces(file, path, tables, p, f)
 
 
-def _owners(rows: np.ndarray, world: int) -> np.ndarray:
-    """The rank that proves each piece's chunk: a hash of (file, chunk offset)."""
-    with np.errstate(over="ignore"):
-        key = rows[:, _LAST] >> np.uint64(32)
-        h = key * np.uint64(0x9E3779B97F4A7C15) ^ (rows[:, _CHUNK] >> np.uint64(12)) * np.uint64(0xC2B2AE3D27D4EB4F)
-    return ((h >> np.uint64(33)) % np.uint64(world)).astype(np.int64)
-
-
 def settle(files: list[FilePieces] | None, world: int, pg: Any) -> tuple[int, int, int]:
     """Proves the pieces of ``files`` with the other ranks of ``pg`` (every
     rank calls this, once per load; a rank that failed before its reads were
@@ -85,13 +77,12 @@ def settle(files: list[FilePieces] | None, world: int, pg: Any) -> tuple[int, in
     mine = np.concatenate([f.pieces for f in files]) if files else np.zeros((0, 4), dtype=np.uint64)
     sends: list[Any] | None = None
     if files is not None:
-        owner = _owners(mine, world)
-        order = np.argsort(owner, kind="stable")
-        mine = mine[order]
-        counts = np.bincount(owner, minlength=world)
+        # In the order of the ranks that prove them (a hash of file and chunk).
+        routed, counts = _core.route_pieces(mine.tobytes(), world)
+        mine = np.frombuffer(routed, dtype="<u8").reshape(-1, 4)
         ends = np.cumsum(counts).tolist()
         signed = mine.view(np.int64)
-        sends = [signed[e - c : e] for c, e in zip(counts.tolist(), ends, strict=True)]
+        sends = [signed[e - c : e] for c, e in zip(counts, ends, strict=True)]
     got = _dist.exchange(sends, world, pg)
     if files is None:
         return 0, 0, 0

@@ -723,26 +723,6 @@ impl Seg {
             mem: SendPtr(mem),
         });
     }
-
-    /// The segments cut at chunk boundaries, `(table, chunk, offset, length,
-    /// memory)`, sorted by table, chunk and offset.
-    fn per_chunk(segs: &[Seg], tables: &[ChunkTable]) -> Vec<(usize, u64, u64, usize, SendPtr)> {
-        let mut out = Vec::with_capacity(segs.len());
-        for g in segs {
-            let t = &tables[g.ti];
-            let (mut off, end) = (g.off, g.off + g.len as u64);
-            for i in g.c0..g.c1 {
-                let ce = t.data_offset + t.chunk_span(i).1;
-                let n = ce.min(end) - off;
-                // SAFETY: inside the segment's memory.
-                let mem = unsafe { g.mem.0.add((off - g.off) as usize) };
-                out.push((g.ti, i, off, n as usize, SendPtr(mem)));
-                off += n;
-            }
-        }
-        crate::ranges::sort_unless_sorted(&mut out, |&(ti, i, off, ..)| (ti, i, off));
-        out
-    }
 }
 
 /// The units of a Touched or Full read: each segment's chunks checked whole
@@ -803,119 +783,230 @@ fn units_of_segments(
     units
 }
 
-/// The units of a Shared read, chunk by chunk: a chunk its own parts cover
-/// whole (or of 2 GiB or more) is checked here; the parts of one read in part
-/// are checksummed into pieces (`out.pieces`, `out.filled`, their sums in
-/// `sums`), proven later with the other ranks'. `staged`: from
-/// [`Seg::per_chunk`].
-fn units_per_chunk(
-    tables: &[ChunkTable],
-    touch: &[Touch],
-    staged: &[(usize, u64, u64, usize, SendPtr)],
-    out: &mut Verified,
-    sums: &mut Vec<(Algo, AtomicU32)>,
-) -> Vec<Unit> {
-    let direct_chunk = |ti: usize, i: usize| touch[ti].count[i] == 1 && touch[ti].whole[i];
-    // Chunks checked in the mapping, each with the staged parts it holds
-    // (copied right after the chunk is verified, while it is in cache).
-    let mut mapped: Vec<(usize, u64, usize, usize)> = Vec::new(); // (table, chunk, staged from, to)
-    let mut at = 0usize;
-    for (ti, t) in tables.iter().enumerate() {
-        for i in 0..t.sums.len() {
-            if touch[ti].count[i] == 0 || direct_chunk(ti, i) {
-                continue;
+/// A part of a segment in a chunk it covers only in part (its first or
+/// last chunk), for [`units_shared`].
+struct Edge {
+    /// File offsets of the chunk, and its table and index.
+    cs: u64,
+    ce: u64,
+    ti: usize,
+    i: u64,
+    /// The part: file bytes `[off, off + len)` for memory `mem`.
+    off: u64,
+    len: usize,
+    mem: SendPtr,
+    /// The segment it belongs to, and whether it is its first chunk.
+    seg: usize,
+    head: bool,
+}
+
+/// The parts of `segs` (sorted by offset) in chunks they cover in part
+/// (only a segment's first and last chunk can be), sorted by chunk and
+/// offset.
+fn shared_edges(tables: &[ChunkTable], segs: &[Seg]) -> Vec<Edge> {
+    let mut edges: Vec<Edge> = Vec::new();
+    for (k, g) in segs.iter().enumerate() {
+        let t = &tables[g.ti];
+        let end = g.off + g.len as u64;
+        let span = |i: u64| {
+            let (cs, ce) = t.chunk_span(i);
+            (t.data_offset + cs, t.data_offset + ce)
+        };
+        let (cs, ce) = span(g.c0);
+        if g.off > cs || end < ce {
+            edges.push(Edge {
+                cs,
+                ce,
+                ti: g.ti,
+                i: g.c0,
+                off: g.off,
+                len: (end.min(ce) - g.off) as usize,
+                mem: g.mem,
+                seg: k,
+                head: true,
+            });
+        }
+        if g.c1 - 1 > g.c0 {
+            let (cs, ce) = span(g.c1 - 1);
+            if end < ce {
+                // SAFETY: inside the segment's memory.
+                let mem = unsafe { g.mem.0.add((cs - g.off) as usize) };
+                edges.push(Edge {
+                    cs,
+                    ce,
+                    ti: g.ti,
+                    i: g.c1 - 1,
+                    off: cs,
+                    len: (end - cs) as usize,
+                    mem: SendPtr(mem),
+                    seg: k,
+                    head: false,
+                });
             }
-            let from = at;
-            while at < staged.len() && (staged[at].0, staged[at].1) == (ti, i as u64) {
-                at += 1;
-            }
-            mapped.push((ti, i as u64, from, at));
         }
     }
-    debug_assert_eq!(
-        at,
-        staged.len(),
-        "every staged part belongs to a mapped chunk"
-    );
-    let mut units: Vec<Unit> = Vec::with_capacity(mapped.len());
-    for &(ti, i, from, to) in &mapped {
-        let t = &tables[ti];
-        let (cs, ce) = t.chunk_span(i);
-        let (start, end) = (t.data_offset + cs, t.data_offset + ce);
-        // The chunk's own parts (sorted by offset) cover it whole?
-        let covered = staged[from..to]
-            .iter()
-            .try_fold(start, |at, &(_, _, off, len, _)| {
-                (off <= at).then_some(at.max(off + len as u64))
-            });
+    crate::ranges::sort_unless_sorted(&mut edges, |e| (e.cs, e.ti, e.i, e.off));
+    edges
+}
+
+/// Which chunks of `edges` the segments (sorted by offset) leave in part,
+/// and so become pieces: the edges of each (ranges of `edges`), and for
+/// each segment whether its first and last chunk are such.
+#[allow(clippy::type_complexity)]
+fn pieced_chunks(edges: &[Edge], segs: &[Seg]) -> (Vec<(bool, bool)>, Vec<std::ops::Range<usize>>) {
+    // The file bytes the segments cover together (joined where they meet).
+    let mut covered: Vec<(u64, u64)> = Vec::new();
+    for g in segs {
+        let (s, e) = (g.off, g.off + g.len as u64);
+        match covered.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => covered.push((s, e)),
+        }
+    }
+    let whole = |cs: u64, ce: u64| {
+        let k = covered.partition_point(|&(s, _)| s <= cs);
+        k > 0 && covered[k - 1].1 >= ce
+    };
+    // A chunk the segments leave in part becomes pieces: its edges are cut
+    // from their segments.
+    let mut cut = vec![(false, false); segs.len()];
+    let mut pieced: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut a = 0;
+    while a < edges.len() {
+        let key = (edges[a].cs, edges[a].ti, edges[a].i);
+        let mut b = a + 1;
+        while b < edges.len() && (edges[b].cs, edges[b].ti, edges[b].i) == key {
+            b += 1;
+        }
+        let (cs, ce) = (edges[a].cs, edges[a].ce);
         // A chunk of 2 GiB or more (a whole-record checksum of an old file)
         // is checked here: pieces describe spans within 31 bits.
-        let local = from == to || covered.is_some_and(|at| at >= end) || end - start >= 1 << 31;
-        if local {
-            // The next chunk of the same record joins the unit before it (up
-            // to UNIT_MAX bytes): one span of the mapping, its chunks checked
-            // in turn, rather than one unit per (small) chunk.
-            if let Some(u) = units.last_mut() {
-                if let Some((uti, first, count)) = u.check.as_mut() {
-                    if *uti == ti
-                        && *first + *count == i
-                        && u.off + u.len == start
-                        && u.len + (end - start) <= UNIT_MAX
-                        && u.parts.end == from
-                    {
-                        *count += 1;
-                        u.len += end - start;
-                        u.parts.end = to;
-                        continue;
-                    }
+        if !whole(cs, ce) && ce - cs < 1 << 31 {
+            for e in &edges[a..b] {
+                if e.head {
+                    cut[e.seg].0 = true;
+                } else {
+                    cut[e.seg].1 = true;
                 }
             }
-            units.push(Unit {
-                off: start,
-                len: end - start,
-                check: Some((ti, i, 1)),
-                sum: None,
-                parts: from..to,
-            });
-            continue;
+            pieced.push(a..b);
         }
-        // Read in part: each span of overlapping parts is one piece.
-        for (k, &(_, _, off, len, mem)) in staged.iter().enumerate().take(to).skip(from) {
+        a = b;
+    }
+    (cut, pieced)
+}
+
+/// `segs` less the edges `cut` marks (a segment left empty goes).
+fn trim_pieced(tables: &[ChunkTable], segs: &mut Vec<Seg>, cut: &[(bool, bool)]) {
+    let mut k = 0;
+    segs.retain_mut(|g| {
+        let (head, tail) = cut[k];
+        k += 1;
+        let t = &tables[g.ti];
+        if tail {
+            g.c1 -= 1;
+            let cs = t.data_offset + t.chunk_span(g.c1).0;
+            g.len = cs.saturating_sub(g.off) as usize;
+        }
+        if head && g.c0 < g.c1 {
+            let ce = t.data_offset + t.chunk_span(g.c0).1;
+            let skip = (ce - g.off).min(g.len as u64);
+            g.c0 += 1;
+            g.off += skip;
+            g.len -= skip as usize;
+            // SAFETY: inside the segment's memory (or one past its end).
+            g.mem = SendPtr(unsafe { g.mem.0.add(skip as usize) });
+        }
+        g.c0 < g.c1 && g.len > 0
+    });
+}
+
+/// The units and parts of a Shared read: as for Touched (each segment's
+/// chunks checked whole, [`units_of_segments`]), except for a chunk the
+/// segments together cover only in part (and shorter than 2 GiB): only the
+/// spans they read of it are read, checksummed into pieces (`out.pieces`,
+/// `out.filled`, their sums in `sums`) and proven later with the other
+/// ranks'. Only a segment's first and last chunk can be covered in part,
+/// so the bookkeeping is per segment, with one entry per such edge.
+/// `segs` are sorted by offset; the units come sorted by offset.
+fn units_shared(
+    tables: &[ChunkTable],
+    touch: &[Touch],
+    mut segs: Vec<Seg>,
+    out: &mut Verified,
+    sums: &mut Vec<(Algo, AtomicU32)>,
+) -> (Vec<Unit>, Vec<Part>) {
+    let edges = shared_edges(tables, &segs);
+    let (cut, pieced) = pieced_chunks(&edges, &segs);
+    trim_pieced(tables, &mut segs, &cut);
+    drop(cut);
+    crate::ranges::sort_unless_sorted(&mut segs, |g| g.off);
+    let local = units_of_segments(tables, touch, &segs, Coverage::Touched);
+    let mut parts: Vec<Part> = segs
+        .iter()
+        .map(|g| Part {
+            off: g.off,
+            len: g.len,
+            mem: g.mem,
+        })
+        .collect();
+    drop(segs);
+    // The local units with the pieces between them, in file order (they lie
+    // in different chunks); each span of overlapping parts of a pieced chunk
+    // is one piece.
+    let mut units: Vec<Unit> = Vec::with_capacity(local.len() + pieced.len());
+    let mut local = local.into_iter().peekable();
+    for r in pieced {
+        let cs = edges[r.start].cs;
+        units.extend(std::iter::from_fn(|| local.next_if(|u| u.off < cs)));
+        // The chunk's parts from here on: a piece joins only those.
+        let group_parts = parts.len();
+        for e in &edges[r] {
+            let k = parts.len();
+            parts.push(Part {
+                off: e.off,
+                len: e.len,
+                mem: e.mem,
+            });
             out.filled.push(Filled {
-                chunk_offset: start,
-                offset: off,
-                len: len as u64,
-                mem: mem.0 as usize,
+                chunk_offset: e.cs,
+                offset: e.off,
+                len: e.len as u64,
+                mem: e.mem.0 as usize,
+            });
+            let joins = units.last().is_some_and(|u| {
+                u.sum.is_some() && u.parts.start >= group_parts && e.off <= u.off + u.len
             });
             match units.last_mut() {
-                Some(u) if u.sum.is_some() && u.parts.start >= from && off <= u.off + u.len => {
-                    u.len = u.len.max(off + len as u64 - u.off);
+                Some(u) if joins => {
+                    u.len = u.len.max(e.off + e.len as u64 - u.off);
                     u.parts.end = k + 1;
                 }
                 _ => {
+                    let t = &tables[e.ti];
                     units.push(Unit {
-                        off,
-                        len: len as u64,
+                        off: e.off,
+                        len: e.len as u64,
                         check: None,
                         sum: Some(sums.len()),
                         parts: k..k + 1,
                     });
                     sums.push((t.algo, AtomicU32::new(0)));
                     out.pieces.push(Piece {
-                        chunk_offset: start,
-                        chunk_len: end - start,
-                        offset: off,
+                        chunk_offset: e.cs,
+                        chunk_len: e.ce - e.cs,
+                        offset: e.off,
                         len: 0,
                         sum: 0,
-                        expected: t.sums[i as usize],
+                        expected: t.sums[e.i as usize],
                         algo: t.algo,
                     });
                 }
             }
         }
     }
-    crate::ranges::sort_unless_sorted(&mut units, |u| u.off);
-    units
+    units.extend(local);
+    (units, parts)
 }
 
 /// Reads `ranges` of `file` into caller memory and verifies the chunks they
@@ -1142,14 +1233,7 @@ pub unsafe fn read_ranges_verified(
     out.checked += direct_bytes;
     let mut sums: Vec<(Algo, AtomicU32)> = Vec::new();
     let (units, parts) = if coverage == Coverage::Shared {
-        let staged = Seg::per_chunk(&segs, tables);
-        drop(segs);
-        let units = units_per_chunk(tables, &touch, &staged, &mut out, &mut sums);
-        let parts: Vec<Part> = staged
-            .iter()
-            .map(|&(_, _, off, len, mem)| Part { off, len, mem })
-            .collect();
-        (units, parts)
+        units_shared(tables, &touch, segs, &mut out, &mut sums)
     } else {
         let units = units_of_segments(tables, &touch, &segs, coverage);
         let parts: Vec<Part> = segs
@@ -1185,6 +1269,16 @@ pub unsafe fn read_ranges_verified(
     Ok(out)
 }
 
+/// The reader (of `world`) that proves the chunk at `chunk_offset` of the
+/// file numbered `key`: a hash of both, so that the chunks of a load spread
+/// over its readers and every reader of a chunk computes the same one. The
+/// chunks of one 4 KiB page go to the same reader.
+pub fn piece_owner(key: u64, chunk_offset: u64, world: u64) -> u64 {
+    let h = key.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ (chunk_offset >> 12).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    (h >> 33) % world.max(1)
+}
+
 /// Proves chunks from the [`Piece`]s that readers read of them: for each
 /// piece, whether its bytes are proven, i.e. the pieces of its chunk
 /// (identified by `key` and the chunk offset; all giving the same chunk
@@ -1196,7 +1290,9 @@ pub unsafe fn read_ranges_verified(
 /// readers check those chunks themselves.
 pub fn prove_pieces(pieces: &[(u64, Piece)]) -> Vec<bool> {
     let mut order: Vec<usize> = (0..pieces.len()).collect();
-    order.sort_unstable_by_key(|&k| {
+    // Stable: the rows come as one run in file order per reader, which a
+    // stable sort merges rather than sorts again.
+    order.sort_by_key(|&k| {
         let (key, p) = &pieces[k];
         (
             *key,
@@ -1208,6 +1304,8 @@ pub fn prove_pieces(pieces: &[(u64, Piece)]) -> Vec<bool> {
     });
     let mut proven = vec![false; pieces.len()];
     let mut crc32 = crate::crc::Combiner::default();
+    // The spans a chunk's proof used (offset, length, checksum), in order.
+    let mut used: Vec<(u64, u64, u32)> = Vec::new();
     let mut g = 0;
     while g < order.len() {
         let (key, first) = pieces[order[g]];
@@ -1231,7 +1329,7 @@ pub fn prove_pieces(pieces: &[(u64, Piece)]) -> Vec<bool> {
             continue; // rows no reader could have sent
         };
         let (mut at, mut acc) = (first.chunk_offset, 0u32);
-        let mut used: std::collections::HashSet<(u64, u64, u32)> = std::collections::HashSet::new();
+        used.clear();
         let mut gap = false;
         for &k in group {
             let p = &pieces[k].1;
@@ -1242,7 +1340,7 @@ pub fn prove_pieces(pieces: &[(u64, Piece)]) -> Vec<bool> {
                     Algo::Crc32c => crc32c::crc32c_combine(acc, p.sum, p.len as usize),
                 };
                 at += p.len;
-                used.insert((p.offset, p.len, p.sum));
+                used.push((p.offset, p.len, p.sum));
             } else if p.offset > at {
                 gap = true;
                 break;
@@ -1251,9 +1349,10 @@ pub fn prove_pieces(pieces: &[(u64, Piece)]) -> Vec<bool> {
         if gap || at != end || acc != first.expected {
             continue;
         }
+        // `used` is sorted: it follows the group's order.
         for &k in group {
             let p = &pieces[k].1;
-            proven[k] = used.contains(&(p.offset, p.len, p.sum));
+            proven[k] = used.binary_search(&(p.offset, p.len, p.sum)).is_ok();
         }
     }
     proven
@@ -1322,6 +1421,76 @@ mod tests {
         );
         // Chunks 0 and 1 (before the first row's part) are checked too.
         assert_eq!(full[0].off, 4096);
+    }
+
+    #[test]
+    fn a_shared_column_read_keeps_one_piece_per_row_edge_it_leaves_in_part() {
+        let tables = [table(4096, 16 * 5120, 512)];
+        let mut buf = vec![0u8; 16 * 1280 + 512];
+        let mut segs = Vec::new();
+        // Rows' bytes [1280, 2560): chunk 2 in part, chunks 3 and 4 whole.
+        for row in 0..16u64 {
+            let s = row * 5120 + 1280;
+            // SAFETY: inside `buf`.
+            let mem = unsafe { buf.as_mut_ptr().add((row * 1280) as usize) };
+            Seg::push(&mut segs, 0, s / 512, 4096 + s, 256, mem);
+            // SAFETY: inside `buf`.
+            let m = unsafe { mem.add(256) };
+            Seg::push(&mut segs, 0, 3 + row * 10, 4096 + s + 256, 512, m);
+            // SAFETY: inside `buf`.
+            let m = unsafe { mem.add(768) };
+            Seg::push(&mut segs, 0, 4 + row * 10, 4096 + s + 768, 512, m);
+        }
+        // Past the rows, chunk 160 read in two halves into memory apart:
+        // together they cover it, so it is checked here, not pieced.
+        let end = buf.as_mut_ptr();
+        let at = 4096 + 16 * 5120 - 512;
+        Seg::push(&mut segs, 0, 159, at, 256, end);
+        // SAFETY: inside `buf`.
+        let m = unsafe { end.add(16 * 1280 + 256) };
+        Seg::push(&mut segs, 0, 159, at + 256, 256, m);
+        assert_eq!(segs.len(), 18);
+        let touch = vec![Touch {
+            count: vec![1; tables[0].sums.len()],
+            whole: vec![false; tables[0].sums.len()],
+        }];
+        let (mut out, mut sums) = (Verified::default(), Vec::new());
+        let (units, parts) = units_shared(&tables, &touch, segs, &mut out, &mut sums);
+        assert_eq!(
+            (out.pieces.len(), out.filled.len(), sums.len()),
+            (16, 16, 16)
+        );
+        // Per row a piece (the row's part of chunk 2), then chunks 3 and 4
+        // checked as one unit; then chunk 159 as one unit of two parts.
+        assert_eq!(units.len(), 33);
+        for row in 0..16usize {
+            let base = 4096 + row as u64 * 5120;
+            let (p, u) = (&units[2 * row], &units[2 * row + 1]);
+            assert_eq!(
+                (p.off, p.len, p.check, p.sum),
+                (base + 1280, 256, None, Some(row))
+            );
+            assert_eq!((u.off, u.len, u.sum), (base + 1536, 1024, None));
+            assert_eq!(u.check, Some((0, row as u64 * 10 + 3, 2)));
+            assert_eq!(
+                parts[p.parts.clone()]
+                    .iter()
+                    .map(|q| (q.off, q.len))
+                    .collect::<Vec<_>>(),
+                [(base + 1280, 256)]
+            );
+            let piece = out.pieces[row];
+            assert_eq!(
+                (piece.chunk_offset, piece.chunk_len, piece.offset),
+                (base + 1024, 512, base + 1280)
+            );
+        }
+        let last = &units[32];
+        assert_eq!(
+            (last.off, last.len, last.check),
+            (at, 512, Some((0, 159, 1)))
+        );
+        assert_eq!(last.parts.len(), 2);
     }
 
     fn piece(data: &[u8], chunk: (u64, u64), span: (u64, u64), algo: Algo) -> Piece {

@@ -582,6 +582,51 @@ fn prove_pieces<'py>(py: Python<'py>, rows: &[u8]) -> PyResult<Bound<'py, PyByte
     Ok(PyBytes::new(py, &out))
 }
 
+/// Piece rows (see [`piece_row`], keys set) ordered by the reader of
+/// `world` that proves each (`tierstore_core::chunks::piece_owner`), in
+/// their order otherwise; with the number of rows for each reader.
+#[pyfunction]
+fn route_pieces<'py>(
+    py: Python<'py>,
+    rows: &[u8],
+    world: u64,
+) -> PyResult<(Bound<'py, PyBytes>, Vec<usize>)> {
+    if rows.len() % 32 != 0 || world == 0 {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "{} bytes of pieces for {world} readers: not whole rows of 32 bytes, or no reader",
+            rows.len()
+        )));
+    }
+    let (out, counts) = py.detach(|| {
+        let u64_at = |r: &[u8], i: usize| {
+            u64::from_le_bytes(r[i * 8..i * 8 + 8].try_into().expect("8 bytes"))
+        };
+        let owners: Vec<usize> = rows
+            .chunks_exact(32)
+            .map(|r| chunks::piece_owner(u64_at(r, 3) >> 32, u64_at(r, 0), world) as usize)
+            .collect();
+        let mut counts = vec![0usize; world as usize];
+        for &o in &owners {
+            counts[o] += 1;
+        }
+        let mut at: Vec<usize> = counts
+            .iter()
+            .scan(0, |sum, &c| {
+                let start = *sum;
+                *sum += c;
+                Some(start * 32)
+            })
+            .collect();
+        let mut out = vec![0u8; rows.len()];
+        for (r, &o) in rows.chunks_exact(32).zip(&owners) {
+            out[at[o]..at[o] + 32].copy_from_slice(r);
+            at[o] += 32;
+        }
+        (out, counts)
+    });
+    Ok((PyBytes::new(py, &out), counts))
+}
+
 /// Chunk tables from their Python tuples.
 fn chunk_tables(tables: Vec<TableTuple>) -> PyResult<Vec<chunks::ChunkTable>> {
     let mut tabs = Vec::with_capacity(tables.len());
@@ -609,6 +654,7 @@ fn chunk_tables(tables: Vec<TableTuple>) -> PyResult<Vec<chunks::ChunkTable>> {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(prove_pieces, m)?)?;
+    m.add_function(wrap_pyfunction!(route_pieces, m)?)?;
     m.add_function(wrap_pyfunction!(split_halves, m)?)?;
     m.add_function(wrap_pyfunction!(join_halves, m)?)?;
     m.add_function(wrap_pyfunction!(read_directory_stream, m)?)?;
