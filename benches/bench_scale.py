@@ -45,6 +45,7 @@ import json
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
 import tracemalloc
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.index_bytes is not None:
         os.environ["TIERSTORE_MANIFEST_INDEX_BYTES"] = str(args.index_bytes)
     try:
-        return _run(args)
+        return _run(args, sys.argv[1:] if argv is None else argv)
     finally:
         if was is None:
             os.environ.pop("TIERSTORE_MANIFEST_INDEX_BYTES", None)
@@ -357,7 +358,29 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["TIERSTORE_MANIFEST_INDEX_BYTES"] = was
 
 
-def _run(args: argparse.Namespace) -> int:
+def _provenance(seconds: float, argv: list[str]) -> str:
+    """Which code made the table, when, how, and in how long."""
+    import datetime
+    import subprocess
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], capture_output=True, text=True, check=False).stdout.strip()
+        except OSError:
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no", "--", "python", "rust", "benches"):
+        commit += " with local changes"
+    cmd = " ".join(["python", "benches/bench_scale.py", *argv])
+    return (
+        f"(run on commit {commit}, {datetime.date.today().isoformat()}, {os.cpu_count()} cores, "
+        f"{seconds / 60:.1f} minutes: {cmd})"
+    )
+
+
+def _run(args: argparse.Namespace, argv: list[str]) -> int:
+    t_all = time.perf_counter()
     rows: list[dict[str, Any]] = []
     printed: list[str] = []
 
@@ -392,6 +415,7 @@ def _run(args: argparse.Namespace) -> int:
                     r2 = simulate_dcp(w, n, args.tp, args.pp)
                     rows.append(r2)
                     say(_row(r2))
+    say(_provenance(time.perf_counter() - t_all, argv))
     if args.out:
         Path(args.out).write_text("\n".join(printed) + "\n")
     if args.json:
