@@ -699,6 +699,17 @@ struct Seg {
 }
 
 impl Seg {
+    /// The caller memory each segment fills, as the [`Part`]s of [`stream`].
+    fn parts(segs: &[Seg]) -> Vec<Part> {
+        segs.iter()
+            .map(|g| Part {
+                off: g.off,
+                len: g.len,
+                mem: g.mem,
+            })
+            .collect()
+    }
+
     /// Adds the part of chunk `i` at `off` (for `mem`), extending the last
     /// segment where it continues it in the file, in memory and in chunks.
     fn push(segs: &mut Vec<Seg>, ti: usize, i: u64, off: u64, len: usize, mem: *mut u8) {
@@ -942,14 +953,7 @@ fn units_shared(
     drop(cut);
     crate::ranges::sort_unless_sorted(&mut segs, |g| g.off);
     let local = units_of_segments(tables, touch, &segs, Coverage::Touched);
-    let mut parts: Vec<Part> = segs
-        .iter()
-        .map(|g| Part {
-            off: g.off,
-            len: g.len,
-            mem: g.mem,
-        })
-        .collect();
+    let mut parts = Seg::parts(&segs);
     drop(segs);
     // The local units with the pieces between them, in file order (they lie
     // in different chunks); each span of overlapping parts of a pieced chunk
@@ -1236,15 +1240,7 @@ pub unsafe fn read_ranges_verified(
         units_shared(tables, &touch, segs, &mut out, &mut sums)
     } else {
         let units = units_of_segments(tables, &touch, &segs, coverage);
-        let parts: Vec<Part> = segs
-            .iter()
-            .map(|g| Part {
-                off: g.off,
-                len: g.len,
-                mem: g.mem,
-            })
-            .collect();
-        (units, parts)
+        (units, Seg::parts(&segs))
     };
     if units.windows(2).any(|w| w[0].off + w[0].len > w[1].off) {
         return Err(Error::corrupt(
