@@ -921,12 +921,12 @@ fn trim_pieced(tables: &[ChunkTable], segs: &mut Vec<Seg>, cut: &[(bool, bool)])
         }
         if head && g.c0 < g.c1 {
             let ce = t.data_offset + t.chunk_span(g.c0).1;
-            let skip = (ce - g.off).min(g.len as u64);
+            let head_len = (ce - g.off).min(g.len as u64);
             g.c0 += 1;
-            g.off += skip;
-            g.len -= skip as usize;
+            g.off += head_len;
+            g.len -= head_len as usize;
             // SAFETY: inside the segment's memory (or one past its end).
-            g.mem = SendPtr(unsafe { g.mem.0.add(skip as usize) });
+            g.mem = SendPtr(unsafe { g.mem.0.add(head_len as usize) });
         }
         g.c0 < g.c1 && g.len > 0
     });
