@@ -268,10 +268,13 @@ def load_sharded(
     in part; ``"full"`` every chunk of every record read from; ``"shared"``
     every chunk a read touches, where a chunk this rank needs only part of is
     proven together with the other ranks of ``process_group`` that read the
-    rest of it (so a column shard reads only its own bytes; every rank of the
-    group must call ``load_sharded`` with ``verify="shared"``; a rank that
-    fails before its reads are done makes the others check alone, never
-    wait); ``False`` none (the metadata is still checked). ``stats``, if
+    rest of it (so a column shard reads only its own bytes, at the price of
+    an exchange between the ranks and some work per piece: meant for
+    storage where bytes read cost more than that; from a fast local disk it
+    is slower than ``"touched"``; every rank of the group must call
+    ``load_sharded`` with ``verify="shared"``; a rank that fails before its
+    reads are done makes the others check alone, never wait); ``False``
+    none (the metadata is still checked). ``stats``, if
     given, receives the bytes read, verified and needed. Returns
     ``state_dict``.
     """
