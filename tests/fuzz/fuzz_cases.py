@@ -2557,14 +2557,17 @@ def sharded_file_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[s
     ]
 
 
-def _half(name: str, shape: tuple[int, ...], rank: int) -> Layout | None:
+def _half(name: str, shape: tuple[int, ...], rank: int, uneven: bool = False) -> Layout | None:
     """Rank ``rank``'s half of a tensor: a column half (short runs in every
-    row, sharing chunks with the other rank's), or a flat half of a 1-D one."""
+    row, sharing chunks with the other rank's), or a flat half of a 1-D one.
+    ``uneven``: the columns split at a point the name picks (the same on
+    both ranks), so that each row's parts end anywhere in a chunk: a part
+    inside one chunk, parts over several with either end or both in part."""
     numel = math.prod(shape)
     if not shape or numel < 2:
         return None
     if len(shape) >= 2 and shape[-1] >= 2:
-        c = shape[-1] // 2
+        c = 1 + zlib.crc32(name.encode()) % (shape[-1] - 1) if uneven else shape[-1] // 2
         offs = (0,) * (len(shape) - 1) + (rank * c,)
         lens = (*shape[:-1], c if rank == 0 else shape[-1] - c)
         return Layout.block(name, shape, offs, lens)
@@ -2572,11 +2575,13 @@ def _half(name: str, shape: tuple[int, ...], rank: int) -> Layout | None:
     return Layout.flat(name, shape, rank * half, half if rank == 0 else numel - half)
 
 
-def _shared_rank(rank: int, world: int, d: str, globals_: dict[str, torch.Tensor], pol: Any) -> dict[str, Any]:
+def _shared_rank(
+    rank: int, world: int, d: str, globals_: dict[str, torch.Tensor], pol: Any, uneven: bool
+) -> dict[str, Any]:
     tgt: dict[str, Any] = {}
     exp: dict[str, Any] = {}
     for name, gt in globals_.items():
-        lay = _half(name, tuple(gt.shape), rank)
+        lay = _half(name, tuple(gt.shape), rank, uneven)
         if lay is None:
             tgt[name], exp[name] = poisoned(tuple(gt.shape), gt.dtype), gt
         else:
@@ -2595,14 +2600,15 @@ def _shared_rank(rank: int, world: int, d: str, globals_: dict[str, torch.Tensor
     return {"differs": bad}
 
 
-def shared_load(d: Path, sh: Sharded) -> list[dict[str, Any]]:
-    """Two ranks load halves of every tensor with ``verify="shared"``;
+def shared_load(d: Path, sh: Sharded, uneven: bool = False) -> list[dict[str, Any]]:
+    """Two ranks load halves of every tensor with ``verify="shared"`` (split
+    unevenly: see ``_half``);
     a rank's TierstoreError is raised here (the other rank's result must
     still be exact or an error of its own)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from dist_util import run_world
 
-    got = run_world(2, _shared_rank, str(d), sh.globals, sh.policy, timeout=120)
+    got = run_world(2, _shared_rank, str(d), sh.globals, sh.policy, uneven, timeout=120)
     if any("error" in r and not r["clean"] for r in got):
         raise RuntimeError("; ".join(r["error"] for r in got if "error" in r))
     return got
@@ -2661,6 +2667,11 @@ def case_sharded(ctx: Ctx) -> None:
     # verify="shared", proving the chunks they share from each other's pieces.
     if rng.random() < 0.25:
         ctx.op("load_cols_shared", lambda: shared_load(d, sh), shared_check(sh))
+    # Another tenth: the columns split where each tensor's name says, so the
+    # parts a rank reads begin and end anywhere in a chunk (the edges a
+    # shared read cuts into pieces, or keeps when its own parts cover them).
+    if rng.random() < 0.1:
+        ctx.op("load_cols_shared_uneven", lambda: shared_load(d, sh, True), shared_check(sh))
     # What a Checkpointer's restore asks before it fetches files from peers:
     # the files a load of the target plans to read, from the metadata alone.
     # It may say "all" (None) or raise a TierstoreError; any name it gives
