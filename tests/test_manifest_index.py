@@ -17,7 +17,7 @@ import torch
 import tierstore
 import tierstore.cli
 from tierstore import _metadata
-from tierstore._sharded_read import read_sharded
+from tierstore._sharded_read import load_sharded
 from tierstore.errors import ManifestError, TierstoreError
 from tierstore.layout import attach, tp_column
 from tierstore.sharded import consolidate
@@ -58,7 +58,7 @@ def test_a_loading_rank_reads_only_the_sections_it_needs(
     table = ck.index_file.bytes_read
     assert table == rec["table_bytes"] < rec["bytes"] / 2
     out = {"layer07.w": torch.zeros(16, 8)}
-    read_sharded(d, out, checkpoint=ck)
+    load_sharded(ck, out)
     assert torch.equal(out["layer07.w"], full["layer07.w"])
     one = ck.index_file.bytes_read - table
     # One tensor section and its group's: a small part of what the index holds.

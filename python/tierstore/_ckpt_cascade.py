@@ -207,12 +207,7 @@ class Cascade:
                 self.write_meta(d, snap, local)
                 copy_offload_pins(snap, d)
                 write_sharded(
-                    snap.state,
-                    d,
-                    process_group=self._pg_flush,
-                    background=True,
-                    gates=snap.gates,
-                    attachments=(META,),
+                    snap.state, d, self._pg_flush, durable=True, background=True, gates=snap.gates, attachments=(META,)
                 )
                 self.spread_commit(d, local, self._pg_flush)
                 snap.captured.wait()
@@ -286,7 +281,7 @@ class Cascade:
                         self.write_meta(d, snap, t)
                         copy_offload_pins(snap, d)
                         write_sharded(
-                            snap.state, d, process_group=self._pg_promote, background=True, attachments=(META,)
+                            snap.state, d, self._pg_promote, durable=True, background=True, attachments=(META,)
                         )
                         self.spread_commit(d, t, self._pg_promote)
                         snap.local_dir = d

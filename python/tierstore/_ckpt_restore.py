@@ -22,7 +22,7 @@ from tierstore._ckpt_snapshot import Snapshot
 from tierstore._consolidate import consolidate
 from tierstore._dist import all_true, broadcast, gather
 from tierstore._offload_entry import OFFLOAD_KEY, is_offload_parts, offload_meta, restore_state_dict
-from tierstore._sharded_read import needed_files, read_sharded
+from tierstore._sharded_read import load_sharded, needed_files
 from tierstore._tier_codec import DECODE_ROOT
 from tierstore.errors import LayoutError, TierstoreError
 from tierstore.sharded import PerRank
@@ -146,10 +146,10 @@ def load_into(d: Path, into: Any, weights_only: bool, per_rank_policy: Any, ck: 
     template = walk(into) if isinstance(into, Mapping) else into
     opts: dict[str, Any] = {"process_group": None, "per_rank_policy": per_rank_policy, "weights_only": weights_only}
     if not found:
-        return read_sharded(d, into, checkpoint=ck, **opts)
+        return load_sharded(ck, into, **opts)
     # The offload entries' metadata first (small), then every tensor in one load.
     probe = _only_offload_meta(template)
-    read_sharded(d, probe, checkpoint=ck, **opts)
+    load_sharded(ck, probe, **opts)
     metas = [offload_meta(m[OFFLOAD_KEY], str(d)) for m in _offload_entries(probe)]
     for (parent, k, _opt), meta in zip(found, metas, strict=True):
         entry: dict[str, Any] = {OFFLOAD_KEY: None}
@@ -157,7 +157,7 @@ def load_into(d: Path, into: Any, weights_only: bool, per_rank_policy: Any, ck: 
             if "tensor" in e:
                 entry[e["tensor"]] = torch.empty(e["nbytes"], dtype=torch.uint8)
         parent[k] = entry
-    read_sharded(d, template, checkpoint=ck, **opts)
+    load_sharded(ck, template, **opts)
     for (parent, k, opt), meta in zip(found, metas, strict=True):
         tensors = {n: t for n, t in parent[k].items() if isinstance(t, torch.Tensor)}
         opt.restore_from_checkpoint(meta, tensors, d)

@@ -1,7 +1,7 @@
 """A sharded checkpoint as one flat dict of full tensors
 (:func:`consolidate`, ``tierstore consolidate``): sizes checked against what
 the files hold and the memory there is before anything is allocated, tied
-weights allocated once, then read by :func:`tierstore._sharded_read.read_sharded`.
+weights allocated once, then read by :func:`tierstore.load_sharded`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tierstore import _dist, _limits, _paths, _tier_codec
-from tierstore._sharded_read import read_sharded
+from tierstore._sharded_read import load_sharded
 from tierstore.errors import NotFoundError
 from tierstore.reshard import CoverageError
 from tierstore.shardmeta import MANIFEST, Checkpoint, closing_scope, dtype_of
@@ -78,7 +78,7 @@ def _consolidate(
         )
     flat_sd: dict[str, Any] = {}
     # load_sharded flattens nested dicts; global names are already flat keys.
-    read_sharded(path, sd, weights_only=weights_only, per_rank_policy=per_rank_policy, checkpoint=ck)
+    load_sharded(ck, sd, weights_only=weights_only, per_rank_policy=per_rank_policy)
     flat_sd.update(sd)
     return flat_sd
 

@@ -244,8 +244,9 @@ def _subtree(
     return root["_"], tensors, places
 
 
+@_gc.paused
 def load_sharded(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Checkpoint,
     state_dict: MutableMapping[str, Any],
     *,
     process_group: Any = None,
@@ -256,9 +257,12 @@ def load_sharded(
 ) -> MutableMapping[str, Any]:
     """Fills ``state_dict`` in place from the checkpoint at ``path``.
 
-    Tensors receive exactly their local pieces (any layout: attached
-    :class:`Layout`, DTensor placements, or plain tensors standing for the
-    whole logical tensor); only the bytes each needs are read. Non-tensor
+    ``path`` is the checkpoint's directory, or a
+    :class:`tierstore.shardmeta.Checkpoint` already opened (its manifest is
+    then not read and checked again). Tensors receive exactly their local
+    pieces (any layout: attached :class:`Layout`, DTensor placements, or
+    plain tensors standing for the whole logical tensor); only the bytes
+    each needs are read. Non-tensor
     values are replaced by the saved ones. Per-rank objects saved by a
     different number of ranks need ``per_rank_policy``: ``"rank0"`` (take rank
     0's) or a function of ``{rank: value}``.
@@ -279,31 +283,24 @@ def load_sharded(
     ``state_dict``.
     """
     with closing_scope():
-        return read_sharded(
-            path,
-            state_dict,
-            process_group=process_group,
-            per_rank_policy=per_rank_policy,
-            weights_only=weights_only,
-            stats=stats,
-            verify=verify,
-        )
+        return _load_sharded(path, state_dict, process_group, per_rank_policy, weights_only, stats, verify)
 
 
-@_gc.paused
-def read_sharded(
-    path: str | os.PathLike[str],
+def _load_sharded(
+    source: str | os.PathLike[str] | Checkpoint,
     state_dict: MutableMapping[str, Any],
-    *,
-    process_group: Any = None,
-    per_rank_policy: str | Callable[[dict[int, Any]], Any] | None = None,
-    weights_only: bool = True,
-    stats: dict[str, Any] | None = None,
-    verify: str | bool = "touched",
-    checkpoint: Checkpoint | None = None,
+    process_group: Any,
+    per_rank_policy: str | Callable[[dict[int, Any]], Any] | None,
+    weights_only: bool,
+    stats: dict[str, Any] | None,
+    verify: str | bool,
 ) -> MutableMapping[str, Any]:
-    """:func:`load_sharded`, given the checkpoint's metadata already read
-    and checked (``checkpoint``) where the caller has it."""
+    checkpoint: Checkpoint | None = None
+    path: str | os.PathLike[str]
+    if isinstance(source, Checkpoint):
+        checkpoint, path = source, source.dir
+    else:
+        path = source
     if verify is True:
         verify = "touched"
     if verify not in VERIFY_MODES:
@@ -392,7 +389,7 @@ def _targets(
 
 
 def needed_files(ck: Checkpoint, state_dict: Any, rank: int, world: int) -> set[str] | None:
-    """The data files a load of ``state_dict`` (as :func:`read_sharded`
+    """The data files a load of ``state_dict`` (as :func:`load_sharded`
     would plan it) reads from, plus the checkpoint's objects files; None
     when that cannot be told from the metadata alone (then: all of them).
     Nothing is allocated for the targets and ``state_dict`` is not changed:

@@ -24,6 +24,7 @@ checkpoint in place and loadable.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -50,7 +51,6 @@ from tierstore._sharded_read import (
     load_sharded,
     make_plan,
     read_plan,
-    read_sharded,
 )
 from tierstore.errors import NotFoundError, TierstoreError
 from tierstore.layout import Layout
@@ -82,7 +82,6 @@ __all__ = [
     "optim_name",
     "optimizer_state_dict",
     "read_plan",
-    "read_sharded",
     "save_sharded",
     "tensor_and_layout",
     "write_sharded",
@@ -345,16 +344,16 @@ def save_sharded(
     the directories): the commit stays atomic against a process crash but
     not against a power loss.
     """
-    write_sharded(state_dict, path, process_group=process_group, durable=durable, background=background)
+    write_sharded(state_dict, path, process_group, durable=durable, background=background)
 
 
 def write_sharded(
     state_dict: Mapping[str, Any],
     path: str | os.PathLike[str],
+    process_group: Any,
     *,
-    process_group: Any = None,
-    durable: bool = True,
-    background: bool = False,
+    durable: bool,
+    background: bool,
     gates: api.Gates | None = None,
     attachments: Sequence[str] = (),
 ) -> None:
@@ -409,6 +408,8 @@ def write_sharded(
     keep_objects = dict(per_rank)
     if rank == 0:
         keep_objects.update(objects)
+    # Both files of this rank are written the same way.
+    write = functools.partial(api.write_file, durable=durable, background=background, gates=gates)
     # The objects file (e.g. optimizer state) is written while the tensor file is.
     objects_job = None
     if keep_objects:
@@ -417,26 +418,15 @@ def write_sharded(
         # Each file also records the key paths of the keys it holds (the
         # second witness of manifest.json's "paths").
         okp = {"key_paths": {k: paths[k] for k in keep_objects if k in paths}}
-        objects_job = pool.submit(
-            api.write_file,
-            {"objects": keep_objects},
-            d / oname,
-            durable=durable,
-            background=background,
-            gates=gates,
-            extra=okp,
-        )
+        objects_job = pool.submit(write, {"objects": keep_objects}, d / oname, extra=okp)
         pool.shutdown(wait=False)
     try:
         if mine:
             contiguous = {k: (t if t.is_contiguous() else t.contiguous()) for k, t in mine.items()}
             lay_json = {k: layouts[k].to_json() for k in contiguous}
-            written = api.write_file(
+            written = write(
                 {"tensors": contiguous},
                 d / fname,
-                durable=durable,
-                background=background,
-                gates=gates,
                 chunk_checksums=True,
                 layouts={("tensors", k): v for k, v in lay_json.items()},
                 extra={"key_paths": {k: paths[k] for k in contiguous if k in paths}},
