@@ -123,8 +123,8 @@ class Writer:
 @final
 class Stream:
     def __new__(cls, *, align: int = 4096, chunk_bytes: int = 8388608, threads: int = 2) -> Stream: ...
-    def add_bytes(self, name: str, data: bytes, align: int | None = None) -> int: ...
-    def add_memory(self, name: str, address: int, nbytes: int, owner: object) -> int: ...
+    def add_bytes(self, name: str, data: bytes, align: int) -> int: ...
+    def add_memories(self, records: Sequence[tuple[str, int, int, object]]) -> None: ...
     def checksums(self) -> list[int]: ...
     def entries(self) -> list[PlannedRecord]: ...
     def next_chunk(self) -> bytes | None: ...
@@ -345,8 +345,7 @@ def codec_decode_chain_span(
     bases: list[int],
     first: int,
     last: int,
-    out: int,
-    out_len: int,
+    out: tuple[int, int],
     *,
     threads: int = 1,
     path: str | None = None,
@@ -367,10 +366,8 @@ def codec_decode_span(
     payload_len: int,
     sp: tuple[int, int, int, int, int, int],
     window: bytes,
-    out: int,
-    out_len: int,
-    ref_addr: int = 0,
-    ref_len: int = 0,
+    out: tuple[int, int],
+    reference: tuple[int, int] | None = None,
     *,
     threads: int = 1,
     path: str | None = None,

@@ -198,7 +198,7 @@ def write_file(
 
 
 def _add_storages(
-    target: _core.Writer | _core.Stream,
+    target: _core.Writer,
     prefix: str,
     storages: list[tuple[str, torch.UntypedStorage]],
     gates: Gates | None = None,
@@ -211,7 +211,7 @@ def _add_storages(
         n = st.nbytes()
         if n == 0:
             target.add_bytes(name, b"")
-        elif gates and st.data_ptr() in gates and isinstance(target, _core.Writer):
+        elif gates and st.data_ptr() in gates:
             gate, at = gates[st.data_ptr()]
             target.add_memory(name, st.data_ptr(), n, st, gate, at)
         else:
@@ -497,7 +497,7 @@ def _save_stream(
     align: int,
 ) -> None:
     s = _core.Stream(align=align, chunk_bytes=_STREAM_CHUNK, threads=get_engine().info()["cpu_threads"])
-    _add_storages(s, prefix, storages)
+    s.add_memories(_memory_records(prefix, storages, None) or [])  # nothing is gated here
     for name, data in [("data.pkl", data_pkl), *small]:
         s.add_bytes(f"{prefix}/{name}", data, _META_ALIGN)
     crcs = dict(zip((e.name for e in s.entries()), s.checksums(), strict=True))

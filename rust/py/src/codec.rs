@@ -204,11 +204,11 @@ fn codec_decode_chain(
 
 /// Decodes chunks `first..last` of a chain (`codec::decode_chain_span`):
 /// per level, its header and directory, its payload's length, a window of
-/// its payload and where that window starts; into the `out_len` bytes at
-/// `out`. False, with nothing written, where the chain cannot be decoded
+/// its payload and where that window starts; into `out`, the address and
+/// length of the decoded bytes' place. False, with nothing written, where the chain cannot be decoded
 /// that way.
 #[pyfunction]
-#[pyo3(signature = (heads, payload_lens, windows, bases, first, last, out, out_len, *, threads = 1, path = None, record = None))]
+#[pyo3(signature = (heads, payload_lens, windows, bases, first, last, out, *, threads = 1, path = None, record = None))]
 #[allow(clippy::too_many_arguments)]
 fn codec_decode_chain_span(
     py: Python<'_>,
@@ -218,12 +218,12 @@ fn codec_decode_chain_span(
     bases: Vec<u64>,
     first: usize,
     last: usize,
-    out: usize,
-    out_len: usize,
+    out: (usize, usize),
     threads: usize,
     path: Option<&str>,
     record: Option<&str>,
 ) -> PyResult<bool> {
+    let (out, out_len) = out;
     let hs: Vec<&[u8]> = heads.iter().map(PyBytesMethods::as_bytes).collect();
     let ws: Vec<&[u8]> = windows.iter().map(PyBytesMethods::as_bytes).collect();
     // SAFETY: the caller keeps `out_len` bytes at `out` alive for the call,
@@ -267,11 +267,12 @@ fn codec_span(
     Ok((s.first, s.last, s.start, s.end, s.payload_lo, s.payload_hi))
 }
 
-/// Decodes the span `sp` (from `codec_span`) of a stream into the `out_len`
-/// bytes at `out`, from `window` (its payload bytes) and the reference's
-/// bytes of the span at `ref_addr` where the stream has one.
+/// Decodes the span `sp` (from `codec_span`) of a stream into `out` (the
+/// address and length of the decoded bytes' place), from `window` (its
+/// payload bytes) and `reference` (the address and length of the
+/// reference's bytes of the span, where the stream has one).
 #[pyfunction]
-#[pyo3(signature = (head, payload_len, sp, window, out, out_len, ref_addr = 0, ref_len = 0, *, threads = 1, path = None, record = None))]
+#[pyo3(signature = (head, payload_len, sp, window, out, reference = None, *, threads = 1, path = None, record = None))]
 #[allow(clippy::too_many_arguments)]
 fn codec_decode_span(
     py: Python<'_>,
@@ -279,14 +280,13 @@ fn codec_decode_span(
     payload_len: u64,
     sp: (usize, usize, u64, u64, u64, u64),
     window: &[u8],
-    out: usize,
-    out_len: usize,
-    ref_addr: usize,
-    ref_len: usize,
+    out: (usize, usize),
+    reference: Option<(usize, usize)>,
     threads: usize,
     path: Option<&str>,
     record: Option<&str>,
 ) -> PyResult<()> {
+    let ((out, out_len), (ref_addr, ref_len)) = (out, reference.unwrap_or((0, 0)));
     let span = codec::Span {
         first: sp.0,
         last: sp.1,

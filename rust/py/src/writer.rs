@@ -129,19 +129,7 @@ impl Writer {
         records: Vec<(String, usize, usize, Py<PyAny>)>,
     ) -> PyResult<()> {
         let w = self.inner.as_mut().ok_or_else(closed)?;
-        self.owners.reserve(records.len());
-        for (name, address, nbytes, owner) in records {
-            let src = if nbytes == 0 {
-                Source::Bytes(Arc::from(&[][..]))
-            } else {
-                // SAFETY: as for `add_memory`: `owner` keeps the memory alive
-                // and is held in `self.owners` until the writer is gone.
-                unsafe { Source::mem(address as *const u8, nbytes) }
-            };
-            w.add(&name, src).py_err(py)?;
-            self.owners.push(owner);
-        }
-        Ok(())
+        add_memory_records(py, records, &mut self.owners, |name, src| w.add(name, src))
     }
 
     /// Starts writing every record added so far in the background and
@@ -293,34 +281,28 @@ impl Stream {
         })
     }
 
-    #[pyo3(signature = (name, data, align=None))]
+    /// Appends a record holding a copy of `data`, aligned to `align`.
     fn add_bytes(
         &mut self,
         py: Python<'_>,
         name: &str,
         data: &[u8],
-        align: Option<u64>,
+        align: u64,
     ) -> PyResult<usize> {
-        match align {
-            Some(a) => self.inner.add_aligned(name, Source::Bytes(data.into()), a),
-            None => self.inner.add(name, Source::Bytes(data.into())),
-        }
-        .py_err(py)
+        self.inner
+            .add_aligned(name, Source::Bytes(data.into()), align)
+            .py_err(py)
     }
 
-    fn add_memory(
+    /// Appends one memory record per `(name, address, nbytes, owner)`, as
+    /// `Writer.add_memories` does.
+    fn add_memories(
         &mut self,
         py: Python<'_>,
-        name: &str,
-        address: usize,
-        nbytes: usize,
-        owner: Py<PyAny>,
-    ) -> PyResult<usize> {
-        // SAFETY: as for `Writer::add_memory`; `owner` lives as long as `self`.
-        let src = unsafe { Source::mem(address as *const u8, nbytes) };
-        let i = self.inner.add(name, src).py_err(py)?;
-        self.owners.push(owner);
-        Ok(i)
+        records: Vec<(String, usize, usize, Py<PyAny>)>,
+    ) -> PyResult<()> {
+        let s = &mut self.inner;
+        add_memory_records(py, records, &mut self.owners, |name, src| s.add(name, src))
     }
 
     /// CRC-32 of every record added so far (computed with the GIL released).
@@ -339,6 +321,30 @@ impl Stream {
         let v = py.detach(|| s.next_chunk()).py_err(py)?;
         Ok(v.map(|v| PyBytes::new(py, &v)))
     }
+}
+
+/// Adds each `(name, address, nbytes, owner)` through `add`, holding its
+/// `owner` in `owners`, which must live as long as the container does.
+fn add_memory_records(
+    py: Python<'_>,
+    records: Vec<(String, usize, usize, Py<PyAny>)>,
+    owners: &mut Vec<Py<PyAny>>,
+    mut add: impl FnMut(&str, Source) -> tierstore_core::Result<usize>,
+) -> PyResult<()> {
+    owners.reserve(records.len());
+    for (name, address, nbytes, owner) in records {
+        let src = if nbytes == 0 {
+            Source::Bytes(Arc::from(&[][..]))
+        } else {
+            // SAFETY: `owner` keeps the memory alive and is held in `owners`
+            // until the container is gone; the caller promises not to modify
+            // it while the container is written.
+            unsafe { Source::mem(address as *const u8, nbytes) }
+        };
+        add(&name, src).py_err(py)?;
+        owners.push(owner);
+    }
+    Ok(())
 }
 
 /// A counter that a producer (a checkpoint capture) advances as it fills
