@@ -15,7 +15,8 @@ import pickle
 import struct
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import IO, Any
 
@@ -67,24 +68,64 @@ def resolve_weights_only(weights_only: bool | None, pickle_module: ModuleType | 
     return bool(weights_only)
 
 
-def hand_to_torch(src: Any, opts: dict[str, Any], mmap: bool) -> Any:
+@dataclass(frozen=True)
+class LoadOptions:
+    """What ``tierstore.load`` was asked for besides the file: torch.load's
+    arguments, resolved."""
+
+    map_location: Any
+    pickle_module: ModuleType | None
+    weights_only: bool
+    encoding: str
+    # Whether the caller named an encoding (torch honours it for legacy
+    # files even under weights_only).
+    encoding_given: bool
+    pickle_load_args: dict[str, Any]
+    delta_base: str | list[str] | None
+
+    @classmethod
+    def of(
+        cls,
+        map_location: Any,
+        pickle_module: ModuleType | None,
+        weights_only: bool | None,
+        delta_base: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None,
+        pickle_load_args: dict[str, Any],
+    ) -> LoadOptions:
+        """``load``'s arguments as torch.load resolves them (``weights_only``
+        from the environment and ``pickle_module``; ``encoding`` taken out of
+        ``pickle_load_args``)."""
+        weights = resolve_weights_only(weights_only, pickle_module)
+        if pickle_load_args and weights:
+            warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=3)
+        args = dict(pickle_load_args)
+        given = "encoding" in args
+        encoding = args.pop("encoding", "utf-8")
+        if delta_base is None or isinstance(delta_base, (str, os.PathLike)):
+            bases: str | list[str] | None = None if delta_base is None else os.fspath(delta_base)
+        else:
+            bases = [os.fspath(b) for b in delta_base]
+        return cls(map_location, pickle_module, weights, encoding, given, args, bases)
+
+
+def hand_to_torch(src: Any, opts: LoadOptions, mmap: bool) -> Any:
     """Files in formats that are torch's alone (legacy pre-1.6, TorchScript)."""
-    kwargs = dict(opts["pickle_load_args"])
-    if opts["encoding_given"] or not opts["weights_only"]:
-        kwargs["encoding"] = opts["encoding"]  # torch honours it for legacy files under weights_only too
-    if opts["pickle_module"] is not None:
-        kwargs["pickle_module"] = opts["pickle_module"]
+    kwargs = dict(opts.pickle_load_args)
+    if opts.encoding_given or not opts.weights_only:
+        kwargs["encoding"] = opts.encoding  # torch honours it for legacy files under weights_only too
+    if opts.pickle_module is not None:
+        kwargs["pickle_module"] = opts.pickle_module
     name = str(src) if isinstance(src, (str, os.PathLike)) else str(getattr(src, "name", "<stream>"))
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="pickle_load_args only works")  # load() said so already
             return _TORCH_LOAD(
-                src, map_location=opts["map_location"], weights_only=opts["weights_only"], mmap=mmap or None, **kwargs
+                src, map_location=opts.map_location, weights_only=opts.weights_only, mmap=mmap or None, **kwargs
             )
     except TierstoreError:
         raise
     except Exception as e:
-        if not opts["weights_only"]:
+        if not opts.weights_only:
             raise  # the file's own code may raise anything; running it was the caller's choice
         msg = " ".join(str(e).split())[:400]
         if "weights_only" in msg or "weights only" in msg.lower():
@@ -155,7 +196,7 @@ def _check_data_crcs(
             )
 
 
-def load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts: dict[str, Any]) -> Any:
+def load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts: LoadOptions) -> Any:
     try:
         arch = _archive.open_directory(path)
     except NotAContainerError:
@@ -207,7 +248,7 @@ def load_path(path: str, mmap: bool, verify: bool, progress: bool | None, opts: 
             for k in keys
         ]
         total = sum(s[2] for s in specs)
-        routes = _gpu_routes(opts["map_location"], data_pkl, keys) if byteorder == sys.byteorder else {}
+        routes = _gpu_routes(opts.map_location, data_pkl, keys) if byteorder == sys.byteorder else {}
         if routes:
             return _load_with_gpu(path, data_pkl, keys, specs, routes, byteorder, verify, progress, opts)
         # The reads run in the engine while this thread unpickles: tensors are
@@ -242,7 +283,7 @@ def _load_encoded(
     offsets: dict[str, int],
     mmap: bool,
     verify: bool,
-    opts: dict[str, Any],
+    opts: LoadOptions,
 ) -> Any:
     """A compressed file (:mod:`tierstore.codec`): its storages decoded into
     fresh host memory (with the references they are deltas against), then
@@ -261,7 +302,7 @@ def _load_encoded(
     if verify:
         _archive.check_crc(path, arch.full(pk), data_pkl, rec.crc32)
     byteorder = _archive.byteorder(arch, offsets, lambda off, n: _archive.load_small(arch, off, n, "byteorder"))
-    decoded = _codec.read_decoded(path, None, verify=verify, delta_base=opts.get("delta_base"))
+    decoded = _codec.read_decoded(path, None, verify=verify, delta_base=opts.delta_base)
     storages = {n[5:]: (t.untyped_storage() if t.numel() else _empty_storage()) for n, t in decoded.items()}
     return _unpickle(path, data_pkl, storages, byteorder, opts)
 
@@ -316,7 +357,7 @@ def _read_exact(f: Any, name: str, rel: str, pos: int, out: memoryview) -> None:
         got += k
 
 
-def load_stream(f: IO[bytes], verify: bool, opts: dict[str, Any]) -> Any:
+def load_stream(f: IO[bytes], verify: bool, opts: LoadOptions) -> Any:
     """Loads the archive that starts at the stream's position, reading only
     its headers, directory and records (each record straight into its
     tensor's memory), and leaves the position just after the archive, as
@@ -432,7 +473,7 @@ def _load_with_gpu(
     byteorder: str,
     verify: bool,
     progress: bool | None,
-    opts: dict[str, Any],
+    opts: LoadOptions,
 ) -> Any:
     """A load where the storages in ``routes`` go to a GPU: those are read
     through pinned buffers straight into device memory (the copies overlapped
@@ -536,12 +577,12 @@ def _unpickle(
     data_pkl: bytes,
     storages: dict[str, torch.UntypedStorage],
     byteorder: str,
-    opts: dict[str, Any],
+    opts: LoadOptions,
     ready: Callable[[], None] | None = None,
 ) -> Any:
     """Unpickles ``data.pkl`` over ``storages``. ``ready()`` blocks until the
     storages hold their data; it is called before anything reads them."""
-    restore = _pickle.restore_location_fn(opts["map_location"])
+    restore = _pickle.restore_location_fn(opts.map_location)
     loaded: dict[str, torch.storage.TypedStorage] = {}
 
     def persistent_load(saved_id: Any) -> Any:
@@ -591,7 +632,7 @@ def _unpickle(
                 path=path,
                 record=f"data/{key}",
             )
-        if ready is not None and (byteorder != sys.byteorder or not _stays_on_host(opts["map_location"], location)):
+        if ready is not None and (byteorder != sys.byteorder or not _stays_on_host(opts.map_location, location)):
             ready()
         if byteorder != sys.byteorder:
             raw.byteswap(dtype)
@@ -604,25 +645,25 @@ def _unpickle(
 
     tls = getattr(torch.serialization, "_serialization_tls", None)
     if tls is not None:
-        tls.map_location = opts["map_location"]
+        tls.map_location = opts.map_location
     try:
-        result = _pickle.fast_weights_only(data_pkl, persistent_load) if opts["weights_only"] else None
+        result = _pickle.fast_weights_only(data_pkl, persistent_load) if opts.weights_only else None
         if result is None:
-            if opts["weights_only"]:
+            if opts.weights_only:
                 _pickle.refuse_absurd_sizes(data_pkl, path)
             up = _pickle.unpickler(
                 data_pkl,
-                weights_only=opts["weights_only"],
-                pickle_module=opts["pickle_module"],
-                encoding=opts["encoding"],
-                **opts["pickle_load_args"],
+                weights_only=opts.weights_only,
+                pickle_module=opts.pickle_module,
+                encoding=opts.encoding,
+                **opts.pickle_load_args,
             )
             up.persistent_load = persistent_load
             result = up.load()
     except TierstoreError:
         raise
     except pickle.UnpicklingError as e:
-        if opts["weights_only"]:
+        if opts.weights_only:
             raise UnsafeObjectError(
                 f"{path}: weights_only=True refused to load this file: {e}\n"
                 "If you trust the file, allow the global(s) named above with "
@@ -633,7 +674,7 @@ def _unpickle(
         raise
     except (MemoryError, RecursionError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
             UnicodeDecodeError, RuntimeError, OverflowError, struct.error) as e:  # fmt: skip
-        if not opts["weights_only"]:
+        if not opts.weights_only:
             raise  # code the file runs may raise anything; it is the caller's choice to run it
         raise CorruptFileError(
             f"{path}: record 'data.pkl': the object graph cannot be rebuilt ({type(e).__name__}: {str(e)[:300]}); "
@@ -647,7 +688,7 @@ def _unpickle(
     validate = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
     if validate is not None:
         try:
-            validate(weights_only=opts["weights_only"])
+            validate(weights_only=opts.weights_only)
         except TypeError:
             validate()
     return result

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import warnings
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -539,26 +538,7 @@ def load(
     only, unless ``delta_base`` names it (a file, or a list of them for a
     file with several bases: each record takes the one of its base's name).
     """
-    weights_only = _load.resolve_weights_only(weights_only, pickle_module)
-    if pickle_load_args and weights_only:
-        warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
-    encoding_given = "encoding" in pickle_load_args
-    encoding = pickle_load_args.pop("encoding", "utf-8")
-    opts = dict(
-        map_location=map_location,
-        pickle_module=pickle_module,
-        weights_only=weights_only,
-        encoding=encoding,
-        encoding_given=encoding_given,
-        pickle_load_args=pickle_load_args,
-        delta_base=(
-            None
-            if delta_base is None
-            else os.fspath(delta_base)
-            if isinstance(delta_base, (str, os.PathLike))
-            else [os.fspath(b) for b in delta_base]
-        ),
-    )
+    opts = _load.LoadOptions.of(map_location, pickle_module, weights_only, delta_base, pickle_load_args)
     if _skip_data() or not _pickle.no_fake_mode():
         # torch.serialization.skip_data(): storages are made, not read (fake
         # tensors with materialize_fake_tensors); under a FakeTensorMode,
