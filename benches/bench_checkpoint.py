@@ -169,14 +169,6 @@ def _cpu_by_group(
     return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
 
 
-def _fsync_file(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _settle(ck: Any, uploads: list[Any]) -> bool:
     """Waits (outside any clock) until every save so far is durable; True
     when one was still in flight (its work spilled past the block that
@@ -319,11 +311,12 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     uploads: list[Any] = []
     try:
         if args.mode == "torch.save":
+            from tierstore._fs import fsync_file
 
             def save(i: int) -> None:
                 p = d / f"step-{i}.pt"
                 torch.save(state(), p)
-                _fsync_file(p)
+                fsync_file(p)
                 done_at[i] = time.perf_counter()
                 if i > 0:
                     (d / f"step-{i - args.every}.pt").unlink(missing_ok=True)

@@ -14,7 +14,16 @@ from tierstore import _metadata
 
 def fsync_dir(d: Path) -> None:
     """Makes the entries of directory ``d`` durable."""
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    _fsync(d, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def fsync_file(p: Path) -> None:
+    """Makes the contents of file ``p`` durable (not its name: see :func:`fsync_dir`)."""
+    _fsync(p, os.O_RDONLY)
+
+
+def _fsync(p: Path, flags: int) -> None:
+    fd = os.open(p, flags)
     try:
         os.fsync(fd)
     finally:

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 import tierstore
+from tierstore._fs import fsync_file
 
 
 class Block(nn.Module):
@@ -77,14 +78,6 @@ class TinyGPT(nn.Module):
             x = b(x)
         out: torch.Tensor = self.head(self.ln(x))
         return out
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _drop_caches() -> bool:
@@ -170,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def torch_save() -> None:
             torch.save(state, pt_file)
-            _fsync(pt_file)
+            fsync_file(pt_file)
 
         timed("torch.save + fsync", torch_save)
         timed("tierstore.save (durable)", lambda: tierstore.save(state, ts_file))
@@ -362,7 +355,7 @@ def _loop_cost(con: Any, d: Path, args: argparse.Namespace, nbytes: int) -> None
 
     def torch_save(step: int) -> None:
         torch.save(state(), d / "loop-torch.pt")
-        _fsync(d / "loop-torch.pt")
+        fsync_file(d / "loop-torch.pt")
 
     pending: list[Any] = []
 

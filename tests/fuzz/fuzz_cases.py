@@ -2463,6 +2463,17 @@ def sharded_file_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[s
         os.symlink(moved.name, p)
         return f"{p.name} is a symlink to {moved.name} in the same directory (legitimate)"
 
+    def resealed(p: Path, got: tuple[str, int]) -> str:
+        # The file's new manifest CRC-32 (got[1]) put in manifest.json, which is re-sealed.
+        m, _old = read_json(mp)
+        for lst in ("files", "object_files"):
+            for f in m.get(lst, []):
+                if f.get("name") == p.name:
+                    f["manifest_crc32"] = got[1]
+        write_json(mp, m, sealed=True, old=None)
+        ctx.sealed = True
+        return f"{p.name}: {got[0]}; manifest.json updated and re-sealed"
+
     def f_inner_manifest() -> str:
         # A digit of a data file's own manifest changed, its CRC fixed in the
         # file and in manifest.json, which is re-sealed: consistent at every
@@ -2471,14 +2482,7 @@ def sharded_file_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[s
         got = inner_manifest_digit(p, rng)
         if got is None:
             return f_rank_flip()
-        m, _old = read_json(mp)
-        for lst in ("files", "object_files"):
-            for f in m.get(lst, []):
-                if f.get("name") == p.name:
-                    f["manifest_crc32"] = got[1]
-        write_json(mp, m, sealed=True, old=None)
-        ctx.sealed = True
-        return f"{p.name}: {got[0]}; manifest.json updated and re-sealed"
+        return resealed(p, got)
 
     def f_chunk_size() -> str:
         # A rank file's chunk table forged to another chunk size, the file's
@@ -2487,13 +2491,7 @@ def sharded_file_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[s
         got = inner_chunk_size(p, rng)
         if got is None:
             return f_inner_manifest()
-        m, _old = read_json(mp)
-        for f in m.get("files", []):
-            if f.get("name") == p.name:
-                f["manifest_crc32"] = got[1]
-        write_json(mp, m, sealed=True, old=None)
-        ctx.sealed = True
-        return f"{p.name}: {got[0]}; manifest.json updated and re-sealed"
+        return resealed(p, got)
 
     def f_key_paths() -> str:
         # A data or objects file's own key paths forged, its CRC fixed in the
@@ -2502,14 +2500,7 @@ def sharded_file_mutators(ctx: Ctx, d: Path, sh: Sharded | None) -> list[tuple[s
         got = inner_key_paths(p, rng)
         if got is None:
             return f_inner_manifest()
-        m, _old = read_json(mp)
-        for lst in ("files", "object_files"):
-            for f in m.get(lst, []):
-                if f.get("name") == p.name:
-                    f["manifest_crc32"] = got[1]
-        write_json(mp, m, sealed=True, old=None)
-        ctx.sealed = True
-        return f"{p.name}: {got[0]}; manifest.json updated and re-sealed"
+        return resealed(p, got)
 
     def f_objects_hostile() -> str:
         return hostile_objects_file(ctx, d) or f_obj_flip()
