@@ -2654,6 +2654,22 @@ def case_sharded(ctx: Ctx) -> None:
                 return tierstore.load_sharded(str(d), tgt, verify=verify, per_rank_policy=pol)
 
             ctx.op(f"load_{which}_{verify}", run, ctx.same_check(exp, ordered=False))
+    # A quarter of the cases: one Checkpoint opened, then two loads from it
+    # (into the saved layout and another), as a Checkpointer's restore does:
+    # the metadata is read and checked once, each data file when first used.
+    if rng.random() < 0.25:
+        (t1, e1), (t2, e2) = sh.same(), other()
+
+        def opened() -> Any:
+            from tierstore.shardmeta import Checkpoint
+
+            ck = Checkpoint(d)
+            return {
+                "same": tierstore.load_sharded(ck, t1, per_rank_policy=pol),
+                "other": tierstore.load_sharded(ck, t2, per_rank_policy=pol),
+            }
+
+        ctx.op("load_opened_twice", opened, ctx.same_check({"same": e1, "other": e2}, ordered=False))
     # A quarter of the cases: two real ranks (gloo) load column halves with
     # verify="shared", proving the chunks they share from each other's pieces.
     if rng.random() < 0.25:
