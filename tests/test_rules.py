@@ -238,3 +238,38 @@ def test_dtensor_placements_are_stored_as_rules(tmp_path: pathlib.Path) -> None:
     out = {"w": torch.zeros(7, 5), "r": torch.zeros(7, 5)}
     tierstore.load_sharded(d, out)
     assert torch.equal(out["w"], full) and torch.equal(out["r"], full * 2)
+
+
+def _save_rows(rank: int, world: int, path: str) -> None:
+    lay = tp_row("row", SHAPES["row"], rank, world)
+    tierstore.save_sharded({"row": attach(local(lay), lay)}, path)
+
+
+def test_a_file_forged_to_hold_a_second_position_fails_on_a_checkpoint_opened_before(tmp_path: pathlib.Path) -> None:
+    """manifest.json re-sealed to say that rank 1's file holds both positions
+    of a rule. Each position a load reads is checked against what the file
+    records, also when an earlier load from the same opened checkpoint (as a
+    Checkpointer's restore makes several) already read the file's own
+    position: the second load raises, it does not return rank 1's half as
+    rank 0's."""
+    from tierstore.errors import ManifestError
+    from tierstore.shardmeta import Checkpoint
+
+    d = tmp_path / "rows"
+    run_world(2, _save_rows, str(d))
+    mp = d / "manifest.json"
+    m, _ = _metadata.loads(mp.read_bytes(), "m", required=True)
+    grp = m["groups"][m["tensors"]["row"]["parts"][0][0]]
+    assert grp["coords"] == [[0], [1]] and len(set(grp["files"])) == 2
+    grp["files"] = [grp["files"][1], grp["files"][1]]
+    mp.write_bytes(_metadata.dumps(m))
+
+    ck = Checkpoint(d)
+    lay1 = tp_row("row", SHAPES["row"], 1, 2)
+    half = {"row": attach(torch.zeros(lay1.local_shape), lay1)}
+    tierstore.load_sharded(ck, half)  # rank 1's own position, from rank 1's file: as saved
+    assert torch.equal(half["row"], local(lay1))
+    with pytest.raises(ManifestError, match=r"position \[0\] of the rule of 'row'"):
+        tierstore.load_sharded(ck, {"row": torch.zeros(SHAPES["row"])})
+    with pytest.raises(ManifestError, match=r"position \[0\] of the rule of 'row'"):
+        tierstore.load_sharded(d, {"row": torch.zeros(SHAPES["row"])})

@@ -247,7 +247,10 @@ class Checkpoint:
         # as their tensors are looked up: see _check_piece.)
         self._file_layouts: dict[int, Layout] = {}
         self._index: dict[str, GlobalIndex | RuleIndex] = {}
-        self._resolved: dict[tuple[int, str, str], int] = {}
+        # (file, key, tensor, rule position) -> the offset rule_source found
+        # and checked for exactly that position (a file forged to stand for a
+        # second position must fail that position's own check).
+        self._resolved: dict[tuple[int, str, str, tuple[int, ...]], int] = {}
         # (file, key) -> the layout the data file recorded for a rule
         # position, and its rules by rule (a shared buffer's members).
         self._rule_layouts: dict[tuple[int, str], tuple[Layout, dict[Rule, tuple[int, ...]]]] = {}
@@ -362,13 +365,12 @@ class Checkpoint:
         if src.offset >= 0:
             return src
         # Per tensor: a shared buffer holds several rules under one key, each checked.
-        got = self._resolved.get((src.file, src.key, src.piece.tensor))
+        at = (src.file, src.key, src.piece.tensor, tuple(src.coords))
+        got = self._resolved.get(at)
         if got is None:
             idx = self.lookup(src.piece.tensor)
             assert isinstance(idx, RuleIndex)
-            got = self._resolved[(src.file, src.key, src.piece.tensor)] = self.rule_source(
-                src.file, src.key, idx.rule, src.coords, idx.dtype
-            )[0]
+            got = self._resolved[at] = self.rule_source(src.file, src.key, idx.rule, src.coords, idx.dtype)[0]
         return dataclasses.replace(src, offset=got)
 
     def rule_source(self, fi: int, key: str, rule: Rule, coords: tuple[int, ...], dtype: str) -> tuple[int, Layout]:
