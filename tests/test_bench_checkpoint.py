@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from bench_util import load_bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -64,14 +65,9 @@ def test_floor_modes_time_each_checkpoint_and_leave_nothing(mode: str, tmp_path:
 
 def test_floor_write_writes_the_state_with_o_direct(tmp_path: pathlib.Path) -> None:
     """``_write_direct`` writes exactly the page-aligned bytes of the buffer."""
-    import importlib.util
-
     import torch
 
-    spec = importlib.util.spec_from_file_location("bench_checkpoint", ROOT / "benches" / "bench_checkpoint.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench("bench_checkpoint")
     n = 3 * 4096 + 4096  # three pages of data past the first page boundary
     buf = torch.randint(0, 256, (n,), dtype=torch.uint8)
     p = tmp_path / "x.bin"

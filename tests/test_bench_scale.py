@@ -4,26 +4,17 @@ receives does not grow with the number of ranks."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_scale", ROOT / "benches" / "bench_scale.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_scale"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from bench_util import load_bench
 
 
 def test_per_rank_traffic_does_not_grow_with_the_ranks(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "scale.json"
-    rc = _bench().main(["--ranks", "16,32,64", "--tensors", "20", "--tp", "4", "--pp", "2", "--json", str(out)])
+    rc = load_bench("bench_scale").main(
+        ["--ranks", "16,32,64", "--tensors", "20", "--tp", "4", "--pp", "2", "--json", str(out)]
+    )
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
     for fam in ("zero3", "fsdp2"):

@@ -8,7 +8,6 @@ simulator (doubling W leaves a loading rank's reads as they were)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from bench_util import load_bench
 from dist_util import run_world
 from layout_util import local, value, zero3
 
@@ -28,7 +28,6 @@ from tierstore.layout import attach
 from tierstore.sharded import consolidate
 from tierstore.shardmeta import Checkpoint, Grid
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 TP, DP = 2, 2
 SHAPES = {"col": (12, 8), "row": (8, 12), "norm": (8,)}
 
@@ -149,15 +148,6 @@ def test_a_resealed_grid_or_file_section_is_refused(
         tierstore.load_sharded(d, {k: torch.zeros(s) for k, s in SHAPES.items()})
 
 
-def _bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_scale", ROOT / "benches" / "bench_scale.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_scale"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_doubling_the_ranks_leaves_what_a_loading_rank_reads(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -170,7 +160,7 @@ def test_doubling_the_ranks_leaves_what_a_loading_rank_reads(
     out = tmp_path / "scale.json"
     argv = ["--ranks", "16,32,64", "--tensors", "20", "--tp", "4", "--pp", "2", "--json", str(out), "--no-dcp",
             "--index-bytes", "0"]  # fmt: skip
-    assert _bench().main(argv) == 0
+    assert load_bench("bench_scale").main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     for fam in ("zero3", "zero1", "fsdp2"):
         rs = sorted((r for r in rows if r["family"] == fam), key=lambda r: r["world"])

@@ -52,7 +52,6 @@ import math
 import pickle
 import pickletools
 import random
-import resource
 import struct
 import sys
 import tempfile
@@ -65,13 +64,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import memlimit
 import torch
 from torch import _weights_only_unpickler as wo
 
 import tierstore
 from tierstore import _pickle
 
-ADDRESS_SPACE_HEADROOM = 3 << 30
 P2 = b"\x80\x02"
 
 # ----------------------------------------------------------------------------------------------
@@ -1053,20 +1052,8 @@ def disassemble(data: bytes) -> str:
 # the campaign
 
 
-def _vm_size() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def limit_memory() -> None:
-    _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    lim = _vm_size() + ADDRESS_SPACE_HEADROOM
-    if hard != resource.RLIM_INFINITY:
-        lim = min(lim, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (lim, hard))
+    memlimit.limit_address_space()
 
 
 def _label(v: str) -> str:
