@@ -439,12 +439,20 @@ def test_multi_path_follows_measured_bandwidth(throttled: Callable[[int], Path])
     bw = opt.bandwidth()
     # The kernel's limits, as the engine's own timings see them.
     assert bw[str(slow)]["write"] < 0.6 * bw[str(fast)]["write"], bw
+    # Each write-back goes where the estimates of its moment say, and the
+    # throttle may show in the timings only after a few transfers (a clean-
+    # clone CI run had the estimates apart, shares 0.975 against 0.025, after
+    # the 4th step, but the state still placed half and half): two more steps
+    # place it all by the estimates just checked.
+    for step in range(4, 6):
+        _big_step(m_ref, ref, step)
+        _big_step(m_off, opt, step)
     shares = _shares(opt)
-    assert shares[str(slow)] < 0.35 < 0.65 < shares[str(fast)], (shares, bw)
+    assert shares[str(slow)] < 0.35 < 0.65 < shares[str(fast)], (shares, opt.bandwidth())
     # The limits swap: the estimates follow online and the state moves over.
     _set_rate(slow, 32)
     _set_rate(fast, 8)
-    for step in range(4, 14):
+    for step in range(6, 16):
         _big_step(m_ref, ref, step)
         _big_step(m_off, opt, step)
     shares = _shares(opt)

@@ -262,10 +262,10 @@ def load_sharded(
     then not read and checked again). Tensors receive exactly their local
     pieces (any layout: attached :class:`Layout`, DTensor placements, or
     plain tensors standing for the whole logical tensor); only the bytes
-    each needs are read. Non-tensor
-    values are replaced by the saved ones. Per-rank objects saved by a
-    different number of ranks need ``per_rank_policy``: ``"rank0"`` (take rank
-    0's) or a function of ``{rank: value}``.
+    each needs are read. Non-tensor values are replaced by the saved ones.
+    Per-rank objects saved by a different number of ranks need
+    ``per_rank_policy``: ``"rank0"`` (take rank 0's) or a function of
+    ``{rank: value}``.
 
     ``verify`` says which checksums are checked: ``"touched"`` (default)
     every 512-byte chunk a read touches, reading the rest of a chunk it touches
