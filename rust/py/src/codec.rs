@@ -205,8 +205,8 @@ fn codec_decode_chain(
 /// Decodes chunks `first..last` of a chain (`codec::decode_chain_span`):
 /// per level, its header and directory, its payload's length, a window of
 /// its payload and where that window starts; into `out`, the address and
-/// length of the decoded bytes' place. False, with nothing written, where the chain cannot be decoded
-/// that way.
+/// length of the decoded bytes' place. False, with nothing written, where
+/// the chain cannot be decoded that way.
 #[pyfunction]
 #[pyo3(signature = (heads, payload_lens, windows, bases, first, last, out, *, threads = 1, path = None, record = None))]
 #[allow(clippy::too_many_arguments)]
