@@ -258,7 +258,12 @@ def run_child(job: dict[str, Any]) -> dict[str, Any]:
         out.unlink(missing_ok=True)
 
 
-def run_dataset(name: str, args: argparse.Namespace, probe: Probe, systems: set[str] | None) -> list[Result]:
+def run_dataset(
+    name: str, args: argparse.Namespace, probe: Probe, systems: set[str] | None
+) -> tuple[list[Result], list[dict[str, Any]]]:
+    """Every save and load of ``name``, interleaved per repetition, and, after
+    each repetition's loads, the fresh-memory floor of a load of this state
+    (``saveload_child.fresh_memory``)."""
     spec = child.spec_for(name, args.large_gib, args.small_count)
     nbytes = child.spec_bytes(spec)
     saves = [s for s in SAVES if systems is None or s in systems or s.split(".")[0] in systems]
@@ -270,6 +275,7 @@ def run_dataset(name: str, args: argparse.Namespace, probe: Probe, systems: set[
             saves.append(src)
     results = {(op, s): Result(s, op, name, nbytes) for op, ss in (("save", saves), ("load", loads)) for s in ss}
     base = {"dataset": name, "large_gib": args.large_gib, "small_count": args.small_count, "level": not args.no_level}
+    floors: list[dict[str, Any]] = []
     for rep in range(args.reps):
         for op, order in (("save", saves), ("load", loads)):
             order = order if rep % 2 == 0 else order[::-1]
@@ -297,9 +303,36 @@ def run_dataset(name: str, args: argparse.Namespace, probe: Probe, systems: set[
                     f"peak RSS +{(r['rss_peak'] - r['rss_base']) / MiB:.0f} MiB{extra}",
                     flush=True,
                 )
+        if loads:
+            fl = run_child({**base, "op": "floor", "system": "floor", "file": str(args.dir / "floor")})
+            fl["rep"] = rep
+            floors.append(fl)
+            print(
+                f"  {name:5} rep {rep + 1} fresh memory of the state, populated: "
+                f"{fl['cpu_seconds'] / (nbytes / GiB):.2f} CPU s/GiB ({fl['minor_faults']} faults)",
+                flush=True,
+            )
     for s in {*saves}:
         file_for(args.dir, name, s).unlink(missing_ok=True)
-    return [results[("save", s)] for s in SAVES if s in saves] + [results[("load", s)] for s in LOADS if s in loads]
+    out = [results[("save", s)] for s in SAVES if s in saves] + [results[("load", s)] for s in LOADS if s in loads]
+    return out, floors
+
+
+def floor_cpu(floors: list[dict[str, Any]]) -> list[float]:
+    """The fresh-memory floor's CPU s/GiB, one per repetition."""
+    return [f["cpu_seconds"] / (f["bytes"] / GiB) for f in floors]
+
+
+def floor_lines(floors: dict[str, list[dict[str, Any]]]) -> list[str]:
+    return [
+        f"fresh memory, {ds}: {rng(floor_cpu(fl))} CPU s/GiB to populate anonymous memory of the state's size "
+        f"({statistics.median(f['minor_faults'] for f in fl) / (fl[0]['bytes'] / GiB):,.0f} faults per GiB; "
+        "MADV_POPULATE_WRITE, the kernel's default pages, nothing read): the floor of every load that returns its "
+        "tensors in memory of their own (tierstore.load, torch.load); the mapped loaders (mmap=True, "
+        "safetensors) allocate none"
+        for ds, fl in floors.items()
+        if fl
+    ]
 
 
 # ---------------------------------------------------------------- reporting
@@ -338,7 +371,7 @@ def request_kib(r: Result) -> float | None:
     return statistics.median(sizes) if sizes else None
 
 
-def table(results: list[Result], probe: Probe) -> str:
+def table(results: list[Result], probe: Probe, floors: dict[str, list[dict[str, Any]]]) -> str:
     hdr = (
         f"{'dataset':7} {'op':4} {'system':16} {'GiB/s median (min-max)':>23} {'x ceiling (min-max)':>20} "
         f"{'x torch (min-max)':>18} {'CPU s/GiB':>9} {'peak +MiB':>9} {'after +MiB':>10} {'dev/file':>8} {'KiB/req':>7}"
@@ -363,6 +396,7 @@ def table(results: list[Result], probe: Probe) -> str:
         "read from (loads) or wrote to (saves) the block layer over the file's size, median; KiB/req: the mean size "
         "of the requests the device served during the operation (/proc/diskstats), median"
     )
+    lines += floor_lines(floors)
     ts = [r for r in results if r.system.startswith("tierstore")]
     for r in ts:
         pool = r.col("engine_pool_allocated_bytes")
@@ -410,7 +444,7 @@ def above_ceiling(results: list[Result]) -> list[str]:
     return out
 
 
-def targets(results: list[Result]) -> list[tuple[str, bool, str]]:
+def targets(results: list[Result], floors: dict[str, list[dict[str, Any]]]) -> list[tuple[str, bool, str]]:
     def get(ds: str, op: str, system: str) -> Result | None:
         return next((r for r in results if r.dataset == ds and r.op == op and r.system == system), None)
 
@@ -458,11 +492,15 @@ def targets(results: list[Result]) -> list[tuple[str, bool, str]]:
                     detail,
                 ))  # fmt: skip
             cpu = {p.system: verdict(p.cpu_per_gib_runs, mine.cpu_per_gib_runs) for p in peers}
+            floor = ""
+            if op == "load" and not how and floors.get(ds):
+                floor = f"; fresh-memory floor {rng(floor_cpu(floors[ds]))}"
             out.append((
                 f"{ds}: {op}{how} CPU s/GiB lower than every peer beyond the spread",
                 all(x == "higher" for x in cpu.values()),
                 f"{mine.system} {rng(mine.cpu_per_gib_runs)}; "
-                + "; ".join(f"{p.system} {rng(p.cpu_per_gib_runs)}" for p in peers),
+                + "; ".join(f"{p.system} {rng(p.cpu_per_gib_runs)}" for p in peers)
+                + floor,
             ))  # fmt: skip
         peak = max(s.mib("rss_peak"))
         out.append((f"{ds}: peak RSS during save <= N + 512 MiB", peak <= 512, f"+{peak:.0f} MiB over the state"))
@@ -471,7 +509,7 @@ def targets(results: list[Result]) -> list[tuple[str, bool, str]]:
     return out
 
 
-def markdown(results: list[Result], probe: Probe) -> str:
+def markdown(results: list[Result], probe: Probe, floors: dict[str, list[dict[str, Any]]]) -> str:
     rows = [
         "| state dict | operation | system | GiB/s median (min-max) | x ceiling of its moment (min-max) | x torch | "
         "CPU s/GiB | peak RSS +MiB | RSS after +MiB | KiB/request |",
@@ -496,6 +534,8 @@ def markdown(results: list[Result], probe: Probe) -> str:
             f"Ceilings of the moments ({probe.method}): write {min(ceil['save']):.2f}-{max(ceil['save']):.2f} GiB/s, "
             f"read {min(ceil['load']):.2f}-{max(ceil['load']):.2f} GiB/s."
         )
+    if any(floors.values()):
+        rows += ["", *(f"{line}." for line in floor_lines(floors))]
     return "\n".join(rows)
 
 
@@ -560,12 +600,14 @@ def main() -> int:
     print(f"ceiling calibration: fio {probe.calibration or 'not found'}; {probe.method}", flush=True)
     print(f"engine raw path (context): {raw[0]}", flush=True)
     results: list[Result] = []
+    floors: dict[str, list[dict[str, Any]]] = {}
     for ds in ("large", "small"):
         if args.only in (None, ds):
-            results += run_dataset(ds, args, probe, systems)
+            got, floors[ds] = run_dataset(ds, args, probe, systems)
+            results += got
     raw.append(engine_ceiling(args.dir, args.probe_gib))
     probe.file.unlink(missing_ok=True)
-    text = table(results, probe)
+    text = table(results, probe, floors)
     notes = above_ceiling(results)
     print()
     print(text)
@@ -574,7 +616,7 @@ def main() -> int:
         print("\nabove the ceiling of its moment:")
         for n in notes:
             print(f"  {n}")
-    checks = targets(results) if args.only is None and systems is None else []
+    checks = targets(results, floors) if args.only is None and systems is None else []
     if checks:
         text += "\n\n" + "\n".join(f"{'MET ' if ok else 'MISS'}  {n}: {d}" for n, ok, d in checks)
         print()
@@ -606,12 +648,15 @@ def main() -> int:
             }
             for r in results
         ],
+        "fresh_memory_floor": {
+            ds: {"cpu_s_per_gib": floor_cpu(fl), "runs": fl} for ds, fl in floors.items() if fl
+        },
         "above_ceiling": notes,
         "targets": [{"target": n, "met": ok, "detail": d} for n, ok, d in checks],
     }  # fmt: skip
     (args.out / "save_load.json").write_text(json.dumps(data, indent=2))
     (args.out / "save_load.txt").write_text(header + "\n" + text + "\n")
-    (args.out / "save_load.md").write_text(markdown(results, probe) + "\n")
+    (args.out / "save_load.md").write_text(markdown(results, probe, floors) + "\n")
     chart(results, args.out / "save_load.png")
     print(f"\nwrote save_load.json, .txt, .md and .png to {args.out}")
     shutil.rmtree(args.dir, ignore_errors=True)

@@ -6,6 +6,9 @@ buffers behind:
 
     python benches/saveload_child.py '{"op": "load", "system": "tierstore", ...}' result.json
 
+``"op": "floor"`` measures no system: it populates fresh memory of the state's
+size (see ``fresh_memory``), the floor of every load into memory of its own.
+
 For a save it builds the state dict (deterministically) first; for a load it
 starts from the file alone. Just before the operation it levels memory (see
 ``prefault``), writes back dirty data, and, for loads, evicts the file from the
@@ -121,6 +124,37 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MADV_POPULATE_WRITE = 23  # Linux 5.14; Python's mmap module names it from 3.13
+
+
+def fresh_memory(nbytes: int) -> dict[str, Any]:
+    """The floor of a load into fresh memory: ``nbytes`` of anonymous memory
+    mapped and populated (``MADV_POPULATE_WRITE``: each page allocated,
+    zeroed and mapped, nothing read), after the same levelling as a load.
+
+    Every loader that returns its tensors in memory of their own (not mapped
+    from the file's page cache) pays at least this, whatever it reads and
+    however; a loader that maps the file privately pays none of it. The
+    pages are the kernel's default for the mapping (no huge-page advice)."""
+    size = (nbytes + PAGE - 1) // PAGE * PAGE
+    addr = _libc.mmap(None, size, 3, 0x22, -1, 0)  # PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap of the fresh-memory floor failed")
+    try:
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        if _libc.madvise(addr, size, MADV_POPULATE_WRITE) != 0:
+            raise OSError(ctypes.get_errno(), "MADV_POPULATE_WRITE failed")
+        dt, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+    finally:
+        _libc.munmap(addr, size)
+    return {
+        "seconds": dt,
+        "cpu_seconds": r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime,
+        "sys_seconds": r1.ru_stime - r0.ru_stime,
+        "minor_faults": r1.ru_minflt - r0.ru_minflt,
+        "bytes": nbytes,
+    }
 
 
 def resident_bytes(path: Path) -> int:
@@ -256,6 +290,11 @@ def main() -> int:
     torch.manual_seed(0)
     spec = spec_for(job["dataset"], job["large_gib"], job["small_count"])
     nbytes = spec_bytes(spec)
+    if op == "floor":
+        if job["level"]:
+            prefault(nbytes)
+        out_path.write_text(json.dumps(fresh_memory(nbytes)))
+        return 0
     res: dict[str, Any] = {}
     engine_start_s = None
     if system.startswith("tierstore"):
