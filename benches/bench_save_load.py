@@ -327,9 +327,9 @@ def floor_lines(floors: dict[str, list[dict[str, Any]]]) -> list[str]:
     return [
         f"fresh memory, {ds}: {rng(floor_cpu(fl))} CPU s/GiB to populate anonymous memory of the state's size "
         f"({statistics.median(f['minor_faults'] for f in fl) / (fl[0]['bytes'] / GiB):,.0f} faults per GiB; "
-        "MADV_POPULATE_WRITE, the kernel's default pages, nothing read): the floor of every load that returns its "
-        "tensors in memory of their own (tierstore.load, torch.load); the mapped loaders (mmap=True, "
-        "safetensors) allocate none"
+        f"{fl[0].get('method', 'MADV_POPULATE_WRITE')}, the kernel's default pages, nothing read): the floor of "
+        "every load that returns its tensors in memory of their own (tierstore.load, torch.load); the mapped "
+        "loaders (mmap=True, safetensors) allocate none"
         for ds, fl in floors.items()
         if fl
     ]

@@ -25,6 +25,7 @@ held), the bytes the process read from and wrote to the block layer
 from __future__ import annotations
 
 import ctypes
+import errno
 import gc
 import json
 import os
@@ -142,9 +143,13 @@ def fresh_memory(nbytes: int) -> dict[str, Any]:
     if addr in (None, ctypes.c_void_p(-1).value):
         raise OSError(ctypes.get_errno(), "mmap of the fresh-memory floor failed")
     try:
+        method = "MADV_POPULATE_WRITE"
         r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         if _libc.madvise(addr, size, MADV_POPULATE_WRITE) != 0:
-            raise OSError(ctypes.get_errno(), "MADV_POPULATE_WRITE failed")
+            if ctypes.get_errno() != errno.EINVAL:
+                raise OSError(ctypes.get_errno(), "MADV_POPULATE_WRITE failed")
+            method = "memset"  # a kernel before 5.14: the pages faulted in by writing them
+            ctypes.memset(addr, 0, size)
         dt, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
     finally:
         _libc.munmap(addr, size)
@@ -154,6 +159,7 @@ def fresh_memory(nbytes: int) -> dict[str, Any]:
         "sys_seconds": r1.ru_stime - r0.ru_stime,
         "minor_faults": r1.ru_minflt - r0.ru_minflt,
         "bytes": nbytes,
+        "method": method,
     }
 
 
