@@ -3202,8 +3202,62 @@ def step_dir(run: Path, s: int) -> Path:
     return run / "local" / f"step-{s:012d}"
 
 
+def offload_model(seed: int) -> torch.nn.Module:
+    """The model of an offloaded-optimizer case (two small layers)."""
+    torch.manual_seed(seed % (1 << 62))
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 32))
+
+
+def offload_optimizer(model: torch.nn.Module, scratch: Path) -> Any:
+    """AdamW offloaded in 8 KiB subgroups with 16 KiB of host memory: some
+    subgroups resident (checkpointed as tensors in the rank file), the
+    others on ``scratch`` (checkpointed as ``offload-*`` files)."""
+    return tierstore.offload(
+        torch.optim.AdamW,
+        model.parameters(),
+        lr=1e-3,
+        tiers=[tierstore.HostTier("16KiB"), tierstore.DiskTier(str(scratch))],
+        subgroup_bytes="8KiB",
+    )
+
+
+def ckpt_offload_save(ctx: Ctx, run: Path, remote: bool, codec: str) -> dict[int, dict[str, Any]]:
+    """Steps 1..3 of a model trained with an offloaded optimizer, each saved
+    with the optimizer itself in the state (the Checkpointer takes its
+    subgroups from the tiers). Returns what ``load_latest()`` must give back
+    for each step: the model's tensors and the optimizer's ordinary state
+    dict at that step."""
+    model = offload_model(ctx.seed)
+    opt = offload_optimizer(model, ctx.dir / "scratch")
+    ck = tierstore.Checkpointer(str(run), tiers=ckpt_tiers(run, remote, codec))
+    states: dict[int, dict[str, Any]] = {}
+    try:
+        for s in (1, 2, 3):
+            x = torch.randn(4, 32, generator=torch.Generator().manual_seed(ctx.seed * 3 + s))
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            opt.wait_io()
+            states[s] = {
+                "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                "optim": copy.deepcopy(opt.state_dict()),
+                "step": s,
+                "tag": "fuzz",
+            }
+            ck.save(s, {"model": model.state_dict(), "optim": opt, "step": s, "tag": "fuzz"})
+            ck.wait()
+    finally:
+        ck.close()
+        opt.close()
+    return states
+
+
 def ckpt_mutators(
-    ctx: Ctx, run: Path, make_state: Callable[[int, bool], dict[str, Any]], codec: str = ""
+    ctx: Ctx,
+    run: Path,
+    make_state: Callable[[int, bool], dict[str, Any]],
+    codec: str = "",
+    offloaded: bool = False,
 ) -> list[tuple[str, float, Any]]:
     rng = ctx.rng
 
@@ -3510,9 +3564,41 @@ def ckpt_mutators(
         data_files(d, "rank-")[0].unlink()
         return f"local {d.name} rank file deleted; " + tsd_damage()
 
+    def c_offload_file() -> str:
+        """A subgroup file of step 3's offloaded optimizer damaged, lost,
+        or replaced by step 2's (a consistent file of the wrong step: its
+        CRC is not the one step 3's entry records)."""
+        d = newest()
+        files = sorted(d.glob("offload-*"))
+        if not files:
+            return raw_damage(d)
+        p = rng.choice(files)
+        how = rng.choice(["flip", "flip", "truncate", "delete", "zero", "older", "extend"])
+        where = f"{d.name}/{p.name}: "
+        if how == "flip":
+            return where + flip_bits(p, rng)
+        if how == "truncate":
+            return where + truncate(p, rng)
+        if how == "zero":
+            return where + zero_block(p, rng)
+        if how == "delete":
+            p.unlink()
+            return where + "deleted"
+        if how == "extend":
+            with open(p, "ab") as f:
+                f.write(b"\x5a" * rng.choice([1, 4096]))
+            return where + "bytes appended"
+        older = step_dir(run, 2) / p.name
+        if older.exists():
+            shutil.copyfile(older, p)
+            return where + "replaced by step 2's file of the same name"
+        return where + flip_bits(p, rng)
+
     extra: list[tuple[str, float, Any]] = []
     if codec:
         extra = [("remote_tsd_damage", 4, c_tsd_only), ("remote_tsd_and_local", 6, c_tsd_and_local)]
+    if offloaded:
+        extra.append(("step_offload_file", 8, c_offload_file))
     return [
         *extra,
         ("step_manifest_flip", 5, c_manifest_flip),
@@ -3546,9 +3632,17 @@ def case_checkpointer(ctx: Ctx) -> None:
     if "tsd" in str(ctx.env.cache.get("force_mutator", "")):
         remote = deltas = True  # a mutator of encoded files needs them
     codec = ctx.rng.choice(["keyframe", "parent", "best"]) if deltas else ""
-    ckpt_save(run, states, remote, codec)
-    ctx.env.emit({"ev": "case", "stage": "saved"})
-    table = [("none", 2, lambda: "no change"), *ckpt_mutators(ctx, run, make_state, codec)]
+    # A quarter of the cases checkpoint an offloaded optimizer (its own
+    # random stream, so that the other cases of a seed stay as they were).
+    offloaded = random.Random(f"offload:{ctx.seed}").random() < 0.25
+    if ctx.env.cache.get("force_mutator") == "step_offload_file":
+        offloaded = True
+    if offloaded:
+        states = ckpt_offload_save(ctx, run, remote, codec)
+    else:
+        ckpt_save(run, states, remote, codec)
+    ctx.env.emit({"ev": "case", "stage": "saved", "offloaded": offloaded})
+    table = [("none", 2, lambda: "no change"), *ckpt_mutators(ctx, run, make_state, codec, offloaded)]
     ctx.mutator, fn = pick(ctx.rng, table)
     if ctx.env.cache.get("force_mutator"):
         ctx.mutator, fn = next((n, f) for n, _w, f in table if n == ctx.env.cache["force_mutator"])
@@ -3614,12 +3708,27 @@ def case_checkpointer(ctx: Ctx) -> None:
 
     def template() -> dict[str, Any]:
         st = states[3]
+        if offloaded:
+            # A fresh model's offloaded optimizer (no state yet) takes the
+            # optimizer's part in place.
+            n = len(into_box.setdefault("opts", []))
+            opt = offload_optimizer(offload_model(ctx.seed + 1), ctx.dir / f"scratch-into-{n}")
+            into_box["opts"].append(opt)
+            optim: Any = opt
+        else:
+            optim = {"m": poisoned(tuple(st["optim"]["m"].shape), st["optim"]["m"].dtype), "lr": None}
         return {
             "model": {k: poisoned(tuple(v.shape), v.dtype) for k, v in st["model"].items()},
-            "optim": {"m": poisoned(tuple(st["optim"]["m"].shape), st["optim"]["m"].dtype), "lr": None},
+            "optim": optim,
             "step": None,
             "tag": None,
         }
+
+    def as_state(d: dict[str, Any]) -> dict[str, Any]:
+        """``into`` as the state it holds (an offloaded optimizer as its
+        ordinary state dict)."""
+        o = d["optim"]
+        return {**d, "optim": o.state_dict()} if isinstance(o, tierstore.OffloadedOptimizer) else d
 
     into_box: dict[str, Any] = {}
 
@@ -3627,21 +3736,24 @@ def case_checkpointer(ctx: Ctx) -> None:
         ck = fresh()
         try:
             into_box["into"] = template()
-            into_box["before"] = template()
+            into_box["before"] = as_state(template())
             into_box["result"] = ck.load_latest(into=into_box["into"])
             into_box["restored"] = ck.restored
         finally:
             ck.close(wait=False)
+            into_box["held"] = as_state(into_box["into"]) if "into" in into_box else None
+            for o in into_box.pop("opts", []):
+                o.close()
         return into_box["result"]
 
     def judge_into(r: Any, wl: list[Any]) -> tuple[str, str]:
         if r is not None and r is not into_box["into"]:
             return SILENT, "load_latest(into=...) returned something other than `into`"
         if r is None and into_box.get("restored") is None:
-            d = compare(into_box["into"], into_box["before"], ordered=False)
+            d = compare(into_box["held"], into_box["before"], ordered=False)
             if d is not None:
                 return SILENT, f"returned None, but `into` was changed by the failed attempts ({d})"
-        return judge(r, into_box.get("restored"), wl, into_box["into"] if r is not None else None)
+        return judge(r, into_box.get("restored"), wl, into_box["held"] if r is not None else None)
 
     ctx.op("load_latest_into", into, judge_into)
 

@@ -124,3 +124,28 @@ def test_a_fault_the_op_injects_is_not_held_against_the_file(tmp_path: Path) -> 
     assert any("TruncatedFileError" in o.get("exc", "") and "record '" in o.get("exc", "") for o in shrunk), shrunk
     others = [o for r in summary["results"] for o in r["ops"] if not o.get("injected")]
     assert others and all(o["outcome"] == "equal" for o in others), campaign.report(summary)
+
+
+def test_damaged_offloaded_optimizer_files_fall_back_with_a_warning(tmp_path: Path) -> None:
+    """``step_offload_file`` damages, loses or swaps a subgroup file of the
+    newest step of a Checkpointer run whose state holds an offloaded
+    optimizer: a fresh ``load_latest()``, plain and into a fresh offloaded
+    optimizer, returns the newest step exactly or an older one exactly, with
+    a warning naming the step it passed over."""
+    summary = campaign.run_campaign(
+        cases=6,
+        seed=3,
+        kinds=["checkpointer"],
+        workers=1,
+        workdir=tmp_path,
+        case_timeout=30.0,
+        mutator=["step_offload_file"],
+        log=lambda _m: None,
+    )
+    assert summary["ok"], campaign.report(summary)
+    ops = [o for r in summary["results"] for o in r["ops"]]
+    assert {o["op"] for o in ops} == {"load_latest", "load_latest_into"}
+    assert all(o["outcome"] == "equal" for o in ops), campaign.report(summary)
+    # At least one case lost step 3 to the damage: a fallback, said out loud.
+    fell = [o for o in ops if "fell back" in o.get("detail", "")]
+    assert fell and all(any("offload" in w or "step 3" in w for w in o["warnings"]) for o in fell), ops
