@@ -3208,16 +3208,16 @@ def offload_model(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 32))
 
 
-def offload_optimizer(model: torch.nn.Module, scratch: Path) -> Any:
-    """AdamW offloaded in 8 KiB subgroups with 16 KiB of host memory: some
-    subgroups resident (checkpointed as tensors in the rank file), the
-    others on ``scratch`` (checkpointed as ``offload-*`` files)."""
+def offload_optimizer(model: torch.nn.Module, scratch: Path, subgroup: str = "8KiB") -> Any:
+    """AdamW offloaded in ``subgroup``-sized subgroups with 16 KiB of host
+    memory: some subgroups resident (checkpointed as tensors in the rank
+    file), the others on ``scratch`` (checkpointed as ``offload-*`` files)."""
     return tierstore.offload(
         torch.optim.AdamW,
         model.parameters(),
         lr=1e-3,
         tiers=[tierstore.HostTier("16KiB"), tierstore.DiskTier(str(scratch))],
-        subgroup_bytes="8KiB",
+        subgroup_bytes=subgroup,
     )
 
 
@@ -3710,9 +3710,10 @@ def case_checkpointer(ctx: Ctx) -> None:
         st = states[3]
         if offloaded:
             # A fresh model's offloaded optimizer (no state yet) takes the
-            # optimizer's part in place.
+            # optimizer's part in place; with other subgroups than the saved
+            # ones in half the cases (the state is then re-partitioned).
             n = len(into_box.setdefault("opts", []))
-            opt = offload_optimizer(offload_model(ctx.seed + 1), ctx.dir / f"scratch-into-{n}")
+            opt = offload_optimizer(offload_model(ctx.seed + 1), ctx.dir / f"scratch-into-{n}", into_subgroup)
             into_box["opts"].append(opt)
             optim: Any = opt
         else:
@@ -3723,6 +3724,8 @@ def case_checkpointer(ctx: Ctx) -> None:
             "step": None,
             "tag": None,
         }
+
+    into_subgroup = random.Random(f"offload-into:{ctx.seed}").choice(["8KiB", "8KiB", "4KiB", "64KiB"])
 
     def as_state(d: dict[str, Any]) -> dict[str, Any]:
         """``into`` as the state it holds (an offloaded optimizer as its
