@@ -985,3 +985,164 @@ def test_offload_entry_formats() -> None:
         offload_meta(("tierstore-offload/9", {}), "ck/step-3")
     with pytest.raises(TierstoreError, match="not the checkpoint of an offloaded optimizer"):
         offload_meta({"state": {}}, "ck")
+
+
+# ------------------------------------------------------------------------------------------------
+# forged offload entries (metadata re-sealed at every level)
+
+
+def _small_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 32))
+
+
+def _small_offload(model: torch.nn.Module, scratch: Path) -> Any:
+    # 16 KiB of host memory for 8 KiB subgroups: two resident, two on disk.
+    return offload(
+        torch.optim.AdamW,
+        model.parameters(),
+        lr=1e-3,
+        tiers=[HostTier("16KiB"), DiskTier(str(scratch))],
+        subgroup_bytes="8KiB",
+    )
+
+
+def _forge_offload_entry(step_dir: Path, forge: Callable[[dict[str, Any]], None]) -> None:
+    """Rewrites the step's objects file with its offload entry changed by
+    ``forge`` (through tierstore.save, so the file is consistent) and
+    re-seals manifest.json with the file's new size and manifest CRC: only
+    the entry's own statements can tell that anything is wrong."""
+    from tierstore import _archive, _metadata, manifest
+
+    p = next(step_dir.glob("objects-*.pt"))
+    saved = tierstore.load(p)
+    key = next(k for k in saved["objects"] if k.endswith("__tierstore_offload__"))
+    fmt, meta = saved["objects"][key]
+    meta = copy.deepcopy(meta)
+    forge(meta)
+    saved["objects"][key] = (fmt, meta)
+    tierstore.save(saved, p)
+    crc = _archive.open_directory(str(p)).records[manifest.MANIFEST_NAME].crc32
+    mp = step_dir / "manifest.json"
+    m, _ = _metadata.loads(mp.read_bytes(), "m", required=True)
+    for f in m["object_files"]:
+        if f["name"] == p.name:
+            f["bytes"], f["manifest_crc32"] = p.stat().st_size, crc
+    mp.write_bytes(_metadata.dumps(m))
+
+
+def _on_disk(meta: dict[str, Any]) -> dict[str, Any]:
+    return next(e for e in meta["subgroups"] if "file" in e)
+
+
+def _resident(meta: dict[str, Any]) -> dict[str, Any]:
+    return next(e for e in meta["subgroups"] if "tensor" in e)
+
+
+def _set_layout_param(meta: dict[str, Any]) -> None:
+    for item in _on_disk(meta)["layout"]:
+        item[0] = 1  # a parameter the subgroup does not hold (it holds one)
+
+
+def _dup_layout(meta: dict[str, Any]) -> None:
+    lay = _on_disk(meta)["layout"]
+    lay.append([*lay[2][:2], lay[1][2], *lay[2][3:]])  # exp_avg_sq again, over exp_avg's bytes
+
+
+def _overlap_layout(meta: dict[str, Any]) -> None:
+    lay = _on_disk(meta)["layout"]
+    lay[2][2] = lay[1][2]  # exp_avg_sq read from exp_avg's bytes
+
+
+def _huge_file_subgroup(meta: dict[str, Any]) -> None:
+    _on_disk(meta)["nbytes"] = 1 << 45
+
+
+def _huge_resident_subgroup(meta: dict[str, Any]) -> None:
+    _resident(meta)["nbytes"] = 1 << 45
+
+
+def _objects_elsewhere(meta: dict[str, Any]) -> None:
+    _on_disk(meta)["objects"] = {"3": {"note": 1}}
+
+
+def _params_shared(meta: dict[str, Any]) -> None:
+    meta["subgroups"][1]["first"] = meta["subgroups"][0]["first"]
+
+
+def _tensor_of_another(meta: dict[str, Any]) -> None:
+    a, b = (e for e in meta["subgroups"] if "tensor" in e)
+    b["tensor"] = a["tensor"]  # the same size here: only the names can tell
+
+
+def _no_param_groups(meta: dict[str, Any]) -> None:
+    meta["param_groups"] = []
+
+
+@pytest.mark.parametrize(
+    ("forge", "said"),
+    [
+        (_set_layout_param, r"layout\[0\]\[0\]: expected one of the subgroup's 1 parameters"),
+        (_dup_layout, r"layout\[4\]\[1\]: expected a state key not listed before"),
+        (_overlap_layout, r"layout\[\d\]: expected bytes of its own"),
+        (_huge_file_subgroup, r"holds fewer than 35184372088832 bytes"),
+        (_huge_resident_subgroup, r"tensor '[^']*o0-sg-\d+' of 35184372088832 bytes"),
+        (_objects_elsewhere, r"objects: expected keys naming the subgroup's parameters"),
+        (_params_shared, r"first: expected parameters of its own"),
+        (_tensor_of_another, r"tensor: expected a tensor of its own"),
+        (_no_param_groups, r"param_groups: expected groups that hold each of the 4 saved parameters once"),
+    ],
+)
+def test_a_forged_offload_entry_is_refused_before_anything_is_allocated_or_changed(
+    tmp_path: Path, forge: Callable[[dict[str, Any]], None], said: str
+) -> None:
+    """A re-sealed offload entry whose subgroups name a parameter they do not
+    hold, list one state twice, read two states from the same bytes, claim
+    more bytes than their file or tensor holds, share parameters or a
+    tensor, or whose parameter groups lose the parameters: the
+    newest step is refused with a warning naming the field (before any
+    buffer is sized by the entry or the optimizer touched), and the step
+    before it is restored exactly, plain and into a fresh offloaded
+    optimizer. (Before, the duplicate and the foreign parameter were
+    restored silently wrong, and the sizes were allocated.)"""
+    model = _small_model()
+    opt = _small_offload(model, tmp_path / "scratch")
+    ck = tierstore.Checkpointer(tmp_path / "run", tiers=[DiskTier(str(tmp_path / "run" / "local"))])
+    at: dict[int, dict[str, Any]] = {}
+    for step in (1, 2):
+        _step_small(model, opt, step)
+        opt.wait_io()
+        at[step] = copy.deepcopy(opt.state_dict())
+        ck.save(step, {"model": model.state_dict(), "optim": opt})
+        ck.wait()
+    ck.close()
+    opt.close()
+    step2 = tmp_path / "run" / "local" / f"step-{2:012d}"
+    assert list(step2.glob("offload-*")), "no subgroup on disk: the case needs both kinds"
+    _forge_offload_entry(step2, forge)
+
+    ck2 = tierstore.Checkpointer(tmp_path / "run", tiers=[DiskTier(str(tmp_path / "run" / "local"))])
+    with pytest.warns(UserWarning, match=said):
+        back = ck2.load_latest()
+    assert ck2.restored is not None and ck2.restored["step"] == 1
+    assert back["optim"]["param_groups"] == at[1]["param_groups"]
+    for i, st in at[1]["state"].items():
+        assert all(torch.equal(back["optim"]["state"][i][k], v) for k, v in st.items()), i
+    assert set(back["optim"]["state"]) == set(at[1]["state"])
+
+    fresh = _small_offload(_small_model(seed=5), tmp_path / "scratch2")
+    with pytest.warns(UserWarning, match=said):
+        ck2.load_latest(into={"model": _small_model(seed=5).state_dict(), "optim": fresh})
+    assert ck2.restored is not None and ck2.restored["step"] == 1
+    got = fresh.state_dict()
+    for i, st in at[1]["state"].items():
+        assert all(torch.equal(got["state"][i][k], v) for k, v in st.items()), i
+    fresh.close()
+    ck2.close()
+
+
+def _step_small(model: torch.nn.Module, opt: Any, step: int) -> None:
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step))
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()

@@ -24,7 +24,7 @@ from tierstore._dist import all_true, broadcast, gather
 from tierstore._offload_entry import OFFLOAD_KEY, is_offload_parts, offload_meta, restore_state_dict
 from tierstore._sharded_read import load_sharded, needed_files
 from tierstore._tier_codec import DECODE_ROOT
-from tierstore.errors import LayoutError, TierstoreError
+from tierstore.errors import LayoutError, ManifestError, TierstoreError
 from tierstore.sharded import PerRank
 from tierstore.shardmeta import MANIFEST, Checkpoint, closing_scope, read_attachment, read_manifest
 from tierstore.tiers import DiskTier
@@ -129,21 +129,21 @@ def load_into(d: Path, into: Any, weights_only: bool, per_rank_policy: Any, ck: 
     checkpoint opened with its other copies."""
     if ck is None:
         ck = Checkpoint(d)
-    found: list[tuple[MutableMapping[str, Any], str, Any]] = []
+    found: list[tuple[MutableMapping[str, Any], str, Any, str]] = []
 
-    def walk(obj: Any) -> Any:
+    def walk(obj: Any, prefix: str) -> Any:
         if isinstance(obj, Mapping) and not isinstance(obj, torch.Tensor):
             out = dict(obj)
             for k, v in obj.items():
                 if checkpoints_itself(v):
                     out[k] = {OFFLOAD_KEY: None}
-                    found.append((out, k, v))
+                    found.append((out, k, v, _tree.child(prefix, k)))
                 else:
-                    out[k] = walk(v)
+                    out[k] = walk(v, _tree.child(prefix, k))
             return out
         return obj
 
-    template = walk(into) if isinstance(into, Mapping) else into
+    template = walk(into, "") if isinstance(into, Mapping) else into
     opts: dict[str, Any] = {"process_group": None, "per_rank_policy": per_rank_policy, "weights_only": weights_only}
     if not found:
         return load_sharded(ck, into, **opts)
@@ -151,14 +151,14 @@ def load_into(d: Path, into: Any, weights_only: bool, per_rank_policy: Any, ck: 
     probe = _only_offload_meta(template)
     load_sharded(ck, probe, **opts)
     metas = [offload_meta(m[OFFLOAD_KEY], str(d)) for m in _offload_entries(probe)]
-    for (parent, k, _opt), meta in zip(found, metas, strict=True):
+    for (parent, k, _opt, key), meta in zip(found, metas, strict=True):
         entry: dict[str, Any] = {OFFLOAD_KEY: None}
         for e in meta["subgroups"]:
             if "tensor" in e:
-                entry[e["tensor"]] = torch.empty(e["nbytes"], dtype=torch.uint8)
+                entry[e["tensor"]] = torch.empty(_saved_bytes(ck, _tree.child(key, e["tensor"]), e), dtype=torch.uint8)
         parent[k] = entry
     load_sharded(ck, template, **opts)
-    for (parent, k, opt), meta in zip(found, metas, strict=True):
+    for (parent, k, opt, _key), meta in zip(found, metas, strict=True):
         tensors = {n: t for n, t in parent[k].items() if isinstance(t, torch.Tensor)}
         opt.restore_from_checkpoint(meta, tensors, d)
     _copy_back(into, template)
@@ -225,6 +225,23 @@ def read_meta(d: Path, step: int) -> list[list[Any]] | None:
         if _tree.check_path(f.array(entry[1], f"{fld}[1]"), key) is None:
             f.fail(f"{fld}[1]", f"the key path of {key!r} (its parts joined by '.' give the key)", entry[1])
     return tree
+
+
+def _saved_bytes(ck: Checkpoint, name: str, e: dict[str, Any]) -> int:
+    """The size of resident subgroup ``e``'s tensor ``name`` as the
+    checkpoint holds it (a flat uint8 tensor whose pieces are proven to tile
+    it), which must be the size its entry states: the buffer it is loaded
+    into is never sized by the entry alone."""
+    g = ck.manifest["tensors"].get(name)
+    if g is None or g.get("dtype") != "uint8" or len(g.get("shape", ())) != 1 or g["shape"][0] != e["nbytes"]:
+        raise ManifestError(
+            f"{ck.dir}: offloaded optimizer subgroup {e['index']}: the checkpoint holds no tensor {name!r} of "
+            f"{e['nbytes']} bytes (the entry's size)",
+            path=str(ck.dir),
+            record=name,
+        )
+    ck.check_tensor(name)
+    return int(e["nbytes"])
 
 
 def _only_offload_meta(tree: Mapping[str, Any]) -> dict[str, Any]:

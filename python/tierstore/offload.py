@@ -67,6 +67,7 @@ from tierstore._offload_entry import (
     OFFLOAD_FORMAT,
     OFFLOAD_FORMATS_READ,
     OFFLOAD_KEY,
+    check_sources,
     is_offload_parts,
     offload_meta,
     restore_state_dict,
@@ -449,6 +450,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if not same_partition(meta, self._optimizer_name(), params, self.subgroups):
             self.load_state_dict(restore_state_dict(meta, tensors, d))
             return
+        if len(meta["param_groups"]) != len(self.param_groups):
+            raise TierstoreError(
+                f"{d}: offloaded optimizer state of {len(meta['param_groups'])} parameter groups; "
+                f"this optimizer has {len(self.param_groups)}"
+            )
+        check_sources(meta["subgroups"], tensors, d)  # nothing changed here before every subgroup is known whole
         self.wait_io()
         for g, g2 in zip(self.param_groups, meta["param_groups"], strict=True):
             g.update({k: v for k, v in g2.items() if k != "params"})

@@ -821,6 +821,88 @@ def hostile_objects_file(ctx: Ctx, d: Path) -> str | None:
     return f"{p.name}: value {key!r} is a {what} call (written by tierstore.save; manifest.json fixed and re-sealed)"
 
 
+def forged_offload_entry(ctx: Ctx, d: Path) -> str | None:
+    """Rewrites the objects file of Checkpointer step ``d`` with its
+    offloaded optimizer's entry forged (through tierstore.save, so the file
+    is consistent) and re-seals manifest.json: only the entry's own
+    statements (and the bytes they point at) can tell what is wrong."""
+    rng = ctx.rng
+    objs = sorted(p for p in d.iterdir() if p.name.startswith("objects-") and p.name.endswith(".pt"))
+    if not objs:
+        return None
+    p = objs[0]
+    saved = tierstore.load(p)
+    keys = [k for k in saved["objects"] if str(k).endswith("__tierstore_offload__")]
+    if not keys:
+        return None
+    key = keys[0]
+    fmt, meta = saved["objects"][key]
+    meta = copy.deepcopy(meta)
+    sgs = meta["subgroups"]
+    e = rng.choice(sgs)
+    lay = e["layout"]
+    how = rng.choice(
+        ["layout_param", "layout_dup", "layout_overlap", "layout_offset", "layout_dtype", "nbytes", "objects",
+         "first", "count", "params_shared", "crc", "file_outside", "file_other", "tensor_other", "param_groups",
+         "params_shape", "format"]
+    )  # fmt: skip
+    if how == "layout_param" and lay:
+        rng.choice(lay)[0] = rng.choice([e["count"], e["count"] + 1, 1 << 40, -1])
+    elif how == "layout_dup" and len(lay) > 1:
+        a, b = rng.sample(range(len(lay)), 2)
+        lay.append([*lay[a][:2], lay[b][2], *lay[a][3:]])
+    elif how == "layout_overlap" and len(lay) > 1:
+        a, b = rng.sample(range(len(lay)), 2)
+        lay[a][2] = lay[b][2]
+    elif how == "layout_offset" and lay:
+        rng.choice(lay)[2] = rng.choice([e["nbytes"], e["nbytes"] - 1, 1 << 50, 4])
+    elif how == "layout_dtype" and lay:
+        rng.choice(lay)[4] = rng.choice(["bfloat16", "float64", "int8", "no_such_dtype"])
+    elif how == "nbytes":
+        e["nbytes"] = rng.choice([e["nbytes"] + 4096, e["nbytes"] * 2, 1 << 40, 1 << 45, 0])
+    elif how == "objects":
+        e["objects"] = rng.choice([{str(e["count"]): {"x": 1}}, {"-1": {}}, {"a": {}}, {"0": 5}])
+    elif how == "first":
+        e["first"] = rng.choice([e["first"] + 1, 1 << 40, len(meta.get("params", [])) + 3])
+    elif how == "count":
+        e["count"] = rng.choice([e["count"] + 1, 0, 1 << 40])
+    elif how == "params_shared" and len(sgs) > 1:
+        a, b = rng.sample(sgs, 2)
+        a["first"] = b["first"]
+    elif how == "crc" and "file" in e:
+        e["crc32"] = (e["crc32"] + rng.randrange(1, 1 << 32)) % (1 << 32)
+    elif how == "file_outside" and "file" in e:
+        e["file"] = rng.choice(["../../outside/secret.bin", "/etc/passwd", "../step-000000000002/" + e["file"]])
+    elif how == "file_other" and "file" in e:
+        others = [x["file"] for x in sgs if "file" in x and x is not e]
+        e["file"] = rng.choice(others) if others else e["file"] + ".missing"
+    elif how == "tensor_other" and "tensor" in e:
+        others = [x["tensor"] for x in sgs if "tensor" in x and x is not e]
+        e["tensor"] = rng.choice(others) if others else e["tensor"] + "-missing"
+    elif how == "param_groups":
+        meta["param_groups"] = rng.choice([[], meta["param_groups"] * 2, [5], None])
+    elif how == "params_shape" and meta.get("params"):
+        rng.choice(meta["params"])["shape"] = rng.choice([[1 << 62, 1 << 62], "x", [3]])
+    elif how == "format":
+        fmt = rng.choice(["tierstore-offload/9", None, 5])
+    else:
+        how = "nbytes"
+        e["nbytes"] = 1 << 45
+    saved["objects"][key] = (fmt, meta)
+    tierstore.save(saved, p)
+    size, crc = file_facts(p)
+    m, _old = read_json(d / "manifest.json")
+    for f in m.get("object_files", []):
+        if f.get("name") == p.name:
+            f["bytes"], f["manifest_crc32"] = size, crc
+    write_json(d / "manifest.json", m, sealed=True, old=None)
+    ctx.sealed = True
+    return (
+        f"{p.name}: offload entry subgroup {e['index']}: {how} forged (written by tierstore.save; "
+        "manifest.json re-sealed)"
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # JSON documents: paths to nodes, changes, sealing
 
@@ -3594,11 +3676,15 @@ def ckpt_mutators(
             return where + "replaced by step 2's file of the same name"
         return where + flip_bits(p, rng)
 
+    def c_offload_meta() -> str:
+        d = newest()
+        return forged_offload_entry(ctx, d) or raw_damage(d)
+
     extra: list[tuple[str, float, Any]] = []
     if codec:
         extra = [("remote_tsd_damage", 4, c_tsd_only), ("remote_tsd_and_local", 6, c_tsd_and_local)]
     if offloaded:
-        extra.append(("step_offload_file", 8, c_offload_file))
+        extra += [("step_offload_file", 8, c_offload_file), ("step_offload_meta", 10, c_offload_meta)]
     return [
         *extra,
         ("step_manifest_flip", 5, c_manifest_flip),
@@ -3635,7 +3721,7 @@ def case_checkpointer(ctx: Ctx) -> None:
     # A quarter of the cases checkpoint an offloaded optimizer (its own
     # random stream, so that the other cases of a seed stay as they were).
     offloaded = random.Random(f"offload:{ctx.seed}").random() < 0.25
-    if ctx.env.cache.get("force_mutator") == "step_offload_file":
+    if ctx.env.cache.get("force_mutator") in ("step_offload_file", "step_offload_meta"):
         offloaded = True
     if offloaded:
         states = ckpt_offload_save(ctx, run, remote, codec)
