@@ -232,8 +232,8 @@ def _saved_bytes(ck: Checkpoint, name: str, e: dict[str, Any]) -> int:
     checkpoint holds it (a flat uint8 tensor whose pieces are proven to tile
     it), which must be the size its entry states: the buffer it is loaded
     into is never sized by the entry alone."""
-    g = ck.manifest["tensors"].get(name)
-    if g is None or g.get("dtype") != "uint8" or len(g.get("shape", ())) != 1 or g["shape"][0] != e["nbytes"]:
+    idx = ck.lookup(name)
+    if idx is None or ck.dtype_of(name) != torch.uint8 or tuple(idx.shape) != (e["nbytes"],):
         raise ManifestError(
             f"{ck.dir}: offloaded optimizer subgroup {e['index']}: the checkpoint holds no tensor {name!r} of "
             f"{e['nbytes']} bytes (the entry's size)",
