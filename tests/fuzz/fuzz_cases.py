@@ -317,6 +317,19 @@ def extend(path: Path, rng: random.Random) -> str:
     return f"appended {len(tail)} bytes"
 
 
+def byte_damage(path: Path, rng: random.Random, how: str) -> str | None:
+    """``path`` damaged as ``how`` says (``flip``, ``truncate`` or ``zero``:
+    :func:`flip_bits`, :func:`truncate` without extra points,
+    :func:`zero_block`) and what was done; None for another ``how``."""
+    if how == "flip":
+        return flip_bits(path, rng)
+    if how == "truncate":
+        return truncate(path, rng)
+    if how == "zero":
+        return zero_block(path, rng)
+    return None
+
+
 def zero_block(path: Path, rng: random.Random) -> str:
     size = path.stat().st_size
     blocks = max(1, -(-size // 4096))
@@ -798,6 +811,19 @@ def file_facts(path: Path) -> tuple[int, int]:
     return len(data), zm.by_suffix(".tierstore/manifest.json")[0].crc
 
 
+def resave_objects_file(d: Path, p: Path, saved: Any) -> None:
+    """Writes ``saved`` as objects file ``p`` of sharded checkpoint ``d``
+    with the library's own writer and fixes and re-seals manifest.json (the
+    file's size and manifest CRC): consistent at every level."""
+    tierstore.save(saved, p)
+    size, crc = file_facts(p)
+    m, _old = read_json(d / "manifest.json")
+    for f in m.get("object_files", []):
+        if f.get("name") == p.name:
+            f["bytes"], f["manifest_crc32"] = size, crc
+    write_json(d / "manifest.json", m, sealed=True, old=None)
+
+
 def hostile_objects_file(ctx: Ctx, d: Path) -> str | None:
     """Rewrites an objects file of sharded checkpoint ``d`` with the library's
     own writer, one value replaced by a hostile object, and fixes and
@@ -810,13 +836,7 @@ def hostile_objects_file(ctx: Ctx, d: Path) -> str | None:
     key = ctx.rng.choice(sorted(saved["objects"]))
     what, obj = evil_object(ctx.rng, str(ctx.marker))
     saved["objects"][key] = obj
-    tierstore.save(saved, p)
-    size, crc = file_facts(p)
-    m, _old = read_json(d / "manifest.json")
-    for f in m.get("object_files", []):
-        if f.get("name") == p.name:
-            f["bytes"], f["manifest_crc32"] = size, crc
-    write_json(d / "manifest.json", m, sealed=True, old=None)
+    resave_objects_file(d, p, saved)
     ctx.sealed, ctx.oracle = True, "safe"
     return f"{p.name}: value {key!r} is a {what} call (written by tierstore.save; manifest.json fixed and re-sealed)"
 
@@ -889,13 +909,7 @@ def forged_offload_entry(ctx: Ctx, d: Path) -> str | None:
         how = "nbytes"
         e["nbytes"] = 1 << 45
     saved["objects"][key] = (fmt, meta)
-    tierstore.save(saved, p)
-    size, crc = file_facts(p)
-    m, _old = read_json(d / "manifest.json")
-    for f in m.get("object_files", []):
-        if f.get("name") == p.name:
-            f["bytes"], f["manifest_crc32"] = size, crc
-    write_json(d / "manifest.json", m, sealed=True, old=None)
+    resave_objects_file(d, p, saved)
     ctx.sealed = True
     return (
         f"{p.name}: offload entry subgroup {e['index']}: {how} forged (written by tierstore.save; "
@@ -3351,12 +3365,9 @@ def ckpt_mutators(
         files = sorted(p for p in d.iterdir() if p.is_file())
         p = rng.choice(files)
         how = rng.choice(["flip", "flip", "truncate", "delete", "fifo", "zero"])
-        if how == "flip":
-            return f"{d.name}/{p.name}: " + flip_bits(p, rng)
-        if how == "truncate":
-            return f"{d.name}/{p.name}: " + truncate(p, rng)
-        if how == "zero":
-            return f"{d.name}/{p.name}: " + zero_block(p, rng)
+        done = byte_damage(p, rng, how)
+        if done is not None:
+            return f"{d.name}/{p.name}: " + done
         if how == "delete":
             p.unlink()
             return f"{d.name}/{p.name} deleted"
@@ -3565,12 +3576,9 @@ def ckpt_mutators(
         p = rng.choice(files)
         how = rng.choice(["flip", "flip", "truncate", "zero", "header", "swap"])
         where = f"remote {p.parent.name}/{p.name}: "
-        if how == "flip":
-            return where + flip_bits(p, rng)
-        if how == "truncate":
-            return where + truncate(p, rng)
-        if how == "zero":
-            return where + zero_block(p, rng)
+        done = byte_damage(p, rng, how)
+        if done is not None:
+            return where + done
         if how == "swap":
             others = [f for f in files if f != p and f.name.split(".")[0] == p.name.split(".")[0]]
             if others:
@@ -3657,12 +3665,9 @@ def ckpt_mutators(
         p = rng.choice(files)
         how = rng.choice(["flip", "flip", "truncate", "delete", "zero", "older", "extend"])
         where = f"{d.name}/{p.name}: "
-        if how == "flip":
-            return where + flip_bits(p, rng)
-        if how == "truncate":
-            return where + truncate(p, rng)
-        if how == "zero":
-            return where + zero_block(p, rng)
+        done = byte_damage(p, rng, how)
+        if done is not None:
+            return where + done
         if how == "delete":
             p.unlink()
             return where + "deleted"
